@@ -1,0 +1,149 @@
+"""The MNIST training pipeline as one Prefect flow whose stages run on Ray.
+
+    python -m flows.mnist                     # default preset: the quality run
+    python -m flows.mnist --preset smoke      # a minutes-long check
+    python -m flows.mnist --help              # every field, also settable as MNIST_<SECTION>__<FIELD>
+
+Stages hand each other manifests (paths, row counts, checksums), never in-memory data, so any
+stage can run on any Ray node, be retried, or be skipped when its output is already on storage.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from prefect import Task, flow
+from prefect_ray.context import remote_options
+from pydantic import ValidationError
+
+from flows.runtime import prefect_api, ray_task_runner
+from pipeline_config import PipelineConfig
+from pipeline_config.settings import parse_cli
+from tasks.cleanup import cleanup
+from tasks.common.storage import StorageLayout, atomic_write_json
+from tasks.download import download
+from tasks.evaluate import evaluate
+from tasks.to_parquet import to_parquet
+from tasks.train import train
+from tasks.transform import transform
+
+# Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
+# the other stages only coordinate Ray Data / Ray Train work that reserves its own resources,
+# and holding a CPU there would starve it (with 2 CPUs and 2 training workers, it deadlocks).
+STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "train": 0, "evaluate": 0, "cleanup": 0}
+
+
+def default_run_name() -> str:
+    """A unique, sortable run name: mnist-<UTC timestamp>-<random>."""
+    return f"mnist-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+class StageRecorder:
+    """Runs stages on the task runner and records their status and seconds for summary.json."""
+
+    def __init__(self, runner, layout: StorageLayout, config: PipelineConfig):
+        self.runner, self.layout, self.config = runner, layout, config
+        self.stages: dict[str, dict[str, Any]] = {}
+        self.outputs: dict[str, Any] = {}
+
+    def __call__(self, stage: Task, **parameters: Any) -> Any:
+        name = stage.name
+        self.stages[name] = {"status": "running", "seconds": None}
+        start = time.perf_counter()
+        try:
+            with remote_options(num_cpus=STAGE_CPUS[name]):
+                future = self.runner.submit(stage, parameters=parameters)
+            result = future.result()
+        except BaseException as exc:
+            self.stages[name] |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            raise
+        finally:
+            self.stages[name]["seconds"] = round(time.perf_counter() - start, 2)
+        self.stages[name]["status"] = "completed"
+        self.outputs[name] = result
+        return result
+
+    def summary(self) -> dict[str, Any]:
+        """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
+        raw, trained = self.outputs.get("download"), self.outputs.get("train")
+        metrics = _read_metrics(self.layout)
+        return {
+            "run_name": self.layout.run_name,
+            "storage_root": self.layout.root,
+            "run_dir": str(self.layout.run_dir),
+            "data_source": raw.source if raw else None,
+            "status": "completed" if all(s["status"] == "completed" for s in self.stages.values()) else "failed",
+            "stages": self.stages,
+            "best_checkpoint": trained.best_checkpoint if trained else None,
+            "best_val_accuracy": trained.best_val_accuracy if trained else None,
+            "test_accuracy": metrics.get("accuracy"),
+            "evaluation": metrics,
+            "config": self.config.model_dump(mode="json"),
+        }
+
+    def write_summary(self) -> dict[str, Any]:
+        summary = self.summary()
+        atomic_write_json(self.layout.summary_path, summary)
+        return summary
+
+
+def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
+    path = layout.evaluation_dir / "metrics.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+@flow(name="mnist-resnet18", log_prints=True)
+def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
+    """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
+    layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name())
+    with ray_task_runner(config.ray) as runner:
+        stage = StageRecorder(runner, layout, config)
+        try:
+            raw = stage(download, cfg=config.download, layout=layout)
+            dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+            spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
+            trained = stage(train, spec=spec, cfg=config.train, layout=layout)
+            evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
+            stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+        finally:
+            summary = stage.write_summary()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: parse settings, run the flow against a Prefect API, print the summary."""
+    try:
+        settings = parse_cli(argv)
+        config = settings.pipeline_config()
+    except (ValidationError, ValueError) as exc:
+        print(f"invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    if config.run_name is None:
+        config = config.model_copy(update={"run_name": default_run_name()})
+    layout = StorageLayout.create(config.storage_root, config.run_name)
+    failed = None
+    with prefect_api():
+        try:
+            mnist_pipeline(config)
+        except Exception as exc:  # the summary below still tells what happened
+            failed = exc
+    summary = json.loads(layout.summary_path.read_text()) if layout.summary_path.is_file() else {}
+    if summary:
+        summary.pop("config", None)
+        print(json.dumps(summary, indent=2))
+        if settings.summary_out:
+            atomic_write_json(Path(settings.summary_out), summary)
+    if failed is not None:
+        print(f"pipeline failed: {type(failed).__name__}: {failed}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Where the flow's stages run: one Prefect API and one Ray cluster, wired to see each other.
+
+Measured pitfall this module exists for: a task running in a Ray worker does not inherit the
+flow's Prefect API. Left alone, every Ray worker starts its own temporary Prefect server, its
+task runs never reach the flow's API, and SQLite reports "database is locked". So the flow
+always runs against a real API URL (the CLI starts a local server when none is configured) and
+hands that URL to every Ray worker through the job's runtime environment.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_SERVER_ANALYTICS_ENABLED,
+    get_current_settings,
+    temporary_settings,
+)
+from prefect_ray import RayTaskRunner
+
+from pipeline_config import RayConfig
+
+
+def current_api_url() -> str | None:
+    """The Prefect API this process talks to, including a temporary server started for it."""
+    url = get_current_settings().api.url
+    if url:
+        return url
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer._instances.get(None)
+    return server.api_url if server is not None and server.running else None
+
+
+@contextmanager
+def prefect_api() -> Iterator[str]:
+    """Use the configured PREFECT_API_URL, or start a local Prefect server on 127.0.0.1 for this process.
+
+    Starting it explicitly (rather than letting Prefect start one lazily) gives the run a
+    URL that Ray workers can be told about.
+    """
+    url = current_api_url()
+    if url:
+        yield url
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer()
+    with temporary_settings(updates={PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+        server.start()
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.api_url  # inherited by a local Ray started later
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+
+
+def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
+    """A RayTaskRunner for ``cfg``: a fresh local Ray when no address is set, else that cluster."""
+    api_url = current_api_url()
+    if not api_url:
+        raise RuntimeError(
+            "no Prefect API URL: set PREFECT_API_URL or start the flow with `python -m flows.mnist`, "
+            "which starts a local Prefect server; Ray workers must report to the flow's API"
+        )
+    init_kwargs: dict = {
+        "runtime_env": {"env_vars": {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}},
+        "include_dashboard": False,
+        "log_to_driver": True,
+    }
+    if cfg.address is None:
+        # "local" forces a new Ray for this run; a bare ray.init() would silently join any
+        # cluster already running on this machine.
+        address = "local"
+        if cfg.num_cpus:
+            init_kwargs["num_cpus"] = cfg.num_cpus
+    else:
+        address = cfg.address
+        init_kwargs.pop("include_dashboard")
+    return RayTaskRunner(address=address, init_kwargs=init_kwargs)

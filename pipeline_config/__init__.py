@@ -1,0 +1,27 @@
+"""Configuration: one pydantic model (the flow's parameters) and the loader that fills it."""
+
+from pipeline_config.model import (
+    CleanupConfig,
+    DownloadConfig,
+    EvaluateConfig,
+    ParquetConfig,
+    PipelineConfig,
+    RayConfig,
+    TrainConfig,
+    TransformConfig,
+)
+from pipeline_config.settings import PRESETS, PipelineSettings, load_preset
+
+__all__ = [
+    "PRESETS",
+    "CleanupConfig",
+    "DownloadConfig",
+    "EvaluateConfig",
+    "ParquetConfig",
+    "PipelineConfig",
+    "PipelineSettings",
+    "RayConfig",
+    "TrainConfig",
+    "TransformConfig",
+    "load_preset",
+]

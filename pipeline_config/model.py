@@ -1,0 +1,288 @@
+"""The pipeline's one configuration model: a sub-model per stage, a description on every field.
+
+`PipelineConfig` is the flow's parameter set, so the Prefect UI renders it as a typed form and
+validates runs started there exactly as the CLI does. Validation here is the preflight: it
+runs before any stage, names the field, says how to fix it, and creates or deletes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# The bundled sample (4,000 train / 1,000 test real MNIST digits) ships inside the project as
+# IDX .gz files; its checksums are pinned here so it is verified like any other mirror.
+SAMPLE_DIR = Path(__file__).resolve().parent.parent / "data" / "mnist-sample"
+MNIST_FILES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MirrorChecksums(_Section):
+    """sha256 of the four IDX files a mirror serves (explicit fields: dict parameters render badly in the UI)."""
+
+    train_images: str = Field(
+        "598012102e69d0813c3881110cea5ec594c4f3fdcd790ca436a332005aeba072",
+        description="sha256 of train-images-idx3-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+    train_labels: str = Field(
+        "02e5b31f60c5d4fca825a121359f040ef62984db9c237c00cf39b24b6ff5cb45",
+        description="sha256 of train-labels-idx1-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+    test_images: str = Field(
+        "24599118783c30742c3f9cf38b3e1cc526a1938e6d569152fd77c72f755c1519",
+        description="sha256 of t10k-images-idx3-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+    test_labels: str = Field(
+        "0ebb3b6d3f29a35bb350af27034f3f91ee4587fe3618cf53ba1b64e580dc41ae",
+        description="sha256 of t10k-labels-idx1-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+
+    def by_file(self) -> dict[str, str]:
+        """Map each MNIST file name to its expected sha256."""
+        values = (self.train_images, self.train_labels, self.test_images, self.test_labels)
+        return dict(zip(MNIST_FILES, values))
+
+
+class DownloadConfig(_Section):
+    """Where the four MNIST IDX files come from."""
+
+    source: Literal["auto", "official", "mirror", "sample"] = Field(
+        "auto",
+        description=(
+            "auto: try the official MNIST mirrors (short connect timeout) and fall back to the "
+            "bundled 5,000-digit sample with a warning; official: fail if unreachable; "
+            "mirror: use mirror_url; sample: use the bundled sample directly."
+        ),
+    )
+    mirror_url: str | None = Field(
+        None,
+        description="Base URL (http://, https:// or file://) serving the four IDX .gz files; used when source=mirror.",
+    )
+    mirror_sha256: MirrorChecksums = Field(
+        default_factory=MirrorChecksums,
+        description="sha256 of each mirror file; the defaults are the bundled sample's.",
+    )
+    connect_timeout_s: float = Field(
+        3.0, gt=0, le=120, description="Seconds to wait for a connection to the official source."
+    )
+    attempts: int = Field(
+        4, ge=1, le=20, description="Attempts per file for transient HTTP errors (5xx, resets)."
+    )
+    backoff_s: float = Field(
+        0.5, ge=0, le=60, description="First retry delay in seconds; doubles on every retry."
+    )
+
+    @field_validator("mirror_url")
+    @classmethod
+    def _check_mirror(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if urlparse(value).scheme not in {"http", "https", "file"}:
+            raise ValueError("must start with http://, https:// or file://")
+        return value.rstrip("/") + "/"
+
+    @model_validator(mode="after")
+    def _mirror_needs_url(self) -> DownloadConfig:
+        if self.source == "mirror" and not self.mirror_url:
+            raise ValueError("source=mirror needs download.mirror_url (a base URL serving the four files)")
+        return self
+
+
+class ParquetConfig(_Section):
+    """How the IDX files become Parquet."""
+
+    rows_per_file: int = Field(
+        1000, ge=64, le=1_000_000, description="Rows per Parquet file (files are Ray Data's unit of read parallelism)."
+    )
+    rows_per_group: int = Field(
+        1000, ge=64, le=1_000_000, description="Rows per Parquet row group; conversion streams one group at a time."
+    )
+    validation_every: int = Field(
+        10,
+        ge=2,
+        le=1000,
+        description=(
+            "Every n-th training row (by row_id) is held out for per-epoch validation and checkpoint "
+            "selection, so the test split is only ever used by the evaluation stage."
+        ),
+    )
+
+
+class TransformConfig(_Section):
+    """The Ray Data transform that feeds training and evaluation."""
+
+    mean: float = Field(0.5, description="Normalization mean on the 0..1 scale (the seeds' Normalize((0.5,), (0.5,))).")
+    std: float = Field(0.5, gt=0, description="Normalization standard deviation on the 0..1 scale.")
+    shift_px: int = Field(
+        2, ge=0, le=8, description="Training-time augmentation: random shift of up to this many pixels (0 disables)."
+    )
+    batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")
+    cpus_per_task: float = Field(
+        0.25,
+        gt=0,
+        le=8,
+        description=(
+            "Logical CPUs each Ray Data task reserves. Must fit in the CPUs training leaves free "
+            "(see train.data_cpus), or the data pipeline starves while training waits for it."
+        ),
+    )
+
+
+class TrainConfig(_Section):
+    """Distributed training with Ray Train (TorchTrainer, Ray Train V2)."""
+
+    num_workers: int = Field(2, ge=1, le=1024, description="Ray Train workers (data-parallel ranks).")
+    epochs: int = Field(14, ge=1, le=1000, description="Passes over the training split.")
+    global_batch_size: int = Field(
+        128, ge=1, le=65536, description="Images per optimizer step across all workers; each worker takes global ÷ workers."
+    )
+    learning_rate: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the one-cycle AdamW schedule.")
+    weight_decay: float = Field(5e-4, ge=0, le=1, description="AdamW weight decay.")
+    label_smoothing: float = Field(0.1, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    seed: int = Field(0, ge=0, description="Seed for weights, shuffling and augmentation.")
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Data-parallel strategy passed to prepare_model.")
+    use_gpu: Literal["auto", "never", "always"] = Field(
+        "auto", description="auto: use GPUs when the Ray cluster has them; never / always force it."
+    )
+    data_cpus: float = Field(
+        1.0,
+        ge=1,
+        le=64,
+        description=(
+            "Logical CPUs left free for Ray Data while training runs; workers share the rest. "
+            "At least 1: some Ray Data operators (file listing) always reserve a whole CPU. "
+            "This is what keeps num_workers == CPU count from deadlocking."
+        ),
+    )
+    max_failures: int = Field(2, ge=-1, le=100, description="Worker-group restarts Ray Train makes (FailureConfig); -1 = unlimited.")
+    num_to_keep: int = Field(2, ge=1, le=100, description="Checkpoints Ray Train keeps, best by validation accuracy.")
+
+
+class EvaluateConfig(_Section):
+    """Batch inference on the test split and the quality gate."""
+
+    min_accuracy: float = Field(
+        0.985, ge=0, le=1, description="Gate: the flow fails (keeping every artifact) below this test accuracy."
+    )
+    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
+    batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
+
+
+class CleanupConfig(_Section):
+    """Retention policy, applied after a successful evaluation; deletes only inside the storage root."""
+
+    keep_checkpoints: int = Field(
+        0,
+        ge=0,
+        le=1000,
+        description="Keep the best N checkpoints of this run (the evaluated one always stays); 0 keeps all.",
+    )
+    delete_raw: bool = Field(False, description="Delete the downloaded IDX files of this run's data source.")
+    delete_parquet: bool = Field(False, description="Delete this run's Parquet dataset.")
+    dry_run: bool = Field(False, description="Only list what the policy would delete.")
+
+
+class RayConfig(_Section):
+    """Which Ray cluster runs the stages."""
+
+    address: str | None = Field(
+        None,
+        description="Unset: start a local Ray for the run. 'auto', 'host:port' or 'ray://host:10001': connect to that cluster.",
+    )
+    num_cpus: int | None = Field(
+        None, ge=1, le=4096, description="CPUs of the local Ray started when address is unset (default: all)."
+    )
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str | None) -> str | None:
+        if value is None or value == "auto":
+            return value
+        parsed = urlparse(value if "://" in value else f"tcp://{value}")
+        try:
+            port = parsed.port
+        except ValueError:
+            port = None
+        if parsed.scheme not in {"ray", "tcp"} or not parsed.hostname or port is None or parsed.path not in {"", "/"}:
+            raise ValueError(
+                f"cannot parse Ray address {value!r}: use 'auto', 'host:port' or 'ray://host:10001', or leave it unset"
+            )
+        return value
+
+
+class PipelineConfig(_Section):
+    """ResNet-18 on MNIST: download, Parquet, Ray Data transform, Ray Train, evaluation, cleanup."""
+
+    run_name: str | None = Field(
+        None,
+        description="Names the run folder <storage_root>/runs/<run_name>; reuse a name to resume that run. Unset: a timestamped name.",
+    )
+    storage_root: str = Field(
+        "storage",
+        description="Folder every Ray node can reach (local disk, NFS mount); every artifact lives below it.",
+    )
+    download: DownloadConfig = Field(default_factory=DownloadConfig, description="Download stage.")
+    parquet: ParquetConfig = Field(default_factory=ParquetConfig, description="Parquet conversion stage.")
+    transform: TransformConfig = Field(default_factory=TransformConfig, description="Ray Data transform stage.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training stage.")
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
+    cleanup: CleanupConfig = Field(default_factory=CleanupConfig, description="Cleanup stage.")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
+
+    @field_validator("run_name")
+    @classmethod
+    def _check_run_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        if "/" in value or "\\" in value or ".." in value:
+            raise ValueError(f"{value!r} may not contain '/', '\\' or '..': it names one folder under runs/")
+        if not _RUN_NAME.match(value):
+            raise ValueError(f"{value!r}: use letters, digits, '-', '_' and '.', starting with a letter or digit")
+        return value
+
+    @field_validator("storage_root")
+    @classmethod
+    def _check_storage_root(cls, value: str) -> str:
+        if "://" in value:
+            raise ValueError(f"{value!r}: only local or mounted paths are supported for now; give a folder path")
+        path = Path(value).expanduser().absolute()
+        probe = path
+        while not probe.exists():  # the nearest existing ancestor decides whether we may create it
+            probe = probe.parent
+        if not probe.is_dir():
+            raise ValueError(f"{path} is not a folder ({probe} is a file); pick another storage_root")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ValueError(f"{probe} is not writable; pick a storage_root you can write to")
+        return value  # made absolute when the run starts, not when the default is built at import
+
+    @model_validator(mode="after")
+    def _check_batch(self) -> PipelineConfig:
+        if self.train.global_batch_size < self.train.num_workers:
+            raise ValueError(
+                f"train.global_batch_size ({self.train.global_batch_size}) is smaller than train.num_workers "
+                f"({self.train.num_workers}): every worker needs at least one image per step; raise the batch or lower the workers"
+            )
+        if self.transform.cpus_per_task > self.train.data_cpus:
+            raise ValueError(
+                f"transform.cpus_per_task ({self.transform.cpus_per_task}) exceeds train.data_cpus "
+                f"({self.train.data_cpus}): Ray Data tasks could never run beside training; lower one or raise the other"
+            )
+        return self

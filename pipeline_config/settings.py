@@ -1,0 +1,95 @@
+"""Fill `PipelineConfig` from a preset, a YAML file, environment variables and CLI flags.
+
+Precedence, lowest first: field defaults < preset < ``--config-file`` YAML < ``MNIST_*``
+environment variables < CLI flags. pydantic-settings parses the environment and the command
+line (``--train.epochs 3``, ``MNIST_TRAIN__EPOCHS=3``); this module only layers the two files
+underneath whatever those gave.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+from pipeline_config.model import PipelineConfig
+
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
+PRESETS = ("default", "smoke")
+_CLI_ONLY = {"preset", "config_file", "summary_out"}
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    """Read a YAML mapping, naming the file in every error."""
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path} must hold a mapping of fields, not {type(data).__name__}")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_preset(name: str) -> dict[str, Any]:
+    """The field values a named preset sets (``default`` sets none)."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return _read_yaml(PRESET_DIR / f"{name}.yaml")
+
+
+class PipelineSettings(BaseSettings, PipelineConfig):
+    """Run the MNIST training pipeline (a Prefect flow on Ray) once and print its summary."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="MNIST_",
+        env_nested_delimiter="__",
+        extra="forbid",
+        cli_prog_name="python -m flows.mnist",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        cli_avoid_json=True,
+        cli_hide_none_type=True,
+        nested_model_default_partial_update=True,
+    )
+
+    preset: Literal["default", "smoke"] = Field(
+        "default", description="Named starting values: default (the quality run) or smoke (a minutes-long check)."
+    )
+    config_file: Path | None = Field(
+        None, description="YAML file with any of the fields; env vars and flags override it, it overrides the preset."
+    )
+    summary_out: Path | None = Field(None, description="Also write the run summary JSON to this path.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _layer_files(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        layered = load_preset(data.get("preset", "default"))
+        if data.get("config_file"):
+            layered = _deep_merge(layered, _read_yaml(Path(data["config_file"])))
+        return _deep_merge(layered, data)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The flow parameters, without the CLI-only fields."""
+        return PipelineConfig.model_validate(self.model_dump(exclude=_CLI_ONLY))
+
+
+def parse_cli(argv: list[str] | None = None) -> PipelineSettings:
+    """Parse flags and environment into validated settings (``--help`` lists every field)."""
+    return CliApp.run(PipelineSettings, cli_args=argv)

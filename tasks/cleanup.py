@@ -1,0 +1,90 @@
+"""Stage 6: apply the retention policy (or, with ``dry_run``, only list what it would delete).
+
+Safety rules, checked for every path before anything is deleted: it lies inside the storage
+root (symlinks resolved), is not itself a symlink, and is not (nor contains) the checkpoint the
+evaluation used. A path that breaks a rule stops the stage with its name; nothing is deleted.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+
+from pipeline_config import CleanupConfig
+from tasks.common.storage import StorageLayout, atomic_write_json
+from tasks.download import RawData
+from tasks.evaluate import Evaluation
+from tasks.to_parquet import ParquetDataset
+from tasks.train import TrainedModel
+
+
+class CleanupReport(BaseModel):
+    """What the policy deleted (or, in a dry run, would delete)."""
+
+    dry_run: bool
+    paths: list[str]
+    bytes: int
+    report_path: str
+
+
+def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: TrainedModel, evaluation: Evaluation) -> list[Path]:
+    """Paths the policy selects, before any safety check."""
+    selected: list[Path] = []
+    if cfg.keep_checkpoints:
+        ranked = sorted(trained.checkpoints, key=lambda c: (c.val_accuracy, c.epoch), reverse=True)
+        selected += [Path(c.path) for c in ranked[cfg.keep_checkpoints :] if c.path != evaluation.checkpoint]
+    if cfg.delete_raw:
+        selected.append(Path(raw.directory))
+    if cfg.delete_parquet:
+        selected.append(Path(dataset.directory))
+    return selected
+
+
+def check_deletable(path: Path, layout: StorageLayout, protected: list[Path]) -> None:
+    """Raise ValueError naming ``path`` unless it is safe to delete."""
+    if path.is_symlink():
+        raise ValueError(f"refusing to delete {path}: it is a symbolic link")
+    if not layout.contains(path):
+        raise ValueError(f"refusing to delete {path}: it is outside the storage root {layout.root}")
+    resolved = path.resolve()
+    for keep in protected:
+        keep = keep.resolve()
+        if resolved == keep or keep.is_relative_to(resolved):
+            raise ValueError(f"refusing to delete {path}: it holds {keep}, which the evaluation used")
+
+
+def size_of(path: Path) -> int:
+    """Bytes under ``path`` (a file or a folder)."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+@task(name="cleanup")
+def cleanup(
+    cfg: CleanupConfig,
+    raw: RawData,
+    dataset: ParquetDataset,
+    trained: TrainedModel,
+    evaluation: Evaluation,
+    layout: StorageLayout,
+) -> CleanupReport:
+    """Delete what the retention policy selects, inside the storage root only (or list it in a dry run)."""
+    logger = get_run_logger()
+    paths = [p for p in plan(cfg, raw, dataset, trained, evaluation) if p.exists()]
+    for path in paths:  # every check passes before the first deletion
+        check_deletable(path, layout, [Path(evaluation.checkpoint)])
+    total = sum(size_of(p) for p in paths)
+    if not cfg.dry_run:
+        for path in paths:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+    verb = "Would delete" if cfg.dry_run else "Deleted"
+    logger.info("%s %d path(s), %d bytes: %s", verb, len(paths), total, [str(p) for p in paths])
+    report = CleanupReport(
+        dry_run=cfg.dry_run, paths=[str(p) for p in paths], bytes=total, report_path=str(layout.run_dir / "cleanup.json")
+    )
+    atomic_write_json(report.report_path, report.model_dump())
+    return report

@@ -1,0 +1,68 @@
+"""The model and its checkpoint files, shared by training, evaluation and anyone restoring a run.
+
+Checkpoint folders keep the seeds' contract so their restore and inference code works on ours:
+
+    model.pt        state dict of the unwrapped model (no ``module.`` prefix)
+    optimizer.pt    optimizer state dict
+    extra_state.pt  {"epoch": last completed epoch, ...} plus scheduler state and metrics
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchvision.models import resnet18
+
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+EXTRA_STATE_FILE = "extra_state.pt"
+
+
+def build_resnet18(num_classes: int = 10) -> torch.nn.Module:
+    """torchvision ResNet-18 with a one-channel 7x7/stride-2 stem, as in the seeds."""
+    model = resnet18(num_classes=num_classes)
+    model.conv1 = torch.nn.Conv2d(1, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain module inside a DDP/FSDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
+
+
+def save_checkpoint_files(
+    directory: str | os.PathLike[str],
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    extra_state: dict[str, Any],
+) -> Path:
+    """Write model.pt, optimizer.pt and extra_state.pt into ``directory``."""
+    directory = Path(directory)
+    torch.save(unwrap(model).state_dict(), directory / MODEL_FILE)
+    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    torch.save(extra_state, directory / EXTRA_STATE_FILE)
+    return directory
+
+
+def load_state(directory: str | os.PathLike[str], name: str) -> Any:
+    """Load one checkpoint file with ``weights_only=True``: tensors and plain containers only."""
+    path = Path(directory) / name
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint file missing: {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_model(directory: str | os.PathLike[str]) -> torch.nn.Module:
+    """A ResNet-18 in eval mode with the weights of the checkpoint in ``directory``."""
+    model = build_resnet18()
+    state = load_state(directory, MODEL_FILE)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(
+            f"{Path(directory) / MODEL_FILE} does not hold a one-channel ResNet-18 with 10 classes: {exc}"
+        ) from exc
+    return model.eval()

@@ -1,0 +1,414 @@
+"""The download stage: the four MNIST IDX ``.gz`` files, verified, in ``<root>/raw/<source>/``.
+
+Sources (``DownloadConfig.source``):
+
+* ``official``  the official MNIST mirrors torchvision knows, verified against torchvision's md5;
+* ``mirror``    any http(s):// or file:// base URL, verified against ``download.mirror_sha256``;
+* ``sample``    the bundled 5,000-digit sample, i.e. a file:// mirror with the pinned sample sha256;
+* ``auto``      official when a mirror answers within ``connect_timeout_s``, else sample (warned).
+
+Every file is fetched to a temporary name in its final folder, verified, and only then renamed
+into place, so a final name never holds a partial or unverified file. A re-run whose four files
+are present and verified touches no network at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import shutil
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, NamedTuple
+from urllib.parse import urlparse
+
+import pydantic
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
+from torchvision.datasets import MNIST
+from torchvision.datasets.utils import calculate_md5, download_url
+
+from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
+from tasks.common.storage import StorageLayout, sha256_file
+
+logger = logging.getLogger(__name__)
+
+# Read from torchvision (not copied) so the official source stays whatever torchvision maintains.
+# Module-level on purpose: tests point them at loopback servers or closed ports.
+OFFICIAL_MIRRORS: tuple[str, ...] = tuple(MNIST.mirrors)
+OFFICIAL_MD5: dict[str, str] = dict(MNIST.resources)
+
+Source = Literal["official", "mirror", "sample"]
+
+
+class RawData(pydantic.BaseModel):
+    """The verified raw files of one data source, as the next stages consume them."""
+
+    source: Source = pydantic.Field(description="Where the files came from.")
+    url: str = pydantic.Field(description="Base URL the files were fetched from (or would be, when skipped).")
+    directory: str = pydantic.Field(description="Absolute folder holding the four files.")
+    files: dict[str, str] = pydantic.Field(description="File name -> sha256 of the verified file on disk.")
+    skipped: bool = pydantic.Field(description="True when all four files were already present and verified.")
+
+
+class DownloadError(RuntimeError):
+    """A file could not be fetched (after the retries transient errors get)."""
+
+
+class ChecksumMismatchError(DownloadError):
+    """A fetched file's checksum differs from the expected one; the file was discarded."""
+
+
+class SourceUnreachableError(DownloadError):
+    """source=official, but no official mirror accepted a connection."""
+
+
+class SourcePlan(NamedTuple):
+    """What to fetch: ``expected`` maps each file name to ``"<md5|sha256>:<hex>"``."""
+
+    source: Source
+    base_url: str
+    expected: dict[str, str]
+    fell_back: bool = False  # auto chose the sample because the official mirrors were unreachable
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing the source
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_source(cfg: DownloadConfig, layout: StorageLayout | None = None) -> SourcePlan:
+    """Decide where the files come from and how each one is verified.
+
+    Args:
+        cfg: The download configuration.
+        layout: When given, ``auto`` reuses an already verified official copy under it without
+            probing the network (so a re-run stays offline-safe).
+
+    Returns:
+        The source, its base URL (ending in '/') and the expected checksum of every file.
+
+    Raises:
+        SourceUnreachableError: ``source=official`` and no official mirror answered.
+    """
+    if cfg.source == "mirror":
+        assert cfg.mirror_url is not None  # DownloadConfig refuses source=mirror without a URL
+        return SourcePlan("mirror", cfg.mirror_url, _prefixed("sha256", cfg.mirror_sha256.by_file()))
+    if cfg.source == "sample":
+        return _sample_plan()
+
+    official_md5 = _prefixed("md5", {name: OFFICIAL_MD5[name] for name in MNIST_FILES})
+    if cfg.source == "auto" and layout is not None and verified_files(layout.raw_dir("official"), official_md5):
+        return SourcePlan("official", OFFICIAL_MIRRORS[0], official_md5)
+
+    mirror, failures = _probe_mirrors(OFFICIAL_MIRRORS, cfg.connect_timeout_s)
+    if mirror is not None:
+        return SourcePlan("official", mirror, official_md5)
+    if cfg.source == "auto":
+        return _sample_plan()._replace(fell_back=True)
+    tried = "; ".join(f"{url} ({why})" for url, why in failures.items())
+    raise SourceUnreachableError(
+        f"the official MNIST source is unreachable: no mirror accepted a connection within "
+        f"{cfg.connect_timeout_s:g}s (tried {tried}). Use download.source=auto to fall back to the "
+        f"bundled sample automatically, download.source=sample to use it directly, or "
+        f"download.source=mirror with download.mirror_url pointing at a reachable copy."
+    )
+
+
+def source_key(plan: SourcePlan) -> str:
+    """Folder name under ``raw/``: ``official``, ``sample`` or ``mirror-<12 hex of sha256(url)>``."""
+    if plan.source == "mirror":
+        # One folder per base URL, so two mirrors with different contents never mix files.
+        return "mirror-" + hashlib.sha256(plan.base_url.encode()).hexdigest()[:12]
+    return plan.source
+
+
+def official_reachable(timeout: float, mirrors: Sequence[str] | None = None) -> str | None:
+    """First official mirror (in preference order) accepting a TCP connection within ``timeout``.
+
+    Args:
+        timeout: Seconds the whole probe may take, DNS resolution included.
+        mirrors: Base URLs to probe; defaults to ``OFFICIAL_MIRRORS``.
+
+    Returns:
+        The mirror's base URL, or None when none answered in time.
+    """
+    return _probe_mirrors(OFFICIAL_MIRRORS if mirrors is None else mirrors, timeout)[0]
+
+
+def _probe_mirrors(mirrors: Sequence[str], timeout: float) -> tuple[str | None, dict[str, str]]:
+    """Probe all mirrors in parallel; returns the winner and, per failed mirror, why."""
+    deadline = time.monotonic() + timeout
+    outcome: dict[str, str | None] = {}  # url -> None (connected) or the reason it did not
+    done = {url: threading.Event() for url in mirrors}
+
+    def probe(url: str) -> None:
+        try:
+            with socket.create_connection(_connect_target(url), timeout=timeout):
+                outcome[url] = None
+        except Exception as exc:  # anything (bad URL, DNS, refused) means "not reachable"
+            outcome[url] = f"{type(exc).__name__}: {exc}"
+        finally:
+            done[url].set()
+
+    # Daemon threads because getaddrinfo ignores socket timeouts and can block for many seconds
+    # on an offline machine; the caller waits at most `timeout` and abandons stragglers.
+    for url in mirrors:
+        threading.Thread(target=probe, args=(url,), name="mnist-probe", daemon=True).start()
+    failures: dict[str, str] = {}
+    for url in mirrors:  # preference order: a later mirror wins only if earlier ones failed
+        if not done[url].wait(max(0.0, deadline - time.monotonic())):
+            failures[url] = f"no answer within {timeout:g}s"
+        elif outcome[url] is None:
+            return url, failures
+        else:
+            failures[url] = outcome[url] or ""
+    logger.info("official MNIST mirrors unreachable: %s", failures)
+    return None, failures
+
+
+def _connect_target(url: str) -> tuple[str, int]:
+    """host:port a request to ``url`` connects to: the proxy's when one applies (as urllib does)."""
+    parsed = urlparse(url)
+    if not parsed.hostname:
+        raise ValueError(f"no host in {url!r}")
+    proxy = urllib.request.getproxies().get(parsed.scheme)
+    if proxy and not urllib.request.proxy_bypass(parsed.hostname):
+        parsed = urlparse(proxy if "://" in proxy else f"http://{proxy}")
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    return parsed.hostname or "", port
+
+
+def _sample_plan() -> SourcePlan:
+    # The bundled sample is served like any mirror, pinned to its own checksums (never the
+    # configured mirror_sha256, which describe a different mirror).
+    return SourcePlan("sample", SAMPLE_DIR.as_uri() + "/", _prefixed("sha256", MirrorChecksums().by_file()))
+
+
+def _prefixed(algorithm: str, digests: dict[str, str]) -> dict[str, str]:
+    return {name: f"{algorithm}:{digest}" for name, digest in digests.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Verifying
+# --------------------------------------------------------------------------------------------
+
+
+def file_checksum(path: str | os.PathLike[str], algorithm: str) -> str:
+    """Hex digest of a file with ``algorithm`` (``md5`` or ``sha256``)."""
+    if algorithm == "md5":
+        return calculate_md5(path)  # torchvision's, so official files are checked exactly as it does
+    if algorithm == "sha256":
+        return sha256_file(path)
+    raise ValueError(f"unsupported checksum algorithm {algorithm!r}")
+
+
+def check_file(path: Path, checksum: str) -> tuple[bool, str, str]:
+    """Verify ``path`` against ``"<algorithm>:<hex>"``.
+
+    Returns:
+        (matches, actual digest with the expected algorithm, sha256 of the file).
+    """
+    algorithm, _, expected = checksum.partition(":")
+    actual = file_checksum(path, algorithm)
+    sha256 = actual if algorithm == "sha256" else sha256_file(path)
+    return actual == expected, actual, sha256
+
+
+def verified_files(directory: Path, expected: dict[str, str]) -> dict[str, str] | None:
+    """sha256 of every expected file when all are present and verify, else None (read-only)."""
+    files = {}
+    for name, checksum in expected.items():
+        path = directory / name
+        if not path.is_file():
+            return None
+        ok, _, sha256 = check_file(path, checksum)
+        if not ok:
+            return None
+        files[name] = sha256
+    return files
+
+
+# --------------------------------------------------------------------------------------------
+# Fetching
+# --------------------------------------------------------------------------------------------
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for errors worth retrying: HTTP 5xx, resets, refusals, timeouts, cut-off bodies."""
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code >= 500  # 4xx (missing file, forbidden) will not fix itself
+    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
+        exc = exc.reason  # urllib wraps connection-level errors
+    if isinstance(exc, socket.gaierror):
+        return exc.errno == socket.EAI_AGAIN  # "try again" is transient; "no such host" is not
+    return isinstance(exc, (ConnectionError, TimeoutError, http.client.IncompleteRead))
+
+
+def fetch_file(
+    url: str,
+    dest: Path,
+    checksum: str,
+    attempts: int = 4,
+    backoff_s: float = 0.5,
+    log: logging.Logger | logging.LoggerAdapter = logger,
+) -> str:
+    """Download ``url`` to ``dest`` atomically, retrying transient errors, and verify it.
+
+    The bytes land in a temporary name next to ``dest`` and are renamed to ``dest`` only after
+    they verify, so ``dest`` never holds a partial or corrupt file.
+
+    Args:
+        url: http(s):// or file:// URL of the file.
+        dest: Final path.
+        checksum: Expected ``"<md5|sha256>:<hex>"``.
+        attempts: Tries for transient errors (HTTP 5xx, resets, timeouts); 4xx is tried once.
+        backoff_s: Delay before the first retry; doubles on every further retry.
+        log: Where retry warnings go (the task passes the Prefect run logger).
+
+    Returns:
+        sha256 of the verified file.
+
+    Raises:
+        DownloadError: The file could not be fetched.
+        ChecksumMismatchError: The fetched bytes do not match ``checksum`` (they were deleted).
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, attempts + 1):
+        # A name that does not exist yet: torchvision's download_url returns early, without
+        # downloading, when its target already exists and no md5 is given.
+        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
+        try:
+            _transfer(url, tmp)
+            ok, actual, sha256 = check_file(tmp, checksum)
+            if not ok:
+                algorithm, _, expected = checksum.partition(":")
+                raise ChecksumMismatchError(
+                    f"checksum mismatch for {dest.name} from {url}: expected {algorithm} {expected}, "
+                    f"got {actual}; the download was discarded (check the source or its configured checksums)"
+                )
+            _fsync(tmp)  # durable before it becomes visible under the final name
+            os.replace(tmp, dest)
+            return sha256
+        except ChecksumMismatchError:
+            raise  # a wrong file is a wrong file: retrying the same source will not fix it
+        except Exception as exc:
+            if not is_transient(exc):
+                raise DownloadError(f"cannot download {dest.name} from {url}: {_describe(exc)} (not retried)") from exc
+            if attempt == attempts:
+                raise DownloadError(
+                    f"cannot download {dest.name} from {url}: {_describe(exc)} (gave up after {attempts} attempts)"
+                ) from exc
+            delay = backoff_s * 2 ** (attempt - 1)
+            log.warning(
+                "attempt %d/%d for %s from %s failed (%s); retrying in %.2fs",
+                attempt, attempts, dest.name, url, _describe(exc), delay,
+            )
+            time.sleep(delay)
+        finally:
+            tmp.unlink(missing_ok=True)  # no-op after a successful rename
+    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
+def sync_files(
+    base_url: str,
+    directory: Path,
+    expected: dict[str, str],
+    attempts: int = 4,
+    backoff_s: float = 0.5,
+    log: logging.Logger | logging.LoggerAdapter = logger,
+) -> tuple[dict[str, str], bool]:
+    """Make ``directory`` hold every expected file, verified, fetching only what is missing or bad.
+
+    Returns:
+        (file name -> sha256, True when nothing had to be fetched).
+    """
+    files: dict[str, str] = {}
+    fetched = False
+    for name, checksum in expected.items():
+        dest = directory / name
+        if dest.is_file():
+            ok, _, sha256 = check_file(dest, checksum)
+            if ok:
+                files[name] = sha256
+                continue
+            # Never used, and removed now so the final name does not keep a bad file if the
+            # re-download fails.
+            log.warning("%s in %s does not match its checksum; deleting and downloading it again", name, directory)
+            dest.unlink()
+        files[name] = fetch_file(base_url + name, dest, checksum, attempts, backoff_s, log)
+        fetched = True
+    return files, not fetched
+
+
+def _transfer(url: str, tmp: Path) -> None:
+    """Copy ``url`` to ``tmp`` (which must not exist); no verification, no retries."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        # torchvision's download_url cannot do file:// (its progress bar reads response.length,
+        # which file responses lack) and would leave an empty file behind, so copy directly.
+        if parsed.netloc not in ("", "localhost"):
+            raise DownloadError(f"file:// URL {url} names a remote host; only local paths are supported")
+        shutil.copyfile(urllib.request.url2pathname(parsed.path), tmp)
+    else:
+        # md5=None: we verify ourselves, to name expected and actual checksums in the error.
+        download_url(url, root=str(tmp.parent), filename=tmp.name)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, urllib.error.URLError):
+        return str(exc.reason)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _run_logger() -> logging.Logger | logging.LoggerAdapter:
+    """The Prefect run logger inside a task run, this module's logger outside one (tests, scripts)."""
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logger
+
+
+# --------------------------------------------------------------------------------------------
+# The task
+# --------------------------------------------------------------------------------------------
+
+
+# NO_CACHE: the verified files on disk are the cache; a cached result could point at files
+# that were deleted since.
+@task(name="download", cache_policy=NO_CACHE)
+def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
+    """Fetch and verify the four MNIST IDX files (official, mirror or bundled sample)."""
+    log = _run_logger()
+    plan = resolve_source(cfg, layout)
+    if plan.fell_back:
+        log.warning(
+            "official MNIST mirrors %s unreachable within %gs; falling back to the bundled 5,000-digit "
+            "sample (4,000 train / 1,000 test), so accuracy will differ from full MNIST. "
+            "Set download.source=official to fail instead.",
+            ", ".join(OFFICIAL_MIRRORS), cfg.connect_timeout_s,
+        )
+    directory = layout.raw_dir(source_key(plan)).absolute()
+    files, skipped = sync_files(plan.base_url, directory, plan.expected, cfg.attempts, cfg.backoff_s, log)
+    state = "already present and verified, no download" if skipped else "verified"
+    log.info("MNIST files %s in %s (source=%s, %s)", state, directory, plan.source, plan.base_url)
+    return RawData(source=plan.source, url=plan.base_url, directory=str(directory), files=files, skipped=skipped)

@@ -1,0 +1,122 @@
+"""Stage 5: batch inference on the test split with a pool of model actors, metrics, and the gate.
+
+The seeds' ``ModelWorker`` idea, batched: Ray Data streams normalized test batches through
+``num_actors`` actors that each load the best checkpoint once. Results land in
+``<run>/evaluation/`` before the gate is checked, so a failed gate keeps every artifact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import ray.data
+import torch
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+
+from pipeline_config import EvaluateConfig
+from tasks.common.model import load_model
+from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json
+from tasks.train import TrainedModel
+from tasks.transform import TransformSpec, build_datasets
+
+NUM_CLASSES = 10
+
+
+class QualityGateError(RuntimeError):
+    """Test accuracy below ``evaluate.min_accuracy``."""
+
+
+class Evaluation(BaseModel):
+    """Test-set metrics of the evaluated checkpoint and where they were saved."""
+
+    checkpoint: str
+    accuracy: float
+    precision: list[float]
+    recall: list[float]
+    confusion: list[list[int]]
+    rows: int
+    metrics_path: str
+    predictions_path: str
+    passed_gate: bool
+
+
+class Predictor:
+    """Ray Data actor: loads the checkpoint once, then predicts batch after batch."""
+
+    def __init__(self, checkpoint_dir: str, torch_threads: int = 1):
+        torch.set_num_threads(torch_threads)
+        self.model = load_model(checkpoint_dir)
+
+    @torch.inference_mode()
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        logits = self.model(torch.from_numpy(batch["image"]))
+        return {"row_id": batch["row_id"], "label": batch["label"], "pred": logits.argmax(1).numpy()}
+
+
+def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int = NUM_CLASSES) -> np.ndarray:
+    """counts[true, predicted]."""
+    return np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def metrics_from_confusion(confusion: np.ndarray) -> dict:
+    """Accuracy and per-class precision / recall (0 where a class was never predicted / present)."""
+    true_pos = np.diag(confusion).astype(np.float64)
+    predicted, actual = confusion.sum(0), confusion.sum(1)
+    return {
+        "accuracy": float(true_pos.sum() / max(confusion.sum(), 1)),
+        "precision": np.divide(true_pos, predicted, out=np.zeros_like(true_pos), where=predicted > 0).round(5).tolist(),
+        "recall": np.divide(true_pos, actual, out=np.zeros_like(true_pos), where=actual > 0).round(5).tolist(),
+    }
+
+
+def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[str, np.ndarray]:
+    """Run the actor pool over the test split; return row_id, label and pred arrays."""
+    test = build_datasets(spec, splits=("test",))["test"]
+    cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // cfg.num_actors)
+    predictions = test.map_batches(
+        Predictor,
+        fn_constructor_kwargs={"checkpoint_dir": checkpoint, "torch_threads": int(cpus)},
+        batch_size=cfg.batch_rows,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
+        num_cpus=cpus,
+    )
+    rows = predictions.to_arrow_refs()
+    table = pa.concat_tables(ray.get(rows)).sort_by("row_id")
+    return {name: table.column(name).to_numpy() for name in ("row_id", "label", "pred")}
+
+
+@task(name="evaluate")
+def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, layout: StorageLayout) -> Evaluation:
+    """Score the best checkpoint on the held-out test split and apply the accuracy gate."""
+    logger = get_run_logger()
+    out = predict(spec, trained.best_checkpoint, cfg)
+    if len(out["row_id"]) != spec.dataset.rows["test"]:
+        raise RuntimeError(f"evaluation saw {len(out['row_id'])} test rows, expected {spec.dataset.rows['test']}")
+    confusion = confusion_matrix(out["label"], out["pred"])
+    scores = metrics_from_confusion(confusion)
+    folder = layout.evaluation_dir
+    folder.mkdir(parents=True, exist_ok=True)
+    predictions_path = folder / "predictions.parquet"
+    buffer = pa.BufferOutputStream()
+    pq.write_table(pa.table(out), buffer)
+    atomic_write_bytes(predictions_path, buffer.getvalue().to_pybytes())
+    result = Evaluation(
+        checkpoint=trained.best_checkpoint,
+        confusion=confusion.tolist(),
+        rows=int(confusion.sum()),
+        metrics_path=str(folder / "metrics.json"),
+        predictions_path=str(predictions_path),
+        passed_gate=scores["accuracy"] >= cfg.min_accuracy,
+        **scores,
+    )
+    atomic_write_json(result.metrics_path, result.model_dump() | {"min_accuracy": cfg.min_accuracy})
+    logger.info("Test accuracy %.4f on %d images (gate %.4f)", result.accuracy, result.rows, cfg.min_accuracy)
+    if not result.passed_gate:
+        raise QualityGateError(
+            f"test accuracy {result.accuracy:.4f} is below evaluate.min_accuracy {cfg.min_accuracy:.4f}; "
+            f"every artifact is kept: metrics in {result.metrics_path}, checkpoint {result.checkpoint}"
+        )
+    return result

@@ -1,0 +1,134 @@
+"""Stage 4: distributed training with Ray Train (TorchTrainer, Ray Train V2).
+
+The flow, not the trainer, names the run: ``RunConfig(storage_path=<root>/runs, name=<run>)``,
+so calling this stage again with the same run name resumes that Ray Train run from its latest
+checkpoint instead of starting over.
+
+Which layer owns which failure: Ray Train restarts the worker group from the latest checkpoint
+when a worker or node dies (``FailureConfig(max_failures)``); Prefect does not retry this stage
+by default, so a bug fails fast instead of running ``max_failures`` more times.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import ray
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+from pipeline_config import TrainConfig
+from tasks.common.storage import StorageLayout
+from tasks.common.train_loop import train_loop_per_worker
+from tasks.transform import TransformSpec, build_datasets
+
+SCORE = "val_accuracy"
+
+
+class CheckpointInfo(BaseModel):
+    """One kept checkpoint and the metrics reported with it."""
+
+    path: str
+    epoch: int
+    val_accuracy: float
+
+
+class TrainedModel(BaseModel):
+    """Where the trained run lives and how it went."""
+
+    run_dir: str
+    best_checkpoint: str
+    best_val_accuracy: float
+    checkpoints: list[CheckpointInfo]
+    history: list[dict]
+    num_workers: int
+    cpus_per_worker: float
+
+
+def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -> tuple[bool, float, int]:
+    """Decide (use_gpu, CPUs per worker, torch threads per worker) for this cluster.
+
+    Workers share the cluster's CPUs minus ``cfg.data_cpus``, which stay free for Ray Data:
+    with 2 CPUs, 2 workers and 1 kept free each worker reserves 0.5 CPU, and the data
+    pipeline's tasks (fractional reads and maps, a whole-CPU file listing) always find room.
+    Logical CPUs are only bookkeeping; torch threads follow the physical split.
+    """
+    use_gpu = cfg.use_gpu == "always" or (cfg.use_gpu == "auto" and cluster_gpus > 0)
+    if use_gpu and cluster_gpus < cfg.num_workers:
+        raise ValueError(f"train.num_workers={cfg.num_workers} needs {cfg.num_workers} GPUs; the cluster has {cluster_gpus:g}")
+    cpus = round((cluster_cpus - cfg.data_cpus) / cfg.num_workers, 3)
+    if cpus < 0.01:
+        raise ValueError(
+            f"the cluster has {cluster_cpus:g} CPUs: too few for train.num_workers={cfg.num_workers} "
+            f"plus train.data_cpus={cfg.data_cpus:g}; lower either"
+        )
+    threads = max(1, math.floor(cluster_cpus / cfg.num_workers))
+    return use_gpu, cpus, threads
+
+
+def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int) -> dict:
+    """The plain dict ``train_loop_per_worker`` unpacks."""
+    return {
+        "epochs": cfg.epochs,
+        "global_batch_size": cfg.global_batch_size,
+        "learning_rate": cfg.learning_rate,
+        "weight_decay": cfg.weight_decay,
+        "label_smoothing": cfg.label_smoothing,
+        "seed": cfg.seed,
+        "strategy": cfg.strategy,
+        "train_rows": train_rows,
+        "torch_threads": torch_threads,
+    }
+
+
+def summarize_result(result, run_dir: Path, num_workers: int, cpus: float) -> TrainedModel:
+    """Turn a ``ray.train.Result`` into the manifest later stages read."""
+    if result.error:
+        raise RuntimeError(f"Ray Train run {run_dir} failed: {result.error}") from result.error
+    kept = [
+        CheckpointInfo(path=ckpt.path, epoch=int(m["epoch"]), val_accuracy=float(m[SCORE]))
+        for ckpt, m in (result.best_checkpoints or [])
+    ]
+    if not kept:
+        raise RuntimeError(f"Ray Train run {run_dir} finished without a checkpoint")
+    best = max(kept, key=lambda c: (c.val_accuracy, c.epoch))
+    history = result.metrics_dataframe.to_dict(orient="records") if result.metrics_dataframe is not None else []
+    return TrainedModel(
+        run_dir=str(run_dir),
+        best_checkpoint=best.path,
+        best_val_accuracy=best.val_accuracy,
+        checkpoints=kept,
+        history=[{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in history],
+        num_workers=num_workers,
+        cpus_per_worker=cpus,
+    )
+
+
+@task(name="train")
+def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> TrainedModel:
+    """Train ResNet-18 with Ray Train on the transformed data; checkpoints go to the run folder."""
+    logger = get_run_logger()
+    resources = ray.cluster_resources()
+    use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
+    logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads),
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
+        run_config=RunConfig(
+            storage_path=str(layout.runs_dir),
+            name=layout.run_name,
+            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            checkpoint_config=CheckpointConfig(
+                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
+            ),
+        ),
+        datasets=build_datasets(spec, seed=cfg.seed),
+    )
+    result = trainer.fit()
+    trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus)
+    logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)
+    return trained

@@ -1,0 +1,129 @@
+"""Stage 3: the Ray Data transform from Parquet rows to normalized 1x28x28 float32 tensors.
+
+The transform is vectorized (one numpy expression per batch, no per-row PIL), and lazy: the
+training stage builds the same pipeline with `build_datasets` so it streams into Ray Train,
+re-shuffling and re-augmenting every epoch. This stage runs the pipeline once over every split
+before any training starts, checks what comes out (shape, dtype, finite values, label range, row
+counts) and publishes a manifest of it; training then consumes exactly what was checked.
+
+CPU split: training leaves ``train.data_cpus`` (at least one) logical CPUs free and every Ray
+Data task here reserves ``cpus_per_task`` (a fraction), so reads, shuffles and maps always find
+room beside the training workers, even when num_workers equals the machine's CPU count.
+Measured without it: two workers holding both CPUs leave Ray Data's file-listing task (which
+always asks for a whole CPU) waiting forever, and training waits on it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import ray.data
+from prefect import get_run_logger, task
+from pydantic import BaseModel
+
+from pipeline_config import TransformConfig
+from tasks.common.storage import StorageLayout, atomic_write_json
+from tasks.to_parquet import ParquetDataset, images_from_column
+
+
+class TransformSpec(BaseModel):
+    """What training and evaluation read: the checked dataset plus the transform settings."""
+
+    dataset: ParquetDataset
+    config: TransformConfig
+    checks: dict[str, dict]
+    manifest: str
+
+
+def normalize(images: np.ndarray, mean: float, std: float) -> np.ndarray:
+    """uint8 (N, 784) or (N, 28, 28) pixels -> float32 (N, 1, 28, 28), ``(x/255 - mean) / std``."""
+    scaled = images.reshape(-1, 1, 28, 28).astype(np.float32) / np.float32(255.0)
+    return (scaled - np.float32(mean)) / np.float32(std)
+
+
+def random_shift(images: np.ndarray, max_px: int, rng: np.random.Generator) -> np.ndarray:
+    """Shift each (N, 28, 28) uint8 image by up to ``max_px`` pixels in x and y, filling with 0."""
+    if max_px == 0 or len(images) == 0:
+        return images
+    n = len(images)
+    padded = np.pad(images.reshape(n, 28, 28), ((0, 0), (max_px, max_px), (max_px, max_px)))
+    dy, dx = rng.integers(0, 2 * max_px + 1, size=(2, n))
+    rows = dy[:, None] + np.arange(28)[None, :]  # (n, 28)
+    cols = dx[:, None] + np.arange(28)[None, :]
+    return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+
+
+def _batch_seed(row_ids: np.ndarray, seed: int) -> np.random.Generator:
+    # Per-batch randomness from the rows in it: reproducible for a given batch, different every
+    # epoch because the shuffle puts different rows together.
+    return np.random.default_rng([seed, int(np.bitwise_xor.reduce(row_ids * 2654435761 % (1 << 62), initial=0))])
+
+
+def prepare_batch(batch: pa.Table, mean: float, std: float, shift_px: int = 0, seed: int = 0) -> dict[str, np.ndarray]:
+    """Parquet batch -> {"image": float32 (N,1,28,28), "label": int64 (N,), "row_id": int64 (N,)}."""
+    row_ids = batch.column("row_id").to_numpy()
+    images = images_from_column(batch.column("image")).reshape(-1, 28, 28)
+    if shift_px:
+        images = random_shift(images, shift_px, _batch_seed(row_ids, seed))
+    return {
+        "image": normalize(images, mean, std),
+        "label": batch.column("label").to_numpy().astype(np.int64),
+        "row_id": row_ids.astype(np.int64),
+    }
+
+
+def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
+    """Lazy Ray Datasets for ``splits``; train is shuffled and augmented anew each time it runs."""
+    cfg = spec.config
+    task_args = {"num_cpus": cfg.cpus_per_task}
+    datasets = {}
+    for split in splits:
+        ds = ray.data.read_parquet(spec.dataset.split_dir(split), **task_args)
+        augment = split == "train"
+        if augment:
+            # A seeded shuffle is re-seeded on every execution (RandomSeedConfig's default), so each
+            # epoch gets a new, reproducible permutation; the sample's files are sorted by class.
+            ds = ds.random_shuffle(seed=seed, **task_args)
+        datasets[split] = ds.map_batches(
+            prepare_batch,
+            batch_format="pyarrow",
+            batch_size=cfg.batch_rows,
+            fn_kwargs={"mean": cfg.mean, "std": cfg.std, "shift_px": cfg.shift_px if augment else 0, "seed": seed},
+            **task_args,
+        )
+    return datasets
+
+
+def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:
+    """Run ``ds`` to the end and check every batch; return row count, label counts and pixel stats."""
+    rows, total, total_sq, labels = 0, 0.0, 0.0, np.zeros(10, dtype=np.int64)
+    for batch in ds.iter_batches(batch_size=4096, batch_format="numpy"):
+        image, label = batch["image"], batch["label"]
+        if image.dtype != np.float32 or image.shape[1:] != (1, 28, 28):
+            raise ValueError(f"{name}: transform produced {image.dtype} {image.shape[1:]}, expected float32 (1, 28, 28)")
+        if not np.isfinite(image).all():
+            raise ValueError(f"{name}: transform produced non-finite pixel values")
+        if label.min(initial=0) < 0 or label.max(initial=0) > 9:
+            raise ValueError(f"{name}: labels outside 0..9")
+        rows += len(label)
+        total += float(image.sum(dtype=np.float64))
+        total_sq += float(np.square(image, dtype=np.float64).sum())
+        labels += np.bincount(label, minlength=10)
+    if rows != expected_rows:
+        raise ValueError(f"{name}: transform yielded {rows} rows, the Parquet manifest says {expected_rows}")
+    mean = total / (rows * 784) if rows else 0.0
+    std = (total_sq / (rows * 784) - mean**2) ** 0.5 if rows else 0.0
+    return {"rows": rows, "pixel_mean": round(mean, 5), "pixel_std": round(std, 5), "label_counts": labels.tolist()}
+
+
+@task(name="transform")
+def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayout) -> TransformSpec:
+    """Run the Ray Data transform over every split once, check its output and record it."""
+    logger = get_run_logger()
+    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=str(layout.run_dir / "transform.json"))
+    datasets = build_datasets(spec, splits=("train", "val", "test"))
+    checks = {name: check_split(ds, dataset.rows[name], name) for name, ds in datasets.items()}
+    spec = spec.model_copy(update={"checks": checks})
+    atomic_write_json(spec.manifest, spec.model_dump(mode="json"))
+    logger.info("Transform checked: %s", {k: v["rows"] for k, v in checks.items()})
+    return spec

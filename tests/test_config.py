@@ -1,0 +1,133 @@
+"""Configuration: presets, precedence, and every bad input refused before any work, naming the field."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from pipeline_config import PipelineConfig
+from pipeline_config.settings import parse_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_defaults_and_smoke_preset():
+    default = parse_cli([]).pipeline_config()
+    smoke = parse_cli(["--preset", "smoke"]).pipeline_config()
+    assert default.train.epochs > smoke.train.epochs
+    assert smoke.download.source == "sample"
+    assert default.evaluate.min_accuracy == pytest.approx(0.985)
+    assert smoke.evaluate.min_accuracy < default.evaluate.min_accuracy
+
+
+def test_precedence_preset_file_env_cli(tmp_path, monkeypatch):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("train:\n  epochs: 5\n  seed: 7\nevaluate:\n  min_accuracy: 0.2\n")
+    monkeypatch.setenv("MNIST_TRAIN__SEED", "9")
+    settings = parse_cli(["--preset", "smoke", "--config-file", str(config_file), "--evaluate.min-accuracy", "0.3"])
+    config = settings.pipeline_config()
+    assert config.download.source == "sample"  # preset
+    assert config.train.epochs == 5  # file over preset
+    assert config.train.seed == 9  # env over file
+    assert config.evaluate.min_accuracy == 0.3  # flag over everything
+
+
+def test_help_lists_every_field():
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    for section, model in PipelineConfig.model_fields.items():
+        if hasattr(model.annotation, "model_fields"):
+            for field in model.annotation.model_fields:
+                assert f"--{section}.{field.replace('_', '-')}" in out.stdout, field
+        else:
+            assert f"--{section.replace('_', '-')}" in out.stdout
+
+
+def test_every_field_has_a_description():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            if hasattr(field.annotation, "model_fields"):
+                walk(field.annotation)
+
+    walk(PipelineConfig)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "hint"),
+    [
+        ({"train": {"epochs": 0}}, "train.epochs", "greater than or equal to 1"),
+        ({"train": {"epochs": -3}}, "train.epochs", "greater than or equal to 1"),
+        ({"train": {"num_workers": 4, "global_batch_size": 2}}, "global_batch_size", "raise the batch"),
+        ({"train": {"epoch": 3}}, "train.epoch", "Extra inputs are not permitted"),
+        ({"surprise": 1}, "surprise", "Extra inputs are not permitted"),
+        ({"run_name": "a/b"}, "run_name", "may not contain"),
+        ({"run_name": "a\\b"}, "run_name", "may not contain"),
+        ({"run_name": "x..y"}, "run_name", "may not contain"),
+        ({"ray": {"address": "not an address"}}, "ray.address", "cannot parse Ray address"),
+        ({"ray": {"address": "http://host:1"}}, "ray.address", "cannot parse Ray address"),
+        ({"ray": {"address": "host:port"}}, "ray.address", "cannot parse Ray address"),
+        ({"download": {"source": "mirror"}}, "download", "mirror_url"),
+        ({"download": {"mirror_url": "ftp://x/"}}, "download.mirror_url", "http://"),
+        ({"transform": {"cpus_per_task": 2.0}, "train": {"data_cpus": 1.0}}, "cpus_per_task", "data_cpus"),
+    ],
+)
+def test_bad_values_name_the_field(data, field, hint):
+    with pytest.raises(ValidationError) as info:
+        PipelineConfig.model_validate(data)
+    text = str(info.value)
+    assert field.split(".")[-1] in text
+    assert hint in text
+
+
+def test_good_ray_addresses():
+    for address in ("auto", "127.0.0.1:6379", "ray://head:10001", None):
+        assert PipelineConfig.model_validate({"ray": {"address": address}}).ray.address == address
+
+
+def test_unwritable_storage_root_is_refused_and_nothing_created(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        if os.access(locked, os.W_OK):  # root ignores permission bits; use a path under a file instead
+            target = tmp_path / "a-file"
+            target.write_text("x")
+            bad = target / "storage"
+            match = "is not a folder"
+        else:
+            bad = locked / "storage"
+            match = "not writable"
+        with pytest.raises(ValidationError, match=match):
+            PipelineConfig.model_validate({"storage_root": str(bad)})
+        assert not bad.exists()
+    finally:
+        locked.chmod(0o700)
+
+
+def test_cli_rejects_bad_input_before_any_work(tmp_path):
+    root = tmp_path / "root"
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--storage-root", str(root), "--train.epochs", "0"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "epochs" in out.stderr
+    assert not root.exists()  # nothing created
+
+
+def test_cli_rejects_unknown_flag(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--storage-root", str(tmp_path / "r"), "--train.epoch", "3"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode != 0
+    assert "train.epoch" in out.stderr
+    assert not (tmp_path / "r").exists()
