@@ -71,17 +71,27 @@ def metrics_from_confusion(confusion: np.ndarray) -> dict:
     }
 
 
+def actor_resources(cluster_cpus: float, num_actors: int, data_cpus: float = 1.0) -> tuple[float, int]:
+    """(logical CPUs per model actor, torch threads per actor).
+
+    Actors leave ``data_cpus`` free so the read and normalize tasks feeding them can run (an
+    actor pool holding every CPU waits forever for its input); threads follow the physical split.
+    """
+    logical = max(0.25, round((cluster_cpus - data_cpus) / num_actors, 3))
+    return logical, max(1, int(cluster_cpus // num_actors))
+
+
 def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[str, np.ndarray]:
     """Run the actor pool over the test split; return row_id, label and pred arrays."""
     test = build_datasets(spec, splits=("test",))["test"]
-    cpus = max(1.0, float(ray.cluster_resources().get("CPU", 1)) // cfg.num_actors)
+    actor_cpus, threads = actor_resources(float(ray.cluster_resources().get("CPU", 1)), cfg.num_actors)
     predictions = test.map_batches(
         Predictor,
-        fn_constructor_kwargs={"checkpoint_dir": checkpoint, "torch_threads": int(cpus)},
+        fn_constructor_kwargs={"checkpoint_dir": checkpoint, "torch_threads": threads},
         batch_size=cfg.batch_rows,
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
-        num_cpus=cpus,
+        num_cpus=actor_cpus,
     )
     rows = predictions.to_arrow_refs()
     table = pa.concat_tables(ray.get(rows)).sort_by("row_id")
