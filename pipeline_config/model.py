@@ -83,6 +83,9 @@ class DownloadConfig(_Section):
     connect_timeout_s: float = Field(
         3.0, gt=0, le=120, description="Seconds to wait for a connection to the official source."
     )
+    read_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Seconds a download may wait for the server's next bytes before the attempt fails."
+    )
     attempts: int = Field(
         4, ge=1, le=20, description="Attempts per file for transient HTTP errors (5xx, resets)."
     )

@@ -10,10 +10,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 
 from pipeline_config import CleanupConfig
+from tasks.common.logs import stage_logger
 from tasks.common.storage import StorageLayout, atomic_write_json
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
@@ -73,7 +74,7 @@ def cleanup(
     layout: StorageLayout,
 ) -> CleanupReport:
     """Delete what the retention policy selects, inside the storage root only (or list it in a dry run)."""
-    logger = get_run_logger()
+    logger = stage_logger(__name__)
     paths = [p for p in plan(cfg, raw, dataset, trained, evaluation) if p.exists()]
     for path in paths:  # every check passes before the first deletion
         check_deletable(path, layout, [Path(evaluation.checkpoint)])

@@ -31,13 +31,13 @@ from typing import Literal, NamedTuple
 from urllib.parse import urlparse
 
 import pydantic
-from prefect import get_run_logger, task
+from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.exceptions import MissingContextError
 from torchvision.datasets import MNIST
 from torchvision.datasets.utils import calculate_md5, download_url
 
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
+from tasks.common.logs import stage_logger
 from tasks.common.storage import StorageLayout, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -261,6 +261,7 @@ def fetch_file(
     attempts: int = 4,
     backoff_s: float = 0.5,
     log: logging.Logger | logging.LoggerAdapter = logger,
+    read_timeout_s: float = 30.0,
 ) -> str:
     """Download ``url`` to ``dest`` atomically, retrying transient errors, and verify it.
 
@@ -274,6 +275,7 @@ def fetch_file(
         attempts: Tries for transient errors (HTTP 5xx, resets, timeouts); 4xx is tried once.
         backoff_s: Delay before the first retry; doubles on every further retry.
         log: Where retry warnings go (the task passes the Prefect run logger).
+        read_timeout_s: Longest silence from the server before the attempt counts as failed.
 
     Returns:
         sha256 of the verified file.
@@ -288,7 +290,7 @@ def fetch_file(
         # downloading, when its target already exists and no md5 is given.
         tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
         try:
-            _transfer(url, tmp)
+            _transfer(url, tmp, read_timeout_s)
             ok, actual, sha256 = check_file(tmp, checksum)
             if not ok:
                 algorithm, _, expected = checksum.partition(":")
@@ -326,6 +328,7 @@ def sync_files(
     attempts: int = 4,
     backoff_s: float = 0.5,
     log: logging.Logger | logging.LoggerAdapter = logger,
+    read_timeout_s: float = 30.0,
 ) -> tuple[dict[str, str], bool]:
     """Make ``directory`` hold every expected file, verified, fetching only what is missing or bad.
 
@@ -345,12 +348,12 @@ def sync_files(
             # re-download fails.
             log.warning("%s in %s does not match its checksum; deleting and downloading it again", name, directory)
             dest.unlink()
-        files[name] = fetch_file(base_url + name, dest, checksum, attempts, backoff_s, log)
+        files[name] = fetch_file(base_url + name, dest, checksum, attempts, backoff_s, log, read_timeout_s)
         fetched = True
     return files, not fetched
 
 
-def _transfer(url: str, tmp: Path) -> None:
+def _transfer(url: str, tmp: Path, read_timeout_s: float = 30.0) -> None:
     """Copy ``url`` to ``tmp`` (which must not exist); no verification, no retries."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
@@ -361,7 +364,15 @@ def _transfer(url: str, tmp: Path) -> None:
         shutil.copyfile(urllib.request.url2pathname(parsed.path), tmp)
     else:
         # md5=None: we verify ourselves, to name expected and actual checksums in the error.
-        download_url(url, root=str(tmp.parent), filename=tmp.name)
+        # download_url takes no timeout and a stalled server would hang it forever; the socket
+        # default applies to the sockets urllib opens inside it. Process-wide, but this stage
+        # runs alone in its Ray worker, and the previous value is restored.
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(read_timeout_s)
+        try:
+            download_url(url, root=str(tmp.parent), filename=tmp.name)
+        finally:
+            socket.setdefaulttimeout(previous)
 
 
 def _fsync(path: Path) -> None:
@@ -380,14 +391,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _run_logger() -> logging.Logger | logging.LoggerAdapter:
-    """The Prefect run logger inside a task run, this module's logger outside one (tests, scripts)."""
-    try:
-        return get_run_logger()
-    except MissingContextError:
-        return logger
-
-
 # --------------------------------------------------------------------------------------------
 # The task
 # --------------------------------------------------------------------------------------------
@@ -398,7 +401,7 @@ def _run_logger() -> logging.Logger | logging.LoggerAdapter:
 @task(name="download", cache_policy=NO_CACHE)
 def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
     """Fetch and verify the four MNIST IDX files (official, mirror or bundled sample)."""
-    log = _run_logger()
+    log = stage_logger(__name__)
     plan = resolve_source(cfg, layout)
     if plan.fell_back:
         log.warning(
@@ -408,7 +411,9 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
             ", ".join(OFFICIAL_MIRRORS), cfg.connect_timeout_s,
         )
     directory = layout.raw_dir(source_key(plan)).absolute()
-    files, skipped = sync_files(plan.base_url, directory, plan.expected, cfg.attempts, cfg.backoff_s, log)
+    files, skipped = sync_files(
+        plan.base_url, directory, plan.expected, cfg.attempts, cfg.backoff_s, log, cfg.read_timeout_s
+    )
     state = "already present and verified, no download" if skipped else "verified"
     log.info("MNIST files %s in %s (source=%s, %s)", state, directory, plan.source, plan.base_url)
     return RawData(source=plan.source, url=plan.base_url, directory=str(directory), files=files, skipped=skipped)

@@ -12,11 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 import torch
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 
 from pipeline_config import EvaluateConfig
 from tasks.common.model import load_model
+from tasks.common.logs import stage_logger
 from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json
 from tasks.train import TrainedModel
 from tasks.transform import TransformSpec, build_datasets
@@ -101,7 +102,7 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[s
 @task(name="evaluate")
 def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, layout: StorageLayout) -> Evaluation:
     """Score the best checkpoint on the held-out test split and apply the accuracy gate."""
-    logger = get_run_logger()
+    logger = stage_logger(__name__)
     out = predict(spec, trained.best_checkpoint, cfg)
     if len(out["row_id"]) != spec.dataset.rows["test"]:
         raise RuntimeError(f"evaluation saw {len(out['row_id'])} test rows, expected {spec.dataset.rows['test']}")

@@ -30,10 +30,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 
 from pipeline_config import ParquetConfig
+from tasks.common.logs import stage_logger
 from tasks.common.storage import (
     MANIFEST,
     StorageLayout,
@@ -204,7 +205,7 @@ def dataset_fingerprint(raw: RawData, cfg: ParquetConfig) -> str:
 @task(name="to-parquet")
 def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> ParquetDataset:
     """Convert the IDX files to train/val/test Parquet (skipped when a verified build exists)."""
-    logger = get_run_logger()
+    logger = stage_logger(__name__)
     fingerprint = dataset_fingerprint(raw, cfg)
     final = layout.dataset_dir(fingerprint)
     if (manifest := verify_manifest(final, fingerprint)) is not None:

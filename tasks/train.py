@@ -15,12 +15,13 @@ import math
 from pathlib import Path
 
 import ray
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 from pipeline_config import TrainConfig
+from tasks.common.logs import stage_logger
 from tasks.common.storage import StorageLayout
 from tasks.common.train_loop import train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
@@ -110,7 +111,7 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float) -> Tr
 @task(name="train")
 def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> TrainedModel:
     """Train ResNet-18 with Ray Train on the transformed data; checkpoints go to the run folder."""
-    logger = get_run_logger()
+    logger = stage_logger(__name__)
     resources = ray.cluster_resources()
     use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
     logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)

@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import ray.data
-from prefect import get_run_logger, task
+from prefect import task
 from pydantic import BaseModel
 
 from pipeline_config import TransformConfig
+from tasks.common.logs import stage_logger
 from tasks.common.storage import StorageLayout, atomic_write_json
 from tasks.to_parquet import ParquetDataset, images_from_column
 
@@ -119,7 +120,7 @@ def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:
 @task(name="transform")
 def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayout) -> TransformSpec:
     """Run the Ray Data transform over every split once, check its output and record it."""
-    logger = get_run_logger()
+    logger = stage_logger(__name__)
     spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=str(layout.run_dir / "transform.json"))
     datasets = build_datasets(spec, splits=("train", "val", "test"))
     checks = {name: check_split(ds, dataset.rows[name], name) for name, ds in datasets.items()}

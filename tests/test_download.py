@@ -34,6 +34,7 @@ SAMPLE_BYTES = {name: (SAMPLE_DIR / name).read_bytes() for name in MNIST_FILES}
 SAMPLE_SHA256 = MirrorChecksums().by_file()
 SAMPLE_MD5 = {name: hashlib.md5(data).hexdigest() for name, data in SAMPLE_BYTES.items()}
 DROP = 0  # scripted "status" meaning: close the connection without answering
+STALL = 1  # scripted "status" meaning: send headers and half the body, then go silent
 
 
 class MirrorServer:
@@ -58,6 +59,15 @@ class MirrorServer:
                     server.log.append((name, status))
                 if status == DROP:
                     return  # the server closes the socket: the client sees a reset/disconnect
+                if status == STALL:
+                    body = server.files[name]
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body[: len(body) // 2])
+                    self.wfile.flush()
+                    time.sleep(3)  # silent far longer than the client's read timeout
+                    return
                 if status != 200:
                     self.send_error(status)
                     return
@@ -370,3 +380,24 @@ def test_task_is_named_and_documented_for_the_prefect_ui():
     doc = download.fn.__doc__.strip()
     assert doc and "\n" not in doc
     assert sha256_file(SAMPLE_DIR / MNIST_FILES[0]) == SAMPLE_SHA256[MNIST_FILES[0]]  # pinned defaults hold
+
+
+def test_stalled_server_times_out_and_is_retried(mirror, layout, caplog):
+    name = "train-images-idx3-ubyte.gz"
+    # Two: torchvision's redirect check is a GET of its own that reads only the headers.
+    mirror.script[name] = [STALL, STALL]
+    start = time.monotonic()
+    raw = download.fn(mirror_cfg(mirror.base_url, read_timeout_s=0.5), layout)
+    assert time.monotonic() - start < 10  # never waits for the stalled server to finish
+    assert mirror.statuses(name).count(STALL) == 2 and mirror.statuses(name)[-1] == 200
+    assert any("timed out" in r.getMessage() and name in r.getMessage() for r in caplog.records)
+    assert raw.files == SAMPLE_SHA256
+    assert_sample_files(Path(raw.directory))
+
+
+def test_server_that_always_stalls_fails_with_a_timeout(mirror, layout):
+    name = "t10k-labels-idx1-ubyte.gz"
+    mirror.script[name] = [STALL] * 4  # each attempt is two GETs (see above)
+    with pytest.raises(DownloadError, match="timed out.*gave up after 2 attempts"):
+        download.fn(mirror_cfg(mirror.base_url, read_timeout_s=0.3, attempts=2), layout)
+    assert not (mirror_dir(layout, mirror.base_url) / name).exists()

@@ -1,0 +1,61 @@
+"""Shared fixtures: tiny synthetic MNIST-shaped IDX files and a local Ray for data tests."""
+
+from __future__ import annotations
+
+import gzip
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tasks.common.storage import StorageLayout, sha256_file
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """IDX encoding of a uint8 array (the format the MNIST files use)."""
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+    return header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
+
+
+def synthetic_digits(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(n, 28, 28) uint8 images whose top-left pixel encodes the row index mod 256, and labels."""
+    rng = np.random.default_rng(seed)
+    images = rng.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+    images[:, 0, 0] = np.arange(n) % 256
+    labels = (np.arange(n) % 10).astype(np.uint8)
+    return images, labels
+
+
+def write_raw(folder: Path, n_train: int = 120, n_test: int = 40) -> dict:
+    """Write the four IDX .gz files of a synthetic dataset; return a RawData-compatible dict."""
+    folder.mkdir(parents=True, exist_ok=True)
+    train_x, train_y = synthetic_digits(n_train, seed=1)
+    test_x, test_y = synthetic_digits(n_test, seed=2)
+    arrays = {
+        "train-images-idx3-ubyte.gz": train_x,
+        "train-labels-idx1-ubyte.gz": train_y,
+        "t10k-images-idx3-ubyte.gz": test_x,
+        "t10k-labels-idx1-ubyte.gz": test_y,
+    }
+    for name, array in arrays.items():
+        (folder / name).write_bytes(gzip.compress(idx_bytes(array), mtime=0))
+    files = {name: sha256_file(folder / name) for name in arrays}
+    return {"source": "mirror", "url": folder.as_uri() + "/", "directory": str(folder), "files": files, "skipped": False}
+
+
+@pytest.fixture
+def layout(tmp_path) -> StorageLayout:
+    return StorageLayout.create(str(tmp_path / "storage"), "test-run")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A real local Ray (2 CPUs) for the module, shut down afterwards."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

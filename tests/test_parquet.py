@@ -1,0 +1,109 @@
+"""Parquet conversion on tiny synthetic IDX files: schema, row ids, splits, manifest, skip and rebuild."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline_config import ParquetConfig
+from tasks.common.storage import MANIFEST
+from tasks.download import RawData
+from tasks.to_parquet import (
+    SCHEMA,
+    convert,
+    dataset_fingerprint,
+    images_from_column,
+    to_parquet,
+    to_table,
+    verify_manifest,
+)
+from tests.conftest import idx_bytes, synthetic_digits, write_raw
+
+CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
+
+
+def read_split(folder: Path) -> pa.Table:
+    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("*.parquet"))).sort_by("row_id")
+
+
+def test_table_round_trip_keeps_every_pixel():
+    images, labels = synthetic_digits(10)
+    table = to_table(np.arange(10), images.reshape(10, -1), labels.astype(np.int64))
+    assert table.schema == SCHEMA
+    back = images_from_column(table.slice(3, 4).column("image"))  # offset slice: no copy, right rows
+    np.testing.assert_array_equal(back, images[3:7].reshape(4, -1))
+
+
+def test_convert_splits_rows_with_stable_unique_ids(tmp_path):
+    raw = write_raw(tmp_path / "raw", n_train=120, n_test=40)
+    rows = convert(Path(raw["directory"]), tmp_path / "out", CFG)
+    assert rows == {"train": 90, "val": 30, "test": 40}
+
+    train, val, test = (read_split(tmp_path / "out" / s) for s in ("train", "val", "test"))
+    ids = np.concatenate([t.column("row_id").to_numpy() for t in (train, val, test)])
+    assert len(np.unique(ids)) == len(ids) == 160
+    assert set(val.column("row_id").to_numpy() % 4) == {3}  # every 4th train row is validation
+    assert test.column("row_id").to_numpy().min() == 120  # test ids follow the train ids
+
+    images, labels = synthetic_digits(120, seed=1)
+    got = images_from_column(train.column("image"))
+    np.testing.assert_array_equal(got, images[train.column("row_id").to_numpy()].reshape(-1, 784))
+    np.testing.assert_array_equal(train.column("label").to_numpy(), labels[train.column("row_id").to_numpy()])
+    assert len(list((tmp_path / "out" / "train").glob("*.parquet"))) == 2  # 90 rows, 64 per file
+
+
+def test_truncated_idx_file_is_named(tmp_path):
+    raw = write_raw(tmp_path / "raw", n_train=20, n_test=10)
+    images = Path(raw["directory"]) / "train-images-idx3-ubyte.gz"
+    images.write_bytes(gzip.compress(gzip.decompress(images.read_bytes())[:-100]))
+    with pytest.raises(ValueError, match="train-images-idx3-ubyte.gz.*truncated"):
+        convert(Path(raw["directory"]), tmp_path / "out", CFG)
+
+
+def test_mismatched_counts_are_named(tmp_path):
+    raw = write_raw(tmp_path / "raw", n_train=20, n_test=10)
+    labels = Path(raw["directory"]) / "t10k-labels-idx1-ubyte.gz"
+    labels.write_bytes(gzip.compress(idx_bytes(np.zeros(9, dtype=np.uint8))))
+    with pytest.raises(ValueError, match="10 images but .*t10k-labels-idx1-ubyte.gz has 9 labels"):
+        convert(Path(raw["directory"]), tmp_path / "out", CFG)
+
+
+def test_stage_publishes_skips_and_rebuilds_a_tampered_dataset(tmp_path, layout):
+    raw = RawData(**write_raw(tmp_path / "raw"))
+    first = to_parquet.fn(raw, CFG, layout)
+    folder = Path(first.directory)
+    assert not first.skipped and first.rows == {"train": 90, "val": 30, "test": 40}
+    assert verify_manifest(folder, first.fingerprint) is not None
+    assert not [p for p in folder.parent.iterdir() if p.name.startswith(".")]  # no staging left
+
+    second = to_parquet.fn(raw, CFG, layout)
+    assert second.skipped and second.directory == first.directory
+
+    victim = next((folder / "train").glob("*.parquet"))
+    victim.write_bytes(victim.read_bytes()[:-50])  # a truncated file is detected ...
+    assert verify_manifest(folder, first.fingerprint) is None
+    third = to_parquet.fn(raw, CFG, layout)  # ... and the dataset is rebuilt, not used
+    assert not third.skipped
+    assert verify_manifest(folder, first.fingerprint) is not None
+    assert read_split(folder / "train").num_rows == 90
+
+
+def test_half_written_dataset_is_never_read(tmp_path, layout):
+    raw = RawData(**write_raw(tmp_path / "raw"))
+    folder = layout.dataset_dir(dataset_fingerprint(raw, CFG))
+    (folder / "train").mkdir(parents=True)
+    (folder / "train" / "part-00000.parquet").write_bytes(b"PAR1 half a file")  # no manifest
+    result = to_parquet.fn(raw, CFG, layout)
+    assert not result.skipped
+    assert (folder / MANIFEST).is_file()
+    assert read_split(folder / "train").num_rows == 90
+
+
+def test_settings_change_the_fingerprint(tmp_path):
+    raw = RawData(**write_raw(tmp_path / "raw"))
+    assert dataset_fingerprint(raw, CFG) != dataset_fingerprint(raw, CFG.model_copy(update={"validation_every": 5}))
