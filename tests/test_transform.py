@@ -1,0 +1,94 @@
+"""The Ray Data transform: pure batch functions on tiny arrays, then the real pipeline on a local Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pipeline_config import ParquetConfig, TransformConfig
+from tasks.download import RawData
+from tasks.to_parquet import to_parquet, to_table
+from tasks.transform import build_datasets, normalize, prepare_batch, random_shift, transform
+from tests.conftest import synthetic_digits, write_raw
+
+
+def test_normalize_matches_the_seeds_transform():
+    images = np.array([[0, 255, 128] + [0] * 781], dtype=np.uint8)
+    out = normalize(images, 0.5, 0.5)
+    assert out.dtype == np.float32 and out.shape == (1, 1, 28, 28)
+    # ToTensor() then Normalize((0.5,), (0.5,)): 0 -> -1, 255 -> 1, 128 -> 128/255*2-1
+    np.testing.assert_allclose(out[0, 0, 0, :3], [-1.0, 1.0, 128 / 255 * 2 - 1], atol=1e-6)
+
+
+def test_random_shift_moves_content_and_fills_with_zero():
+    image = np.zeros((1, 28, 28), dtype=np.uint8)
+    image[0, 10:18, 10:18] = 200
+    rng = np.random.default_rng(0)
+    shifted = np.stack([random_shift(image, 2, rng)[0] for _ in range(50)])
+    assert shifted.shape == (50, 28, 28) and shifted.dtype == np.uint8
+    assert (shifted.reshape(50, -1).sum(1) == image.sum()).all()  # the digit moves, nothing is lost
+    offsets = {tuple(np.argwhere(s)[0] - (10, 10)) for s in shifted}
+    assert offsets <= {(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)}
+    assert len(offsets) > 5  # really random, not a constant shift
+    assert random_shift(image, 0, rng) is image
+
+
+def test_prepare_batch_from_arrow():
+    images, labels = synthetic_digits(6)
+    table = to_table(np.arange(100, 106), images.reshape(6, -1), labels.astype(np.int64))
+    out = prepare_batch(table, 0.5, 0.5)
+    assert out["image"].shape == (6, 1, 28, 28) and out["image"].dtype == np.float32
+    np.testing.assert_array_equal(out["row_id"], np.arange(100, 106))
+    np.testing.assert_array_equal(out["label"], labels)
+    np.testing.assert_allclose(out["image"], normalize(images, 0.5, 0.5))
+    shifted = prepare_batch(table, 0.5, 0.5, shift_px=2, seed=3)
+    again = prepare_batch(table, 0.5, 0.5, shift_px=2, seed=3)
+    np.testing.assert_array_equal(shifted["image"], again["image"])  # reproducible per batch and seed
+    assert not np.array_equal(shifted["image"], out["image"])
+
+
+@pytest.fixture(scope="module")
+def spec_inputs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("transform")
+    from tasks.common.storage import StorageLayout
+
+    layout = StorageLayout.create(str(tmp / "storage"), "run")
+    raw = RawData(**write_raw(tmp / "raw", n_train=200, n_test=50))
+    dataset = to_parquet.fn(raw, ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=5), layout)
+    return dataset, layout
+
+
+def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs):
+    dataset, layout = spec_inputs
+    spec = transform.fn(dataset, TransformConfig(shift_px=0), layout)
+    assert {k: v["rows"] for k, v in spec.checks.items()} == {"train": 160, "val": 40, "test": 50}
+    assert Path(spec.manifest).is_file()
+    # Uniform random pixels normalized to [-1, 1]: mean ~0, std ~0.577.
+    assert abs(spec.checks["test"]["pixel_mean"]) < 0.05
+    assert spec.checks["test"]["pixel_std"] == pytest.approx(1 / np.sqrt(3), abs=0.03)
+    assert sum(spec.checks["train"]["label_counts"]) == 160
+
+
+def test_training_split_is_reshuffled_every_epoch_and_keeps_every_row(local_ray, spec_inputs):
+    dataset, layout = spec_inputs
+    spec = transform.fn(dataset, TransformConfig(), layout)
+    train = build_datasets(spec, seed=0)["train"]
+    epochs = [np.concatenate([b["row_id"] for b in train.iter_batches(batch_format="numpy")]) for _ in range(2)]
+    for order in epochs:
+        assert sorted(order.tolist()) == sorted(epochs[0].tolist())  # every row exactly once
+        assert len(order) == 160
+    assert not np.array_equal(epochs[0], epochs[1])  # a new permutation each epoch
+    assert not np.array_equal(np.sort(epochs[0]), epochs[0])  # not file order
+
+
+def test_validation_split_is_not_augmented(local_ray, spec_inputs):
+    dataset, layout = spec_inputs
+    spec = transform.fn(dataset, TransformConfig(shift_px=3), layout)
+    val = build_datasets(spec, splits=("val",))["val"]
+    batches = list(val.iter_batches(batch_format="numpy", batch_size=None))
+    ids = np.concatenate([b["row_id"] for b in batches])
+    images = np.concatenate([b["image"] for b in batches])
+    raw_images, _ = synthetic_digits(200, seed=1)
+    np.testing.assert_allclose(images, normalize(raw_images[ids], 0.5, 0.5))

@@ -1,0 +1,169 @@
+"""Pure parts of training, evaluation and cleanup, on tiny inputs (no Ray, no Prefect API)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline_config import CleanupConfig, TrainConfig
+from tasks.cleanup import check_deletable, cleanup, plan
+from tasks.common.model import MODEL_FILE, build_resnet18, load_model, save_checkpoint_files
+from tasks.common.storage import StorageLayout, publish_dir, staging_dir
+from tasks.common.train_loop import one_cycle_lr
+from tasks.download import RawData
+from tasks.evaluate import Evaluation, Predictor, actor_resources, confusion_matrix, metrics_from_confusion
+from tasks.to_parquet import ParquetDataset
+from tasks.train import CheckpointInfo, TrainedModel, plan_resources
+
+
+def test_one_cycle_schedule_warms_up_peaks_and_decays():
+    lrs = [one_cycle_lr(p / 100, peak=1.0) for p in range(101)]
+    assert lrs[0] == pytest.approx(1e-3)
+    assert max(lrs) == pytest.approx(1.0) and lrs.index(max(lrs)) == 20
+    assert all(a <= b for a, b in zip(lrs[:21], lrs[1:21]))  # rises during warm-up
+    assert all(a >= b for a, b in zip(lrs[20:], lrs[21:]))  # then only falls
+    assert lrs[-1] == pytest.approx(1e-3)
+    assert one_cycle_lr(1.7, 1.0) == lrs[-1]  # clamped past the end (a resumed run cannot overshoot)
+
+
+def test_resource_plan_leaves_cpus_for_ray_data():
+    use_gpu, cpus, threads = plan_resources(TrainConfig(num_workers=2), cluster_cpus=2, cluster_gpus=0)
+    assert (use_gpu, cpus, threads) == (False, 0.5, 1)  # 2 x 0.5 + 1 free for data = 2
+    assert plan_resources(TrainConfig(num_workers=1), 2, 0)[1:] == (1.0, 2)
+    assert plan_resources(TrainConfig(num_workers=1, use_gpu="auto"), 8, 1)[0] is True
+    with pytest.raises(ValueError, match="too few"):
+        plan_resources(TrainConfig(num_workers=2), cluster_cpus=1, cluster_gpus=0)
+    with pytest.raises(ValueError, match="needs 2 GPUs"):
+        plan_resources(TrainConfig(num_workers=2, use_gpu="always"), 8, 1)
+
+
+def test_actor_plan_leaves_a_cpu_for_the_reads_feeding_it():
+    assert actor_resources(2, 1) == (1.0, 2)
+    assert actor_resources(2, 2) == (0.5, 1)
+    assert actor_resources(1, 4)[0] == 0.25
+
+
+def test_metrics_from_a_known_confusion_matrix():
+    labels = np.array([0, 0, 1, 1, 2, 2])
+    preds = np.array([0, 1, 1, 1, 2, 0])
+    confusion = confusion_matrix(labels, preds, num_classes=3)
+    assert confusion.tolist() == [[1, 1, 0], [0, 2, 0], [1, 0, 1]]
+    scores = metrics_from_confusion(confusion)
+    assert scores["accuracy"] == pytest.approx(4 / 6)
+    assert scores["precision"] == pytest.approx([0.5, 2 / 3, 1.0], abs=1e-5)
+    assert scores["recall"] == pytest.approx([0.5, 1.0, 0.5], abs=1e-5)
+
+
+def test_checkpoint_files_load_into_a_plain_seed_style_resnet(tmp_path):
+    model = build_resnet18()
+    wrapped = torch.nn.Sequential()  # stands in for DDP's `.module` attribute
+    wrapped.module = model
+    optimizer = torch.optim.AdamW(model.parameters())
+    save_checkpoint_files(tmp_path, wrapped, optimizer, {"epoch": 3})
+    state = torch.load(tmp_path / MODEL_FILE, weights_only=True)
+    assert not any(key.startswith("module.") for key in state)
+    plain = torchvision_resnet18_seed_style()
+    plain.load_state_dict(state)  # the seeds' own restore code works on our checkpoints
+    assert torch.load(tmp_path / "extra_state.pt", weights_only=True)["epoch"] == 3
+    predictor = Predictor(str(tmp_path))
+    x = np.random.default_rng(0).standard_normal((4, 1, 28, 28)).astype(np.float32)
+    out = predictor({"image": x, "label": np.zeros(4, dtype=np.int64), "row_id": np.arange(4)})
+    expected = plain.eval()(torch.from_numpy(x)).argmax(1).numpy()
+    np.testing.assert_array_equal(out["pred"], expected)
+
+
+def torchvision_resnet18_seed_style():
+    from torchvision.models import resnet18
+
+    model = resnet18(num_classes=10)
+    model.conv1 = torch.nn.Conv2d(1, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)
+    return model
+
+
+def test_checkpoint_of_another_architecture_is_refused(tmp_path):
+    from torchvision.models import resnet18
+
+    torch.save(resnet18(num_classes=10).state_dict(), tmp_path / MODEL_FILE)  # 3-channel stem
+    with pytest.raises(ValueError, match="does not hold a one-channel ResNet-18"):
+        load_model(tmp_path)
+
+
+def test_publish_replaces_a_stale_folder_in_one_step(tmp_path):
+    final = tmp_path / "dataset"
+    final.mkdir()
+    (final / "stale").write_text("old")
+    staging = staging_dir(final)
+    (staging / "fresh").write_text("new")
+    publish_dir(staging, final)
+    assert sorted(p.name for p in final.iterdir()) == ["fresh"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]
+
+
+# --- cleanup -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def run_tree(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "root"), "run")
+    ckpts = []
+    for epoch, acc in enumerate([0.90, 0.97, 0.95]):
+        path = layout.run_dir / f"checkpoint_{epoch}"
+        path.mkdir(parents=True)
+        (path / MODEL_FILE).write_bytes(b"x" * 10)
+        ckpts.append(CheckpointInfo(path=str(path), epoch=epoch, val_accuracy=acc))
+    raw = layout.raw_dir("sample")
+    raw.mkdir(parents=True)
+    (raw / "f.gz").write_bytes(b"y" * 5)
+    data = layout.dataset_dir("abc")
+    data.mkdir(parents=True)
+    (data / "part.parquet").write_bytes(b"z" * 7)
+    trained = TrainedModel(
+        run_dir=str(layout.run_dir), best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
+        checkpoints=ckpts, history=[], num_workers=1, cpus_per_worker=1.0,
+    )
+    evaluation = Evaluation(
+        checkpoint=ckpts[1].path, accuracy=0.9, precision=[], recall=[], confusion=[], rows=1,
+        metrics_path="m", predictions_path="p", passed_gate=True,
+    )
+    raw_data = RawData(source="sample", url="file:///x/", directory=str(raw), files={}, skipped=False)
+    dataset = ParquetDataset(directory=str(data), fingerprint="abc", rows={})
+    return layout, raw_data, dataset, trained, evaluation
+
+
+def test_cleanup_keeps_the_best_and_the_evaluated_checkpoint(run_tree):
+    layout, raw, dataset, trained, evaluation = run_tree
+    cfg = CleanupConfig(keep_checkpoints=1, delete_raw=True)
+    dry = cleanup.fn(cfg.model_copy(update={"dry_run": True}), raw, dataset, trained, evaluation, layout)
+    assert all(__import__("os").path.exists(p) for p in dry.paths)  # a dry run deletes nothing
+    real = cleanup.fn(cfg, raw, dataset, trained, evaluation, layout)
+    assert real.paths == dry.paths and real.bytes == dry.bytes == 10 + 10 + 5  # dry run listed exactly this
+    remaining = sorted(p.name for p in layout.run_dir.iterdir() if p.name.startswith("checkpoint_"))
+    assert remaining == ["checkpoint_1"]  # best (and evaluated) stays
+    assert not layout.raw_dir("sample").exists()
+    assert layout.dataset_dir("abc").exists()
+
+
+def test_cleanup_keep_zero_keeps_everything(run_tree):
+    layout, raw, dataset, trained, evaluation = run_tree
+    assert plan(CleanupConfig(), raw, dataset, trained, evaluation) == []
+
+
+def test_cleanup_refuses_paths_outside_the_root_and_symlinks(run_tree, tmp_path):
+    layout, raw, dataset, trained, evaluation = run_tree
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    with pytest.raises(ValueError, match="outside the storage root"):
+        check_deletable(outside, layout, [])
+    with pytest.raises(ValueError, match="outside the storage root"):
+        check_deletable(layout.root_path / ".." / "precious", layout, [])
+    link = layout.root_path / "link"
+    link.symlink_to(outside)
+    with pytest.raises(ValueError, match="symbolic link"):
+        check_deletable(link, layout, [])
+    with pytest.raises(ValueError, match="which the evaluation used"):
+        check_deletable(layout.run_dir, layout, [layout.run_dir / "checkpoint_1"])
+    escaping = raw.model_copy(update={"directory": str(outside)})
+    with pytest.raises(ValueError, match="outside the storage root"):
+        cleanup.fn(CleanupConfig(delete_raw=True, delete_parquet=True), escaping, dataset, trained, evaluation, layout)
+    assert outside.exists() and layout.dataset_dir("abc").exists()  # refused before deleting anything
