@@ -69,16 +69,27 @@ class StageRecorder:
         self.outputs[name] = result
         return result
 
+    def completed(self) -> bool:
+        """True when every stage ran and completed."""
+        return len(self.stages) == len(STAGE_CPUS) and all(s["status"] == "completed" for s in self.stages.values())
+
     def summary(self) -> dict[str, Any]:
         """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
-        raw, trained = self.outputs.get("download"), self.outputs.get("train")
+        raw, dataset, trained = (self.outputs.get(name) for name in ("download", "to-parquet", "train"))
         metrics = _read_metrics(self.layout)
         return {
             "run_name": self.layout.run_name,
             "storage_root": self.layout.root,
             "run_dir": str(self.layout.run_dir),
             "data_source": raw.source if raw else None,
-            "status": "completed" if all(s["status"] == "completed" for s in self.stages.values()) else "failed",
+            "data": {
+                "raw_dir": raw.directory if raw else None,
+                "download_skipped": raw.skipped if raw else None,
+                "dataset_dir": dataset.directory if dataset else None,
+                "conversion_skipped": dataset.skipped if dataset else None,
+                "rows": dataset.rows if dataset else None,
+            },
+            "status": "completed" if self.completed() else "failed",
             "stages": self.stages,
             "best_checkpoint": trained.best_checkpoint if trained else None,
             "best_val_accuracy": trained.best_val_accuracy if trained else None,

@@ -137,6 +137,12 @@ class TransformConfig(_Section):
     shift_px: int = Field(
         2, ge=0, le=8, description="Training-time augmentation: random shift of up to this many pixels (0 disables)."
     )
+    rotate_deg: float = Field(
+        10.0, ge=0, le=45, description="Training-time augmentation: random rotation of up to this many degrees (0 disables)."
+    )
+    scale: float = Field(
+        0.1, ge=0, le=0.5, description="Training-time augmentation: random zoom by a factor in [1 - scale, 1 + scale]."
+    )
     batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")
     cpus_per_task: float = Field(
         0.25,
@@ -152,8 +158,16 @@ class TransformConfig(_Section):
 class TrainConfig(_Section):
     """Distributed training with Ray Train (TorchTrainer, Ray Train V2)."""
 
-    num_workers: int = Field(2, ge=1, le=1024, description="Ray Train workers (data-parallel ranks).")
-    epochs: int = Field(14, ge=1, le=1000, description="Passes over the training split.")
+    num_workers: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description=(
+            "Ray Train workers (data-parallel ranks). 1 on a small CPU machine is fastest (one worker "
+            "uses every core); raise it on a cluster."
+        ),
+    )
+    epochs: int = Field(20, ge=1, le=1000, description="Passes over the training split.")
     global_batch_size: int = Field(
         128, ge=1, le=65536, description="Images per optimizer step across all workers; each worker takes global ÷ workers."
     )

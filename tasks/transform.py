@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import ray.data
+import torch
+import torch.nn.functional as F
 from prefect import task
 from pydantic import BaseModel
 
@@ -37,21 +39,34 @@ class TransformSpec(BaseModel):
 
 
 def normalize(images: np.ndarray, mean: float, std: float) -> np.ndarray:
-    """uint8 (N, 784) or (N, 28, 28) pixels -> float32 (N, 1, 28, 28), ``(x/255 - mean) / std``."""
-    scaled = images.reshape(-1, 1, 28, 28).astype(np.float32) / np.float32(255.0)
+    """Pixels -> float32 (N, 1, 28, 28), ``(x - mean) / std`` on the 0..1 scale.
+
+    uint8 input (N, 784) or (N, 28, 28) is scaled by 1/255 first (the seeds' ToTensor);
+    float input is taken as already on the 0..1 scale.
+    """
+    scaled = images.reshape(-1, 1, 28, 28).astype(np.float32)
+    if images.dtype == np.uint8:
+        scaled /= np.float32(255.0)
     return (scaled - np.float32(mean)) / np.float32(std)
 
 
-def random_shift(images: np.ndarray, max_px: int, rng: np.random.Generator) -> np.ndarray:
-    """Shift each (N, 28, 28) uint8 image by up to ``max_px`` pixels in x and y, filling with 0."""
-    if max_px == 0 or len(images) == 0:
-        return images
+def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: float, rng: np.random.Generator) -> np.ndarray:
+    """Randomly shift, rotate and scale each (N, 28, 28) uint8 image; returns float32 on the 0..1 scale.
+
+    One batched ``affine_grid`` + ``grid_sample`` (bilinear, zero fill) for the whole batch.
+    """
     n = len(images)
-    padded = np.pad(images.reshape(n, 28, 28), ((0, 0), (max_px, max_px), (max_px, max_px)))
-    dy, dx = rng.integers(0, 2 * max_px + 1, size=(2, n))
-    rows = dy[:, None] + np.arange(28)[None, :]  # (n, 28)
-    cols = dx[:, None] + np.arange(28)[None, :]
-    return padded[np.arange(n)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    pixels = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).float().div_(255.0).unsqueeze(1)
+    if n == 0 or (shift_px == 0 and rotate_deg == 0 and scale == 0):
+        return pixels.squeeze(1).numpy()
+    angle = np.deg2rad(rng.uniform(-rotate_deg, rotate_deg, n))
+    zoom = rng.uniform(1 - scale, 1 + scale, n)
+    # affine_grid maps output to input coordinates in [-1, 1]: one pixel is 2/28.
+    shift = rng.integers(-shift_px, shift_px + 1, size=(n, 2)) * (2.0 / 28)
+    cos, sin = np.cos(angle) / zoom, np.sin(angle) / zoom
+    theta = np.stack([np.stack([cos, -sin, shift[:, 0]], 1), np.stack([sin, cos, shift[:, 1]], 1)], 1)
+    grid = F.affine_grid(torch.from_numpy(theta).float(), [n, 1, 28, 28], align_corners=False)
+    return F.grid_sample(pixels, grid, mode="bilinear", padding_mode="zeros", align_corners=False).squeeze(1).numpy()
 
 
 def _batch_seed(row_ids: np.ndarray, seed: int) -> np.random.Generator:
@@ -60,17 +75,32 @@ def _batch_seed(row_ids: np.ndarray, seed: int) -> np.random.Generator:
     return np.random.default_rng([seed, int(np.bitwise_xor.reduce(row_ids * 2654435761 % (1 << 62), initial=0))])
 
 
-def prepare_batch(batch: pa.Table, mean: float, std: float, shift_px: int = 0, seed: int = 0) -> dict[str, np.ndarray]:
-    """Parquet batch -> {"image": float32 (N,1,28,28), "label": int64 (N,), "row_id": int64 (N,)}."""
+def prepare_batch(
+    batch: pa.Table,
+    mean: float,
+    std: float,
+    augment: dict[str, float] | None = None,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Parquet batch -> {"image": float32 (N,1,28,28), "label": int64 (N,), "row_id": int64 (N,)}.
+
+    ``augment`` (training only): keyword arguments of `random_affine` (shift_px, rotate_deg, scale).
+    """
     row_ids = batch.column("row_id").to_numpy()
     images = images_from_column(batch.column("image")).reshape(-1, 28, 28)
-    if shift_px:
-        images = random_shift(images, shift_px, _batch_seed(row_ids, seed))
+    if augment:
+        images = random_affine(images, rng=_batch_seed(row_ids, seed), **augment)
     return {
         "image": normalize(images, mean, std),
         "label": batch.column("label").to_numpy().astype(np.int64),
         "row_id": row_ids.astype(np.int64),
     }
+
+
+def augmentation(cfg: TransformConfig) -> dict[str, float] | None:
+    """The `random_affine` arguments for training, or None when every augmentation is off."""
+    params = {"shift_px": cfg.shift_px, "rotate_deg": cfg.rotate_deg, "scale": cfg.scale}
+    return params if any(params.values()) else None
 
 
 def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
@@ -89,7 +119,7 @@ def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) 
             prepare_batch,
             batch_format="pyarrow",
             batch_size=cfg.batch_rows,
-            fn_kwargs={"mean": cfg.mean, "std": cfg.std, "shift_px": cfg.shift_px if augment else 0, "seed": seed},
+            fn_kwargs={"mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed},
             **task_args,
         )
     return datasets

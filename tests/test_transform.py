@@ -10,7 +10,7 @@ import pytest
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.download import RawData
 from tasks.to_parquet import to_parquet, to_table
-from tasks.transform import build_datasets, normalize, prepare_batch, random_shift, transform
+from tasks.transform import build_datasets, normalize, prepare_batch, random_affine, transform
 from tests.conftest import synthetic_digits, write_raw
 
 
@@ -22,17 +22,28 @@ def test_normalize_matches_the_seeds_transform():
     np.testing.assert_allclose(out[0, 0, 0, :3], [-1.0, 1.0, 128 / 255 * 2 - 1], atol=1e-6)
 
 
-def test_random_shift_moves_content_and_fills_with_zero():
+def test_random_shift_moves_content_exactly_and_fills_with_zero():
     image = np.zeros((1, 28, 28), dtype=np.uint8)
     image[0, 10:18, 10:18] = 200
     rng = np.random.default_rng(0)
-    shifted = np.stack([random_shift(image, 2, rng)[0] for _ in range(50)])
-    assert shifted.shape == (50, 28, 28) and shifted.dtype == np.uint8
-    assert (shifted.reshape(50, -1).sum(1) == image.sum()).all()  # the digit moves, nothing is lost
-    offsets = {tuple(np.argwhere(s)[0] - (10, 10)) for s in shifted}
+    shifted = random_affine(np.repeat(image, 50, 0), shift_px=2, rotate_deg=0, scale=0, rng=rng)
+    assert shifted.shape == (50, 28, 28) and shifted.dtype == np.float32
+    np.testing.assert_allclose(shifted.reshape(50, -1).sum(1), image.sum() / 255, rtol=1e-5)  # nothing lost
+    offsets = {tuple(np.argwhere(s > 0)[0] - (10, 10)) for s in shifted}
     assert offsets <= {(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)}
     assert len(offsets) > 5  # really random, not a constant shift
-    assert random_shift(image, 0, rng) is image
+    identity = random_affine(image, 0, 0, 0, rng)
+    np.testing.assert_allclose(identity, image / 255, rtol=1e-6)
+
+
+def test_rotation_and_zoom_change_the_digit_but_stay_in_range():
+    image = np.zeros((8, 28, 28), dtype=np.uint8)
+    image[:, 4:24, 13:15] = 255  # a vertical bar
+    out = random_affine(image, shift_px=0, rotate_deg=30, scale=0.2, rng=np.random.default_rng(1))
+    assert out.min() >= 0 and out.max() <= 1
+    assert not np.allclose(out, image / 255, atol=0.1)
+    mass = out.reshape(8, -1).sum(1) / (image[0].sum() / 255)
+    assert ((mass > 0.6) & (mass < 1.5)).all()  # zoomed / rotated, not lost
 
 
 def test_prepare_batch_from_arrow():
@@ -43,8 +54,9 @@ def test_prepare_batch_from_arrow():
     np.testing.assert_array_equal(out["row_id"], np.arange(100, 106))
     np.testing.assert_array_equal(out["label"], labels)
     np.testing.assert_allclose(out["image"], normalize(images, 0.5, 0.5))
-    shifted = prepare_batch(table, 0.5, 0.5, shift_px=2, seed=3)
-    again = prepare_batch(table, 0.5, 0.5, shift_px=2, seed=3)
+    augment = {"shift_px": 2, "rotate_deg": 10, "scale": 0.1}
+    shifted = prepare_batch(table, 0.5, 0.5, augment=augment, seed=3)
+    again = prepare_batch(table, 0.5, 0.5, augment=augment, seed=3)
     np.testing.assert_array_equal(shifted["image"], again["image"])  # reproducible per batch and seed
     assert not np.array_equal(shifted["image"], out["image"])
 
@@ -62,7 +74,7 @@ def spec_inputs(tmp_path_factory):
 
 def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs):
     dataset, layout = spec_inputs
-    spec = transform.fn(dataset, TransformConfig(shift_px=0), layout)
+    spec = transform.fn(dataset, TransformConfig(shift_px=0, rotate_deg=0, scale=0), layout)
     assert {k: v["rows"] for k, v in spec.checks.items()} == {"train": 160, "val": 40, "test": 50}
     assert Path(spec.manifest).is_file()
     # Uniform random pixels normalized to [-1, 1]: mean ~0, std ~0.577.
@@ -85,7 +97,7 @@ def test_training_split_is_reshuffled_every_epoch_and_keeps_every_row(local_ray,
 
 def test_validation_split_is_not_augmented(local_ray, spec_inputs):
     dataset, layout = spec_inputs
-    spec = transform.fn(dataset, TransformConfig(shift_px=3), layout)
+    spec = transform.fn(dataset, TransformConfig(shift_px=3, rotate_deg=20), layout)
     val = build_datasets(spec, splits=("val",))["val"]
     batches = list(val.iter_batches(batch_format="numpy", batch_size=None))
     ids = np.concatenate([b["row_id"] for b in batches])

@@ -1,0 +1,106 @@
+"""The real flow end to end: smoke preset, real local Ray (2 CPUs, 2 training workers), real Prefect API.
+
+Slow (minutes): marked ``slow``; ``make test`` runs it, ``make test-fast`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.testing.utilities import prefect_test_harness
+
+from flows.mnist import STAGE_CPUS, mnist_pipeline
+from pipeline_config.settings import parse_cli
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = set(STAGE_CPUS)
+
+
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("e2e") / "storage"
+
+
+@pytest.fixture(scope="module")
+def smoke_run(storage):
+    """One smoke run of the flow against a real (temporary) Prefect server; returns (state, summary, API data)."""
+    config = parse_cli(["--preset", "smoke", "--storage-root", str(storage), "--run-name", "smoke-e2e"]).pipeline_config()
+    with prefect_test_harness(server_startup_timeout=120):
+        state = mnist_pipeline(config, return_state=True)
+        flow_run_id = state.state_details.flow_run_id
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(flow_run_id)
+            task_runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    summary = json.loads((storage / "runs" / "smoke-e2e" / "summary.json").read_text())
+    return state, summary, flow_run, task_runs
+
+
+def test_smoke_run_completes_every_stage(smoke_run, storage):
+    state, summary, _, _ = smoke_run
+    assert state.is_completed(), state.message
+    assert summary["status"] == "completed"
+    assert set(summary["stages"]) == STAGES
+    assert all(stage["status"] == "completed" and stage["seconds"] > 0 for stage in summary["stages"].values())
+    assert summary["data_source"] == "sample"
+    assert summary["data"]["rows"] == {"train": 3600, "val": 400, "test": 1000}
+    metrics = json.loads((storage / "runs" / "smoke-e2e" / "evaluation" / "metrics.json").read_text())
+    assert summary["test_accuracy"] == metrics["accuracy"] >= 0.5  # one short epoch on real digits
+    assert metrics["rows"] == 1000 and sum(map(sum, metrics["confusion"])) == 1000
+
+
+def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
+    """The Ray workers reported to the flow's own Prefect API, not to private temporary servers."""
+    _, _, flow_run, task_runs = smoke_run
+    assert flow_run.state.is_completed()
+    names = {run.name.rsplit("-", 1)[0] for run in task_runs}
+    assert names == STAGES
+    assert all(run.flow_run_id == flow_run.id for run in task_runs)
+    assert all(run.state.is_completed() for run in task_runs)
+
+
+def test_ray_train_run_and_checkpoints_keep_the_seeds_contract(smoke_run, storage):
+    from ray.train import Result
+
+    from tests.test_units import torchvision_resnet18_seed_style
+
+    _, summary, _, _ = smoke_run
+    result = Result.from_path(summary["run_dir"])
+    assert result.checkpoint is not None
+    best = Path(summary["best_checkpoint"])
+    assert best.parent == storage / "runs" / "smoke-e2e"
+    assert {"model.pt", "optimizer.pt", "extra_state.pt"} <= {p.name for p in best.iterdir()}
+    model = torchvision_resnet18_seed_style()
+    model.load_state_dict(torch.load(best / "model.pt", map_location="cpu", weights_only=True))
+    assert torch.load(best / "extra_state.pt", weights_only=True)["epoch"] == 0
+
+
+def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smoke_run, storage, tmp_path):
+    """Second run on the same root: download and conversion are skipped; an unreachable gate fails it."""
+    summary_out = tmp_path / "summary-copy.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage),
+            "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out),
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "below evaluate.min_accuracy 1.0000" in out.stderr
+    printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
+    assert json.loads(summary_out.read_text()) == printed
+    assert printed["status"] == "failed"
+    assert printed["data"]["download_skipped"] is True and printed["data"]["conversion_skipped"] is True
+    assert printed["stages"]["evaluate"]["status"] == "failed" and "cleanup" not in printed["stages"]
+    run_dir = storage / "runs" / "gate"
+    assert (run_dir / "evaluation" / "metrics.json").is_file()  # the failed gate kept every artifact
+    assert Path(printed["best_checkpoint"]).is_dir()
