@@ -1,0 +1,1 @@
+"""Prefect deployments of the MNIST flow: `python -m deployments.serve` or `prefect deploy` with prefect.yaml."""

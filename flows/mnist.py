@@ -22,10 +22,12 @@ from prefect import Task, flow
 from prefect_ray.context import remote_options
 from pydantic import ValidationError
 
+from flows import hooks
 from flows.runtime import prefect_api, ray_task_runner
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
+from tasks.common import reports
 from tasks.common.storage import StorageLayout, atomic_write_json
 from tasks.download import download
 from tasks.evaluate import evaluate
@@ -109,18 +111,22 @@ def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-@flow(name="mnist-resnet18", log_prints=True)
+@flow(name="mnist-resnet18", log_prints=True, on_failure=[hooks.report_failure])
 def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
     layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name())
+    hooks.remember_run(layout)
     with ray_task_runner(config.ray) as runner:
         stage = StageRecorder(runner, layout, config)
         try:
             raw = stage(download, cfg=config.download, layout=layout)
             dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+            reports.publish_dataset_report(dataset)
             spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
             trained = stage(train, spec=spec, cfg=config.train, layout=layout)
+            reports.publish_training_report(trained)
             evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
+            reports.publish_evaluation_report(evaluation, dataset, trained)
             stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
         finally:
             summary = stage.write_summary()

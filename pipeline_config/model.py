@@ -119,7 +119,7 @@ class ParquetConfig(_Section):
         1000, ge=64, le=1_000_000, description="Rows per Parquet row group; conversion streams one group at a time."
     )
     validation_every: int = Field(
-        10,
+        20,
         ge=2,
         le=1000,
         description=(
@@ -167,13 +167,19 @@ class TrainConfig(_Section):
             "uses every core); raise it on a cluster."
         ),
     )
-    epochs: int = Field(20, ge=1, le=1000, description="Passes over the training split.")
+    epochs: int = Field(30, ge=1, le=1000, description="Passes over the training split.")
     global_batch_size: int = Field(
         128, ge=1, le=65536, description="Images per optimizer step across all workers; each worker takes global ÷ workers."
     )
     learning_rate: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the one-cycle AdamW schedule.")
     weight_decay: float = Field(5e-4, ge=0, le=1, description="AdamW weight decay.")
     label_smoothing: float = Field(0.1, ge=0, lt=1, description="Cross-entropy label smoothing.")
+    ema_decay: float = Field(
+        0.99,
+        ge=0,
+        lt=1,
+        description="Decay of the exponential moving average of the weights that is validated and saved (0 disables).",
+    )
     seed: int = Field(0, ge=0, description="Seed for weights, shuffling and augmentation.")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Data-parallel strategy passed to prepare_model.")
     use_gpu: Literal["auto", "never", "always"] = Field(

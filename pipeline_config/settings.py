@@ -18,7 +18,7 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 from pipeline_config.model import PipelineConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
-PRESETS = ("default", "smoke")
+PRESETS = ("default", "smoke", "nightly")
 _CLI_ONLY = {"preset", "config_file", "summary_out"}
 
 
@@ -67,8 +67,9 @@ class PipelineSettings(BaseSettings, PipelineConfig):
         nested_model_default_partial_update=True,
     )
 
-    preset: Literal["default", "smoke"] = Field(
-        "default", description="Named starting values: default (the quality run) or smoke (a minutes-long check)."
+    preset: Literal["default", "smoke", "nightly"] = Field(
+        "default",
+        description="Named starting values: default (the quality run), smoke (a minutes-long check) or nightly (the scheduled run).",
     )
     config_file: Path | None = Field(
         None, description="YAML file with any of the fields; env vars and flags override it, it overrides the preset."

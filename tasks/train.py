@@ -22,6 +22,7 @@ from ray.train.torch import TorchTrainer
 
 from pipeline_config import TrainConfig
 from tasks.common.logs import stage_logger
+from tasks.common.reports import training_progress_callbacks
 from tasks.common.storage import StorageLayout
 from tasks.common.train_loop import train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
@@ -78,6 +79,7 @@ def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int) -> dict:
         "learning_rate": cfg.learning_rate,
         "weight_decay": cfg.weight_decay,
         "label_smoothing": cfg.label_smoothing,
+        "ema_decay": cfg.ema_decay,
         "seed": cfg.seed,
         "strategy": cfg.strategy,
         "train_rows": train_rows,
@@ -126,6 +128,8 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
             ),
+            # Live progress in the Prefect UI: the callback runs in the Train controller process.
+            callbacks=training_progress_callbacks(cfg.epochs, layout.run_name),
         ),
         datasets=build_datasets(spec, seed=cfg.seed),
     )

@@ -51,7 +51,7 @@ def test_smoke_run_completes_every_stage(smoke_run, storage):
     assert set(summary["stages"]) == STAGES
     assert all(stage["status"] == "completed" and stage["seconds"] > 0 for stage in summary["stages"].values())
     assert summary["data_source"] == "sample"
-    assert summary["data"]["rows"] == {"train": 3600, "val": 400, "test": 1000}
+    assert summary["data"]["rows"] == {"train": 3800, "val": 200, "test": 1000}
     metrics = json.loads((storage / "runs" / "smoke-e2e" / "evaluation" / "metrics.json").read_text())
     assert summary["test_accuracy"] == metrics["accuracy"] >= 0.5  # one short epoch on real digits
     assert metrics["rows"] == 1000 and sum(map(sum, metrics["confusion"])) == 1000

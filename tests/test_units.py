@@ -167,3 +167,20 @@ def test_cleanup_refuses_paths_outside_the_root_and_symlinks(run_tree, tmp_path)
     with pytest.raises(ValueError, match="outside the storage root"):
         cleanup.fn(CleanupConfig(delete_raw=True, delete_parquet=True), escaping, dataset, trained, evaluation, layout)
     assert outside.exists() and layout.dataset_dir("abc").exists()  # refused before deleting anything
+
+
+def test_ema_warms_up_then_tracks_the_weights_slowly():
+    from tasks.common.train_loop import ema_decay_at, make_ema
+
+    assert ema_decay_at(0.99, 0) == pytest.approx(0.1)  # early: mostly the current weights
+    assert ema_decay_at(0.99, 10_000) == 0.99
+    model = torch.nn.Linear(2, 1, bias=False)
+    ema = make_ema(model, 0.99)
+    with torch.no_grad():
+        model.weight.fill_(0.0)
+    ema.update_parameters(model)  # first update copies
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    ema.update_parameters(model)
+    assert ema.module.weight.detach().flatten().tolist() == pytest.approx([1 - ema_decay_at(0.99, 1)] * 2)
+    assert make_ema(model, 0.0) is None

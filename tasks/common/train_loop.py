@@ -1,8 +1,10 @@
 """The per-worker training loop Ray Train runs on every rank (``train_loop_per_worker``).
 
-Recipe: AdamW with a one-cycle schedule (linear warm-up, cosine decay), label smoothing and
-random +-2 px shifts (applied in the Ray Data transform). Every rank reports every epoch; rank 0
-attaches a checkpoint in the seeds' format (model.pt / optimizer.pt / extra_state.pt).
+Recipe: AdamW with a one-cycle schedule (linear warm-up, cosine decay), label smoothing, random
+shifts / rotations / zoom (applied in the Ray Data transform) and an exponential moving average
+(EMA) of the weights, which is what gets validated and saved as ``model.pt``. Every rank reports
+every epoch; rank 0 attaches a checkpoint in the seeds' format (model.pt / optimizer.pt /
+extra_state.pt, the latter also holding the raw training weights so a resume is exact).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from torch.optim.swa_utils import AveragedModel
 
 from tasks.common.model import (
     EXTRA_STATE_FILE,
@@ -44,18 +47,48 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def ema_decay_at(decay: float, updates: int) -> float:
+    """EMA decay after ``updates`` averaging steps: warms up as (1+n)/(10+n), capped at ``decay``.
+
+    Without the warm-up a short run's average would still be mostly its random initial weights.
+    """
+    return min(decay, (1.0 + updates) / (10.0 + updates))
+
+
+def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel | None:
+    """An EMA copy of the unwrapped model (buffers included), or None when ``decay`` is 0."""
+    if decay <= 0:
+        return None
+
+    def average(averaged: torch.Tensor, current: torch.Tensor, updates: torch.Tensor) -> torch.Tensor:
+        d = ema_decay_at(decay, int(updates))
+        return averaged * d + current * (1.0 - d)
+
+    return AveragedModel(unwrap(model), avg_fn=average, use_buffers=True)
+
+
+def inference_model(model: torch.nn.Module, ema: AveragedModel | None) -> torch.nn.Module:
+    """The weights to validate and ship: the EMA when there is one, else the model itself."""
+    return ema.module if ema is not None else unwrap(model)
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None) -> int:
     """Load the latest checkpoint Ray Train hands this attempt, if any; return the next epoch."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0
     with checkpoint.as_directory() as ckpt_dir:
-        unwrap(model).load_state_dict(load_state(ckpt_dir, MODEL_FILE))
+        shipped = load_state(ckpt_dir, MODEL_FILE)
+        extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
+        unwrap(model).load_state_dict(extra.get("train_weights", shipped))
+        if ema is not None:
+            ema.module.load_state_dict(shipped)
+            ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
         optimizer.load_state_dict(load_state(ckpt_dir, OPTIMIZER_FILE))
-        return int(load_state(ckpt_dir, EXTRA_STATE_FILE)["epoch"]) + 1
+        return int(extra["epoch"]) + 1
 
 
-def train_epoch(model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device) -> dict:
+def train_epoch(model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None) -> dict:
     """One pass over this rank's shard; returns global loss, accuracy and images/s."""
     model.train()
     loss_sum, correct, seen, start = 0.0, 0.0, 0.0, time.perf_counter()
@@ -69,6 +102,8 @@ def train_epoch(model, optimizer, criterion, shard, batch_size, epoch, epochs, s
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if ema is not None:
+            ema.update_parameters(unwrap(model))
         loss_sum += loss.item() * len(labels)
         correct += (logits.argmax(1) == labels).sum().item()
         seen += len(labels)
@@ -96,12 +131,15 @@ def validate(model, criterion, shard, batch_size, device) -> dict:
     return {"val_loss": loss_sum / max(seen, 1), "val_accuracy": correct / max(seen, 1)}
 
 
-def report(metrics: dict, model, optimizer, epoch: int) -> None:
+def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None) -> None:
     """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state)."""
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            save_checkpoint_files(tmp, model, optimizer, {"epoch": epoch, "metrics": metrics})
+            extra = {"epoch": epoch, "metrics": metrics}
+            if ema is not None:
+                extra |= {"train_weights": unwrap(model).state_dict(), "ema_updates": int(ema.n_averaged)}
+            save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=checkpoint)
 
@@ -119,7 +157,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     model = ray.train.torch.prepare_model(build_resnet18(), parallel_strategy=config["strategy"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=config["weight_decay"])
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
-    start_epoch = restore(model, optimizer)
+    ema = make_ema(model, config["ema_decay"])
+    start_epoch = restore(model, optimizer, ema)
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
@@ -127,8 +166,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         start = time.perf_counter()
         metrics = {"epoch": epoch}
         metrics |= train_epoch(
-            model, optimizer, criterion, train_shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device
+            model, optimizer, criterion, train_shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema
         )
-        metrics |= validate(model, criterion, val_shard, batch_size, device)
+        metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
         metrics["epoch_seconds"] = time.perf_counter() - start
-        report(metrics, model, optimizer, epoch)
+        report(metrics, model, optimizer, epoch, ema)

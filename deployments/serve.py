@@ -1,0 +1,111 @@
+"""Serve both deployments of the MNIST flow from one process: the simplest scheduled + UI setup.
+
+    PREFECT_API_URL=http://127.0.0.1:4200/api python -m deployments.serve
+    python -m deployments.serve --cron "30 1 * * *" --timezone Europe/Berlin
+    python -m deployments.serve --manual-preset smoke     # the run form starts from the smoke values
+
+Registers and serves, until Ctrl-C:
+
+- ``mnist-resnet18/nightly``: on a cron schedule (default 02:00 UTC), parameters from the
+  ``nightly`` preset;
+- ``mnist-resnet18/manual``: no schedule; start it from the UI (Run > Custom run), with
+  ``prefect deployment run 'mnist-resnet18/manual'`` or through the API.
+
+Runs execute one at a time (``--limit 1``: on a small machine two runs would fight over the
+same CPUs and Ray would start two local clusters) in subprocesses of this process, with its
+environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``) and working directory (the
+default ``storage_root`` "storage" is relative to it). On shutdown the nightly schedule is paused.
+
+``deployments/prefect.yaml`` declares the same two deployments for ``prefect deploy`` and a
+``process`` work pool, when runs should be executed by a separate worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from pipeline_config import PipelineConfig
+from pipeline_config.settings import PRESETS, load_preset
+
+NIGHTLY_CRON = "0 2 * * *"
+NIGHTLY_TIMEZONE = "UTC"
+NIGHTLY_PRESET = "nightly"
+TAGS = ["mnist", "resnet18", "ray"]
+
+
+def preset_parameters(preset: str) -> dict[str, Any]:
+    """The flow's parameters for a preset: the whole validated config, so the UI form shows every value.
+
+    Args:
+        preset: A name from ``pipeline_config.settings.PRESETS``.
+
+    Returns:
+        ``{"config": <PipelineConfig as JSON>}``.
+    """
+    return {"config": PipelineConfig.model_validate(load_preset(preset)).model_dump(mode="json")}
+
+
+def build_deployments(
+    cron: str = NIGHTLY_CRON, timezone: str = NIGHTLY_TIMEZONE, manual_preset: str = "default"
+) -> list:
+    """The nightly (scheduled) and manual (no schedule) ``RunnerDeployment`` of the flow.
+
+    Args:
+        cron: When the nightly deployment runs.
+        timezone: The cron's time zone (IANA name).
+        manual_preset: Which preset the manual deployment's run form starts from.
+
+    Returns:
+        ``[nightly, manual]``.
+    """
+    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.deployments.runner import EntrypointType
+
+    from flows.mnist import mnist_pipeline
+
+    # Module-path entrypoints: runs load `flows.mnist` from the installed project, whatever
+    # the working directory of this process.
+    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "enforce_parameter_schema": True}
+    nightly = mnist_pipeline.to_deployment(
+        name="nightly",
+        schedule=CronSchedule(cron=cron, timezone=timezone),
+        parameters=preset_parameters(NIGHTLY_PRESET),
+        description=f"Nightly quality run (preset '{NIGHTLY_PRESET}'), cron '{cron}' {timezone}.",
+        tags=[*TAGS, "nightly"],
+        **common,
+    )
+    manual = mnist_pipeline.to_deployment(
+        name="manual",
+        parameters=preset_parameters(manual_preset),
+        description=f"Runs started by hand: Run > Custom run in the UI. The form starts from preset '{manual_preset}'.",
+        tags=[*TAGS, "manual"],
+        **common,
+    )
+    return [nightly, manual]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options of ``python -m deployments.serve``."""
+    parser = argparse.ArgumentParser(prog="python -m deployments.serve", description=__doc__.split("\n")[0])
+    parser.add_argument("--cron", default=NIGHTLY_CRON, help=f"nightly schedule (default: '{NIGHTLY_CRON}')")
+    parser.add_argument("--timezone", default=NIGHTLY_TIMEZONE, help=f"time zone of --cron (default: {NIGHTLY_TIMEZONE})")
+    parser.add_argument(
+        "--manual-preset", default="default", choices=PRESETS, help="preset the manual run form starts from"
+    )
+    parser.add_argument("--limit", type=int, default=1, help="flow runs executed at the same time (default: 1)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Register both deployments and execute their runs until interrupted."""
+    from prefect import serve
+
+    args = parse_args(argv)
+    serve(*build_deployments(args.cron, args.timezone, args.manual_preset), limit=args.limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

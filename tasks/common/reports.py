@@ -1,0 +1,474 @@
+"""Run reports as Prefect artifacts: pictures, tables and links built from stage outputs.
+
+Two layers. Rendering is pure: arrays, manifests and files on storage in; PNG bytes, markdown
+or table rows out; no Prefect, no Ray, testable on tiny arrays. Publishing is thin: one Prefect
+artifact per report under a stable key (``KEYS``), so every key versions across runs in the
+UI's Artifacts page, and a report that fails logs a warning instead of failing the run.
+
+Why pictures are inline ``data:image/png;base64`` URIs inside markdown artifacts: the Prefect
+server stores artifacts but serves no files, and the UI that Prefect 3.8.8 opens by default
+(V2, React) renders markdown with react-markdown + rehype-sanitize and a URL transform that
+explicitly keeps ``data:image/`` sources on ``<img>`` (the browser test checks the pictures load
+with a non-zero natural width). So a report needs no file server, works offline and lives in
+the Prefect database as long as the artifact does.
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+from ray.train import UserCallback
+
+from tasks.common.logs import stage_logger
+
+# Artifact keys: lowercase letters, digits and dashes (Prefect's rule); stable across runs.
+KEYS = {
+    "samples": "mnist-sample-digits",
+    "progress": "mnist-training-progress",
+    "curves": "mnist-training-curves",
+    "confusion": "mnist-confusion-matrix",
+    "predictions": "mnist-test-predictions",
+    "metrics": "mnist-test-metrics",
+    "checkpoint": "mnist-checkpoint",
+}
+GRID = 3  # the seeds' 3x3 pictures
+IMAGE_SIDE = 28
+_T = TypeVar("_T")
+
+
+# --------------------------------------------------------------------------- pure rendering
+
+
+def _figure(width: float, height: float):
+    # The object-oriented Figure renders through Agg without pyplot, so no global backend
+    # switch and no GUI state (a report may be built inside a worker or a served flow run).
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=100)
+
+
+def png_bytes(fig) -> bytes:
+    """Encode a matplotlib figure as PNG bytes.
+
+    Args:
+        fig: A ``matplotlib.figure.Figure``.
+
+    Returns:
+        The PNG file content.
+    """
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def digit_grid_png(images: np.ndarray, titles: Sequence[str], wrong: Sequence[bool] | None = None) -> bytes:
+    """A grid of 28x28 digits with a title above each (the seeds' 3x3 layout).
+
+    Args:
+        images: ``(N, 784)`` or ``(N, 28, 28)`` uint8 pixels, at most ``GRID * GRID`` of them.
+        titles: One title per image, e.g. ``"7"`` or ``"label: 7; pred: 1"``.
+        wrong: Optional flags; a flagged image gets a red title (a misclassified digit).
+
+    Returns:
+        PNG bytes.
+    """
+    images = np.asarray(images, dtype=np.uint8).reshape(-1, IMAGE_SIDE, IMAGE_SIDE)
+    if len(images) != len(titles) or not 0 < len(images) <= GRID * GRID:
+        raise ValueError(f"need 1..{GRID * GRID} images with one title each, got {len(images)} and {len(titles)}")
+    wrong = list(wrong) if wrong is not None else [False] * len(images)
+    fig = _figure(6, 6.4)
+    for i, (image, title, bad) in enumerate(zip(images, titles, wrong)):
+        ax = fig.add_subplot(GRID, GRID, i + 1)
+        ax.imshow(image, cmap="gray", vmin=0, vmax=255)
+        ax.set_title(title, color="tab:red" if bad else "black", fontsize=11)
+        ax.axis("off")
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+def training_curves_png(history: Sequence[dict[str, float]]) -> bytes:
+    """Loss and accuracy per epoch, training and validation, side by side.
+
+    Args:
+        history: One dict per reported epoch with ``epoch`` (0-based) and any of
+            ``train_loss``, ``val_loss``, ``train_accuracy``, ``val_accuracy``.
+
+    Returns:
+        PNG bytes.
+    """
+    rows = sorted((row for row in history if "epoch" in row), key=lambda row: row["epoch"])
+    if not rows:
+        raise ValueError("no epochs in the training history")
+    epochs = [int(row["epoch"]) + 1 for row in rows]
+    fig = _figure(10, 3.8)
+    for index, (metric, label) in enumerate((("loss", "Loss"), ("accuracy", "Accuracy"))):
+        ax = fig.add_subplot(1, 2, index + 1)
+        for split, style in (("train", "o-"), ("val", "s--")):
+            values = [row.get(f"{split}_{metric}") for row in rows]
+            if any(v is not None for v in values):
+                ax.plot(epochs, [np.nan if v is None else v for v in values], style, label=split)
+        ax.set_xlabel("epoch")
+        ax.set_title(label)
+        ax.set_xticks(epochs if len(epochs) <= 20 else ax.get_xticks())
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+def confusion_matrix_png(confusion: Sequence[Sequence[int]]) -> bytes:
+    """The confusion matrix (rows: true digit, columns: predicted) with a count in every cell.
+
+    Args:
+        confusion: A square matrix of counts, ``confusion[true][pred]``.
+
+    Returns:
+        PNG bytes.
+    """
+    matrix = np.asarray(confusion, dtype=np.int64)
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1] or matrix.size == 0:
+        raise ValueError(f"confusion matrix must be square, got shape {matrix.shape}")
+    n = matrix.shape[0]
+    fig = _figure(6.4, 5.6)
+    ax = fig.add_subplot(1, 1, 1)
+    shown = ax.imshow(matrix, cmap="Blues")
+    fig.colorbar(shown, ax=ax, fraction=0.046)
+    threshold = matrix.max() / 2 if matrix.max() else 1
+    for true in range(n):
+        for pred in range(n):
+            count = matrix[true, pred]
+            color = "white" if count > threshold else "black"
+            ax.text(pred, true, str(count), ha="center", va="center", fontsize=8, color=color)
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    ax.set_title(f"Confusion matrix ({int(matrix.sum())} test images)")
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+def data_uri(png: bytes) -> str:
+    """A ``data:image/png;base64`` URI the Prefect UI's markdown keeps on ``<img>``."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def image_markdown(title: str, png: bytes, caption: str = "") -> str:
+    """Markdown with a heading, the inline picture and an optional caption below it.
+
+    Args:
+        title: Heading text; also the image's alt text.
+        png: PNG bytes to embed.
+        caption: Markdown shown under the picture.
+
+    Returns:
+        The markdown document.
+    """
+    parts = [f"## {title}", f"![{title}]({data_uri(png)})"]
+    if caption:
+        parts.append(caption)
+    return "\n\n".join(parts) + "\n"
+
+
+def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float], recall: Sequence[float]) -> list[dict]:
+    """One table row per digit (support, correct, precision, recall) and an ``all`` row.
+
+    Args:
+        confusion: ``confusion[true][pred]`` counts.
+        precision: Per-class precision.
+        recall: Per-class recall.
+
+    Returns:
+        Rows for a Prefect table artifact; the ``all`` row has macro-averaged precision and
+        recall and the overall ``accuracy`` (empty on the per-class rows).
+    """
+    matrix = np.asarray(confusion, dtype=np.int64)
+    support, correct = matrix.sum(1), np.diag(matrix)
+    rows = [
+        {
+            "class": str(digit),
+            "support": int(support[digit]),
+            "correct": int(correct[digit]),
+            "precision": round(float(precision[digit]), 4),
+            "recall": round(float(recall[digit]), 4),
+            "accuracy": None,
+        }
+        for digit in range(len(matrix))
+    ]
+    total = int(matrix.sum())
+    rows.append(
+        {
+            "class": "all",
+            "support": total,
+            "correct": int(correct.sum()),
+            "precision": round(float(np.mean(precision)), 4),
+            "recall": round(float(np.mean(recall)), 4),
+            "accuracy": round(float(correct.sum() / max(total, 1)), 4),
+        }
+    )
+    return rows
+
+
+def checkpoint_markdown(checkpoint: str, checkpoints: Sequence[dict], run_dir: str, accuracy: float | None) -> str:
+    """Where the evaluated checkpoint lives, what it scored, and how to load it.
+
+    Args:
+        checkpoint: Path of the checkpoint evaluation used.
+        checkpoints: Kept checkpoints as dicts with ``path``, ``epoch`` and ``val_accuracy``.
+        run_dir: The run folder.
+        accuracy: Test accuracy of ``checkpoint`` (None when unknown).
+
+    Returns:
+        The markdown document.
+    """
+    lines = [
+        "## Checkpoint used for evaluation",
+        "",
+        f"`{checkpoint}`",
+        "",
+    ]
+    if accuracy is not None:
+        lines += [f"Test accuracy: **{accuracy:.4f}**", ""]
+    lines += ["| kept checkpoint | epoch | val accuracy |", "| --- | --- | --- |"]
+    for info in sorted(checkpoints, key=lambda c: c["epoch"]):
+        marker = " (evaluated)" if info["path"] == checkpoint else ""
+        lines.append(f"| `{Path(info['path']).name}`{marker} | {int(info['epoch']) + 1} | {info['val_accuracy']:.4f} |")
+    lines += [
+        "",
+        f"Run folder: `{run_dir}`. Load it with `tasks.common.model.load_model(\"{checkpoint}\")`.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def pick_rows(n_rows: int, count: int = GRID * GRID, seed: int = 0) -> np.ndarray:
+    """``count`` distinct row positions out of ``n_rows``, the same ones every run (sorted)."""
+    if n_rows <= 0:
+        raise ValueError("no rows to pick from")
+    rng = np.random.default_rng(seed)
+    return np.sort(rng.choice(n_rows, size=min(count, n_rows), replace=False))
+
+
+def pick_predictions(labels: np.ndarray, preds: np.ndarray, count: int = GRID * GRID, seed: int = 0) -> np.ndarray:
+    """Positions of test predictions to show: up to a third misclassified, the rest correct.
+
+    A purely random pick of a 99%-accurate model shows nine correct digits; showing a few
+    mistakes next to correct ones is what tells a person something.
+
+    Args:
+        labels: True labels.
+        preds: Predicted labels.
+        count: How many to pick.
+        seed: Fixes the pick so the same rows appear in every run.
+
+    Returns:
+        Sorted positions into ``labels``.
+    """
+    rng = np.random.default_rng(seed)
+    wrong = np.flatnonzero(labels != preds)
+    right = np.flatnonzero(labels == preds)
+    take_wrong = min(len(wrong), count // 3)
+    chosen = list(rng.choice(wrong, size=take_wrong, replace=False)) if take_wrong else []
+    take_right = min(len(right), count - take_wrong)
+    chosen += list(rng.choice(right, size=take_right, replace=False)) if take_right else []
+    return np.sort(np.asarray(chosen, dtype=np.int64))
+
+
+# --------------------------------------------------------------------------- reading storage
+
+
+def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids: Sequence[int] | None = None):
+    """Read rows of a Parquet split (schema of ``tasks.to_parquet``) by position or by ``row_id``.
+
+    Args:
+        split_dir: A split folder such as ``<dataset>/train``.
+        positions: Row positions within the split, in file order.
+        row_ids: ``row_id`` values to fetch instead (order of the result follows ``row_ids``).
+
+    Returns:
+        ``(row_ids, images (N, 784) uint8, labels)`` as numpy arrays.
+    """
+    import pyarrow.compute as pc
+    import pyarrow.dataset as ds
+
+    from tasks.to_parquet import images_from_column
+
+    dataset = ds.dataset(sorted(str(p) for p in Path(split_dir).glob("*.parquet")), format="parquet")
+    if row_ids is not None:
+        table = dataset.to_table(filter=pc.field("row_id").isin(list(map(int, row_ids))))
+        order = {rid: i for i, rid in enumerate(table.column("row_id").to_pylist())}
+        missing = [rid for rid in row_ids if rid not in order]
+        if missing:
+            raise KeyError(f"row_id(s) {missing} not in {split_dir}")
+        table = table.take([order[int(rid)] for rid in row_ids])
+    else:
+        table = dataset.take(positions)
+    return (
+        table.column("row_id").to_numpy(),
+        images_from_column(table.column("image")),
+        table.column("label").to_numpy(),
+    )
+
+
+def sample_digits_markdown(train_dir: str, train_rows: int) -> str:
+    """The sample-digits report: nine training digits with their labels (the seeds' first picture)."""
+    _, images, labels = read_split_rows(train_dir, positions=pick_rows(train_rows))
+    png = digit_grid_png(images, [str(int(label)) for label in labels])
+    caption = f"Nine training digits with their labels, the same rows every run, read back from `{train_dir}`."
+    return image_markdown("Sample training digits", png, caption)
+
+
+def predictions_markdown(predictions_path: str, test_dir: str) -> str:
+    """The test-predictions report: digits with true and predicted labels (the seeds' last picture)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(predictions_path, columns=["row_id", "label", "pred"])
+    row_ids, labels, preds = (table.column(name).to_numpy() for name in ("row_id", "label", "pred"))
+    chosen = pick_predictions(labels, preds)
+    _, images, _ = read_split_rows(test_dir, row_ids=row_ids[chosen].tolist())
+    wrong = labels[chosen] != preds[chosen]
+    titles = [f"label: {int(t)}; pred: {int(p)}" for t, p in zip(labels[chosen], preds[chosen])]
+    png = digit_grid_png(images, titles, wrong=wrong)
+    errors = int((labels != preds).sum())
+    caption = (
+        f"{len(chosen)} test digits with true and predicted labels (red: misclassified). "
+        f"{errors} of {len(labels)} test images are misclassified in total."
+    )
+    return image_markdown("Test predictions", png, caption)
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def _best_effort(fn: Callable[..., _T]) -> Callable[..., _T | None]:
+    """Run a publisher; on any error log a warning and return None (a report never fails a run)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> _T | None:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            stage_logger(__name__).warning("Report %s not published: %s: %s", fn.__name__, type(exc).__name__, exc)
+            return None
+
+    return wrapper
+
+
+@_best_effort
+def publish_dataset_report(dataset) -> list:
+    """Publish the sample-digits picture for a ``ParquetDataset``; returns the artifact ids."""
+    from prefect.artifacts import create_markdown_artifact
+
+    markdown = sample_digits_markdown(dataset.split_dir("train"), dataset.rows["train"])
+    return [create_markdown_artifact(markdown, key=KEYS["samples"], description="Nine training digits with labels")]
+
+
+@_best_effort
+def publish_training_report(trained) -> list:
+    """Publish the training curves of a ``TrainedModel``; returns the artifact ids."""
+    from prefect.artifacts import create_markdown_artifact
+
+    best = f"Best validation accuracy {trained.best_val_accuracy:.4f}."
+    markdown = image_markdown("Training curves", training_curves_png(trained.history), best)
+    return [create_markdown_artifact(markdown, key=KEYS["curves"], description="Loss and accuracy per epoch")]
+
+
+@_best_effort
+def publish_evaluation_report(evaluation, dataset, trained) -> list:
+    """Publish confusion matrix, test predictions, metrics table and checkpoint; returns the artifact ids."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    gate = "passed" if evaluation.passed_gate else "failed"
+    confusion = image_markdown(
+        "Confusion matrix",
+        confusion_matrix_png(evaluation.confusion),
+        f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images (gate {gate}).",
+    )
+    checkpoints = [c.model_dump() for c in trained.checkpoints]
+    return [
+        create_markdown_artifact(confusion, key=KEYS["confusion"], description="True vs predicted digit counts"),
+        create_markdown_artifact(
+            predictions_markdown(evaluation.predictions_path, dataset.split_dir("test")),
+            key=KEYS["predictions"],
+            description="Test digits with true and predicted labels",
+        ),
+        create_table_artifact(
+            metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall),
+            key=KEYS["metrics"],
+            description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}",
+        ),
+        create_markdown_artifact(
+            checkpoint_markdown(evaluation.checkpoint, checkpoints, trained.run_dir, evaluation.accuracy),
+            key=KEYS["checkpoint"],
+            description="Path of the checkpoint evaluation used",
+        ),
+    ]
+
+
+def progress_percent(epoch: int, epochs: int) -> float:
+    """Progress after finishing 0-based ``epoch`` of ``epochs``, in percent (0..100)."""
+    return round(min(max((epoch + 1) / max(epochs, 1) * 100.0, 0.0), 100.0), 2)
+
+
+def epoch_line(metrics: dict[str, Any], epochs: int) -> str:
+    """One line describing a finished epoch, e.g. ``epoch 3/20: train loss 0.41, val accuracy 0.9812``."""
+    parts = [f"epoch {int(metrics['epoch']) + 1}/{epochs}"]
+    if "train_loss" in metrics:
+        parts.append(f"train loss {metrics['train_loss']:.4f}")
+    if "val_accuracy" in metrics:
+        parts.append(f"val accuracy {metrics['val_accuracy']:.4f}")
+    return parts[0] + (": " + ", ".join(parts[1:]) if len(parts) > 1 else "")
+
+
+class TrainingProgress(UserCallback):
+    """Ray Train callback that moves the Prefect progress artifact after every reported epoch.
+
+    Runs in the Ray Train controller process, which reaches the flow's Prefect API through
+    ``PREFECT_API_URL`` in the Ray job's runtime environment. An update that fails is logged and
+    dropped: progress is informational and must never stop training.
+    """
+
+    def __init__(self, artifact_id: str, epochs: int):
+        self.artifact_id, self.epochs = str(artifact_id), epochs
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if not metrics or "epoch" not in metrics[0]:
+            return
+        from prefect.artifacts import update_progress_artifact
+
+        try:
+            # _sync: the controller calls callbacks from inside its asyncio loop, where Prefect
+            # would otherwise hand back an un-awaited coroutine and update nothing.
+            update_progress_artifact(
+                artifact_id=self.artifact_id,
+                progress=progress_percent(int(metrics[0]["epoch"]), self.epochs),
+                description=f"Training: {epoch_line(metrics[0], self.epochs)}",
+                _sync=True,
+            )
+        except Exception as exc:
+            import logging
+
+            logging.getLogger(__name__).warning("Progress artifact %s not updated: %s", self.artifact_id, exc)
+
+
+def training_progress_callbacks(epochs: int, run_name: str) -> list[TrainingProgress]:
+    """Create the training progress artifact (at 0%) and return the callback that moves it.
+
+    Returns an empty list, with a warning, when the artifact cannot be created (no Prefect
+    API, for example): training then runs without live progress.
+    """
+    try:
+        from prefect.artifacts import create_progress_artifact
+
+        artifact_id = create_progress_artifact(
+            0.0, key=KEYS["progress"], description=f"Training {run_name}: starting, {epochs} epoch(s)", _sync=True
+        )
+    except Exception as exc:
+        stage_logger(__name__).warning("No training progress artifact: %s: %s", type(exc).__name__, exc)
+        return []
+    return [TrainingProgress(str(artifact_id), epochs)]
