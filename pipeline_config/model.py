@@ -303,6 +303,10 @@ class PipelineConfig(_Section):
                 f"train.global_batch_size ({self.train.global_batch_size}) is smaller than train.num_workers "
                 f"({self.train.num_workers}): every worker needs at least one image per step; raise the batch or lower the workers"
             )
+        if self.train.strategy == "fsdp" and self.train.ema_decay > 0:
+            raise ValueError(
+                "train.strategy=fsdp shards the weights, which the weight EMA cannot follow; set train.ema_decay=0 with fsdp"
+            )
         if self.transform.cpus_per_task > self.train.data_cpus:
             raise ValueError(
                 f"transform.cpus_per_task ({self.transform.cpus_per_task}) exceeds train.data_cpus "

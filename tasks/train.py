@@ -59,6 +59,8 @@ def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -
     Logical CPUs are only bookkeeping; torch threads follow the physical split.
     """
     use_gpu = cfg.use_gpu == "always" or (cfg.use_gpu == "auto" and cluster_gpus > 0)
+    if cfg.strategy == "fsdp" and not use_gpu:
+        raise ValueError("train.strategy=fsdp needs GPUs (PyTorch FSDP does not run on CPU); use train.strategy=ddp")
     if use_gpu and cluster_gpus < cfg.num_workers:
         raise ValueError(f"train.num_workers={cfg.num_workers} needs {cfg.num_workers} GPUs; the cluster has {cluster_gpus:g}")
     cpus = round((cluster_cpus - cfg.data_cpus) / cfg.num_workers, 3)

@@ -56,6 +56,7 @@ def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: f
     One batched ``affine_grid`` + ``grid_sample`` (bilinear, zero fill) for the whole batch.
     """
     n = len(images)
+    torch.set_num_threads(1)  # a data task owns a fraction of a CPU; the cores belong to training
     pixels = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).float().div_(255.0).unsqueeze(1)
     if n == 0 or (shift_px == 0 and rotate_deg == 0 and scale == 0):
         return pixels.squeeze(1).numpy()

@@ -75,6 +75,7 @@ def test_every_field_has_a_description():
         ({"ray": {"address": "http://host:1"}}, "ray.address", "cannot parse Ray address"),
         ({"ray": {"address": "host:port"}}, "ray.address", "cannot parse Ray address"),
         ({"download": {"source": "mirror"}}, "download", "mirror_url"),
+        ({"train": {"strategy": "fsdp"}}, "ema_decay", "fsdp"),
         ({"download": {"mirror_url": "ftp://x/"}}, "download.mirror_url", "http://"),
         ({"transform": {"cpus_per_task": 2.0}, "train": {"data_cpus": 1.0}}, "cpus_per_task", "data_cpus"),
     ],

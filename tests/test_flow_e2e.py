@@ -104,3 +104,41 @@ def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smok
     run_dir = storage / "runs" / "gate"
     assert (run_dir / "evaluation" / "metrics.json").is_file()  # the failed gate kept every artifact
     assert Path(printed["best_checkpoint"]).is_dir()
+
+
+@pytest.fixture
+def ray_cluster(tmp_path):
+    """A real Ray head node started with `ray start` on 127.0.0.1, stopped afterwards."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    port = 6390
+    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
+    started = subprocess.run(
+        [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert started.returncode == 0, started.stderr[-2000:]
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+def test_flow_connects_to_an_existing_ray_cluster(ray_cluster, tmp_path):
+    """ray.address set: the stages run on that cluster (and the run leaves it running)."""
+    import ray
+
+    config = parse_cli(
+        ["--preset", "smoke", "--storage-root", str(tmp_path / "storage"), "--run-name", "on-cluster",
+         "--ray.address", ray_cluster]
+    ).pipeline_config()
+    with prefect_test_harness(server_startup_timeout=120):
+        summary = mnist_pipeline(config)
+    assert summary["status"] == "completed"
+    assert summary["test_accuracy"] >= 0.5
+    assert not ray.is_initialized()  # the flow disconnected ...
+    ray.init(address=ray_cluster)
+    try:
+        assert ray.cluster_resources().get("CPU") == 2  # ... and the cluster it used is still up
+    finally:
+        ray.shutdown()

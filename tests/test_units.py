@@ -34,6 +34,8 @@ def test_resource_plan_leaves_cpus_for_ray_data():
     assert plan_resources(TrainConfig(num_workers=1, use_gpu="auto"), 8, 1)[0] is True
     with pytest.raises(ValueError, match="too few"):
         plan_resources(TrainConfig(num_workers=2), cluster_cpus=1, cluster_gpus=0)
+    with pytest.raises(ValueError, match="FSDP does not run on CPU"):
+        plan_resources(TrainConfig(num_workers=1, strategy="fsdp", ema_decay=0), 2, 0)
     with pytest.raises(ValueError, match="needs 2 GPUs"):
         plan_resources(TrainConfig(num_workers=2, use_gpu="always"), 8, 1)
 

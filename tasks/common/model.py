@@ -38,11 +38,15 @@ def save_checkpoint_files(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     extra_state: dict[str, Any],
+    optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write model.pt, optimizer.pt and extra_state.pt into ``directory``."""
+    """Write model.pt, optimizer.pt and extra_state.pt into ``directory``.
+
+    ``optimizer_state`` overrides ``optimizer.state_dict()`` (FSDP gathers a full one itself).
+    """
     directory = Path(directory)
     torch.save(unwrap(model).state_dict(), directory / MODEL_FILE)
-    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), directory / OPTIMIZER_FILE)
     torch.save(extra_state, directory / EXTRA_STATE_FILE)
     return directory
 

@@ -177,7 +177,7 @@ def image_markdown(title: str, png: bytes, caption: str = "") -> str:
 
 
 def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float], recall: Sequence[float]) -> list[dict]:
-    """One table row per digit (support, correct, precision, recall) and an ``all`` row.
+    """An ``all`` row, then one row per digit (support, correct, precision, recall).
 
     Args:
         confusion: ``confusion[true][pred]`` counts.
@@ -190,7 +190,7 @@ def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float],
     """
     matrix = np.asarray(confusion, dtype=np.int64)
     support, correct = matrix.sum(1), np.diag(matrix)
-    rows = [
+    per_class = [
         {
             "class": str(digit),
             "support": int(support[digit]),
@@ -202,17 +202,15 @@ def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float],
         for digit in range(len(matrix))
     ]
     total = int(matrix.sum())
-    rows.append(
-        {
-            "class": "all",
-            "support": total,
-            "correct": int(correct.sum()),
-            "precision": round(float(np.mean(precision)), 4),
-            "recall": round(float(np.mean(recall)), 4),
-            "accuracy": round(float(correct.sum() / max(total, 1)), 4),
-        }
-    )
-    return rows
+    overall = {
+        "class": "all",
+        "support": total,
+        "correct": int(correct.sum()),
+        "precision": round(float(np.mean(precision)), 4),
+        "recall": round(float(np.mean(recall)), 4),
+        "accuracy": round(float(correct.sum() / max(total, 1)), 4),
+    }
+    return [overall, *per_class]  # overall first: the UI pages tables ten rows at a time
 
 
 def checkpoint_markdown(checkpoint: str, checkpoints: Sequence[dict], run_dir: str, accuracy: float | None) -> str:
@@ -247,11 +245,15 @@ def checkpoint_markdown(checkpoint: str, checkpoints: Sequence[dict], run_dir: s
 
 
 def pick_rows(n_rows: int, count: int = GRID * GRID, seed: int = 0) -> np.ndarray:
-    """``count`` distinct row positions out of ``n_rows``, the same ones every run (sorted)."""
+    """``count`` distinct row positions out of ``n_rows`` in random order, the same ones every run.
+
+    Random order, not sorted: the bundled sample's files are sorted by class, so sorted
+    positions would draw the digits in ascending order.
+    """
     if n_rows <= 0:
         raise ValueError("no rows to pick from")
     rng = np.random.default_rng(seed)
-    return np.sort(rng.choice(n_rows, size=min(count, n_rows), replace=False))
+    return rng.choice(n_rows, size=min(count, n_rows), replace=False)
 
 
 def pick_predictions(labels: np.ndarray, preds: np.ndarray, count: int = GRID * GRID, seed: int = 0) -> np.ndarray:
@@ -267,7 +269,7 @@ def pick_predictions(labels: np.ndarray, preds: np.ndarray, count: int = GRID * 
         seed: Fixes the pick so the same rows appear in every run.
 
     Returns:
-        Sorted positions into ``labels``.
+        Positions into ``labels``, mistakes and correct ones shuffled together.
     """
     rng = np.random.default_rng(seed)
     wrong = np.flatnonzero(labels != preds)
@@ -276,7 +278,7 @@ def pick_predictions(labels: np.ndarray, preds: np.ndarray, count: int = GRID * 
     chosen = list(rng.choice(wrong, size=take_wrong, replace=False)) if take_wrong else []
     take_right = min(len(right), count - take_wrong)
     chosen += list(rng.choice(right, size=take_right, replace=False)) if take_right else []
-    return np.sort(np.asarray(chosen, dtype=np.int64))
+    return rng.permutation(np.asarray(chosen, dtype=np.int64))
 
 
 # --------------------------------------------------------------------------- reading storage

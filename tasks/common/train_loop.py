@@ -18,6 +18,8 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.optim.swa_utils import AveragedModel
 
 from tasks.common.model import (
@@ -80,11 +82,17 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: Avera
     with checkpoint.as_directory() as ckpt_dir:
         shipped = load_state(ckpt_dir, MODEL_FILE)
         extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
-        unwrap(model).load_state_dict(extra.get("train_weights", shipped))
+        optimizer_state = load_state(ckpt_dir, OPTIMIZER_FILE)
+        if isinstance(model, FSDP):  # full (unsharded) files; FSDP re-shards them on load
+            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+                model.load_state_dict(extra.get("train_weights", shipped))
+                optimizer_state = FSDP.optim_state_dict_to_load(model, optimizer, optimizer_state)
+        else:
+            unwrap(model).load_state_dict(extra.get("train_weights", shipped))
         if ema is not None:
             ema.module.load_state_dict(shipped)
             ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
-        optimizer.load_state_dict(load_state(ckpt_dir, OPTIMIZER_FILE))
+        optimizer.load_state_dict(optimizer_state)
         return int(extra["epoch"]) + 1
 
 
@@ -131,15 +139,36 @@ def validate(model, criterion, shard, batch_size, device) -> dict:
     return {"val_loss": loss_sum / max(seen, 1), "val_accuracy": correct / max(seen, 1)}
 
 
+class _StateDictView(torch.nn.Module):
+    """Stands in for a model whose full state dict was already gathered (FSDP)."""
+
+    def __init__(self, state: dict):
+        super().__init__()
+        self._state = state
+
+    def state_dict(self, *args, **kwargs):  # noqa: D102 - same contract as nn.Module
+        return self._state
+
+
 def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None) -> None:
     """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state)."""
+    optimizer_state = None
+    if isinstance(model, FSDP):
+        # Gathering full weights and optimizer state is a collective: every rank takes part and
+        # rank 0 writes them, so the checkpoint loads into a plain ResNet-18. (Not exercised
+        # here: PyTorch FSDP needs GPUs, and the test machine has none.)
+        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            full_state = model.state_dict()
+            optimizer_state = FSDP.optim_state_dict(model, optimizer)
+        model = _StateDictView(full_state)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
             extra = {"epoch": epoch, "metrics": metrics}
             if ema is not None:
                 extra |= {"train_weights": unwrap(model).state_dict(), "ema_updates": int(ema.n_averaged)}
-            save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra)
+            save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=checkpoint)
 

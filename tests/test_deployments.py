@@ -1,0 +1,461 @@
+"""Deployments against a real Prefect server on 127.0.0.1: served, scheduled, run like the UI's Run button.
+
+The fast checks (no server) compare prefect.yaml with the nightly preset and check the
+parameter schema against the known UI form bugs. The ``slow`` ones start ``prefect server
+start`` with a fresh SQLite database, serve both deployments with ``python -m
+deployments.serve``, start runs through the REST API with the body the UI's run form posts,
+and let the served process execute them on a real local Ray.
+
+The helpers at the top are shared with ``test_ui_browser.py``.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from PIL import Image
+
+from deployments.serve import NIGHTLY_CRON, NIGHTLY_PRESET, NIGHTLY_TIMEZONE, preset_parameters
+from flows.mnist import STAGE_CPUS, mnist_pipeline
+from pipeline_config import PipelineConfig
+from pipeline_config.settings import load_preset
+from tasks.common.reports import KEYS
+
+ROOT = Path(__file__).resolve().parent.parent
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+FLOW = "mnist-resnet18"
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+RUN_TIMEOUT_S = 780  # a smoke run takes ~2-4 minutes on this 2-core machine
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (127.0.0.1)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 1.0) -> Any:
+    """Call ``check`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            value = check()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without any Prefect API or profile settings, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_PROFILE", "PREFECT_HOME"))}
+    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
+    """SIGTERM the process group this test started, SIGKILL it if it lingers."""
+    if proc.poll() is not None:
+        return
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def log_tail(path: Path, chars: int = 4000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.is_file() else "(no log)"
+
+
+class PrefectServer:
+    """``prefect server start`` on 127.0.0.1 with its own PREFECT_HOME (a fresh SQLite database)."""
+
+    def __init__(self, home: Path):
+        self.home, self.port = home, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api = f"{self.url}/api"
+        self.log = home / "server.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120) -> PrefectServer:
+        self.home.mkdir(parents=True, exist_ok=True)
+        # The UI asks /ui-settings where the API is; prefect 3.8.8 answers from these settings,
+        # not from --port, so without them the UI would call port 4200.
+        env = clean_env(
+            PREFECT_HOME=str(self.home), PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.port)
+        )
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        wait_for(self._healthy, timeout_s, f"the Prefect server on {self.url}\n{log_tail(self.log)}")
+        return self
+
+    def _healthy(self) -> bool:
+        if self.proc.poll() is not None:
+            pytest.fail(f"prefect server exited with {self.proc.returncode}:\n{log_tail(self.log)}")
+        return httpx.get(f"{self.api}/health", timeout=2).status_code == 200
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_group(self.proc)
+
+    def get(self, path: str, **kwargs) -> Any:
+        response = httpx.get(f"{self.api}{path}", timeout=30, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body: dict | None = None) -> Any:
+        response = httpx.post(f"{self.api}{path}", json=body or {}, timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def deployment(self, name: str) -> dict:
+        return self.get(f"/deployments/name/{FLOW}/{name}")
+
+    def flow_run(self, flow_run_id: str) -> dict:
+        return self.get(f"/flow_runs/{flow_run_id}")
+
+    def task_runs(self, flow_run_id: str) -> list[dict]:
+        return self.post("/task_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}})
+
+    def artifacts(self, flow_run_id: str) -> list[dict]:
+        return self.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+
+    def logs(self, flow_run_id: str) -> list[dict]:
+        return self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200})
+
+    def wait_final(self, flow_run_id: str, log: Path, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+        """Poll a flow run until it reaches a final state; returns the flow run."""
+
+        def final() -> dict | None:
+            run = self.flow_run(flow_run_id)
+            return run if run["state_type"] in FINAL else None
+
+        return wait_for(final, timeout_s, f"flow run {flow_run_id} to finish\n{log_tail(log)}", interval_s=3)
+
+
+def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) -> subprocess.Popen:
+    """Start ``python -m deployments.serve`` against ``server``; return once both deployments exist."""
+    log = cwd / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "deployments.serve", *args],
+            cwd=cwd, env=clean_env(PREFECT_HOME=str(server.home), PREFECT_API_URL=server.api, **env),
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        )
+
+    def registered() -> bool:
+        if proc.poll() is not None:
+            pytest.fail(f"deployments.serve exited with {proc.returncode}:\n{log_tail(log)}")
+        found = server.post("/deployments/filter", {"deployments": {"name": {"any_": ["nightly", "manual"]}}})
+        return len(found) == 2 and "being served" in log.read_text(errors="replace")
+
+    wait_for(registered, 180, f"both deployments to be served\n{log_tail(log)}")
+    return proc
+
+
+def far_cron() -> str:
+    """A daily cron 12 hours from now: a real schedule that cannot fire while the test runs."""
+    return f"0 {(datetime.now(timezone.utc).hour + 12) % 24} * * *"
+
+
+def ui_run_body(deployment: dict, parameters: dict, name: str) -> dict:
+    """The body the UI's custom-run form (Run > Custom run > Submit) POSTs to /deployments/{id}/create_flow_run.
+
+    Read from the Prefect 3.8.8 UI bundle (deployment run route): it sends the edited
+    parameters with the deployment's tags, work queue and schema enforcement, in a SCHEDULED
+    state with no scheduled time ("now").
+    """
+    return {
+        "name": name,
+        "work_queue_name": deployment.get("work_queue_name"),
+        "empirical_policy": {"resuming": False, "max_retries": 0, "retry_delay_seconds": 0, "retries": 0, "retry_delay": 0},
+        "state": {
+            "type": "SCHEDULED",
+            "message": "",
+            "state_details": {"pause_reschedule": False, "deferred": False, "untrackable_result": False, "scheduled_time": None},
+        },
+        "tags": deployment.get("tags") or [],
+        "job_variables": None,
+        "enforce_parameter_schema": deployment["enforce_parameter_schema"],
+        "parameters": parameters,
+    }
+
+
+def smoke_config(storage: Path, run_name: str, **train: Any) -> dict:
+    """The smoke preset's config as JSON, with a storage root, a run name and train overrides."""
+    config = copy.deepcopy(preset_parameters("smoke")["config"])
+    config.update(storage_root=str(storage), run_name=run_name)
+    config["train"].update(train)
+    return config
+
+
+def embedded_png(markdown: str) -> Image.Image:
+    match = re.search(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
+    assert match, markdown[:300]
+    image = Image.open(io.BytesIO(base64.b64decode(match.group(1))))
+    image.load()
+    return image
+
+
+# --------------------------------------------------------------------------- fast: config checks
+
+
+def _schema() -> dict:
+    return mnist_pipeline.parameters.model_dump_for_openapi()
+
+
+def test_prefect_yaml_declares_the_nightly_schedule_and_preset():
+    spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
+    by_name = {d["name"]: d for d in spec["deployments"]}
+    assert set(by_name) == {"nightly", "manual"}
+    nightly, manual = by_name["nightly"], by_name["manual"]
+    assert nightly["schedules"] == [{"cron": NIGHTLY_CRON, "timezone": NIGHTLY_TIMEZONE, "active": True}]
+    assert manual["schedules"] == []
+    assert {d["work_pool"]["name"] for d in by_name.values()} == {"mnist-process"}
+    # the same nightly values as the preset `python -m deployments.serve` uses
+    assert PipelineConfig.model_validate(nightly["parameters"]["config"]) == PipelineConfig.model_validate(
+        load_preset(NIGHTLY_PRESET)
+    )
+    assert PipelineConfig.model_validate(nightly["parameters"]["config"]).cleanup.keep_checkpoints == 1
+
+
+def test_parameter_schema_is_the_same_from_the_entrypoint_as_from_the_flow():
+    """prefect#14835: a model imported from another module must give the same form on every path.
+
+    `prefect deploy` builds the schema from the entrypoint, serve from the imported flow; at
+    3.8.8 both resolve `PipelineConfig` from pipeline_config/model.py to the full nested model.
+    """
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    assert parameter_schema_from_entrypoint("flows/mnist.py:mnist_pipeline").model_dump_for_openapi() == _schema()
+    assert parameter_schema_from_entrypoint("flows.mnist.mnist_pipeline").model_dump_for_openapi() == _schema()
+    assert _schema()["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
+
+
+def test_parameter_schema_avoids_the_known_form_bugs():
+    """No free-form dicts (prefect#17798), no unions of models (#18084); typed, described, with choices."""
+    definitions = _schema()["definitions"]
+    assert set(definitions) >= {"PipelineConfig", "TrainConfig", "DownloadConfig", "MirrorChecksums"}
+    for model, spec in definitions.items():
+        assert spec.get("additionalProperties") is False, model  # unknown keys refused, no dict fields
+        for field, prop in spec["properties"].items():
+            assert prop.get("description"), f"{model}.{field} has no description for the form"
+            assert prop.get("type") != "object" or "properties" in prop, f"{model}.{field} is a free-form dict"
+            for option in prop.get("anyOf", []):
+                assert "$ref" not in option, f"{model}.{field} is a union of models"
+    assert definitions["DownloadConfig"]["properties"]["source"]["enum"] == ["auto", "official", "mirror", "sample"]
+    assert definitions["TrainConfig"]["properties"]["epochs"]["minimum"] == 1
+
+
+# --------------------------------------------------------------------------- slow: real server
+
+
+class _Webhook(BaseHTTPRequestHandler):
+    received: list = []
+
+    def do_POST(self):  # noqa: N802 - http.server's naming
+        type(self).received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def webhook() -> Iterator[str]:
+    """A real HTTP server on 127.0.0.1 standing in for a chat webhook; yields its URL."""
+    _Webhook.received = []
+    server = HTTPServer(("127.0.0.1", 0), _Webhook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/failure"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("deployments")
+
+
+@pytest.fixture(scope="module")
+def server(work) -> Iterator[PrefectServer]:
+    srv = PrefectServer(work / "prefect-home").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def served(server, work, webhook) -> Iterator[dict]:
+    """Both deployments served from one process, the nightly one on a real (far-off) schedule."""
+    cron = far_cron()
+    proc = serve_deployments(server, work, "--cron", cron, MNIST_FAILURE_WEBHOOK_URL=webhook)
+    try:
+        yield {"cron": cron, "log": work / "serve.log"}
+    finally:
+        stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def api_run(server, served, work) -> dict:
+    """One run of the manual deployment started like the UI's Run button, with non-default parameters.
+
+    The train section is sent the way the form sends a field switched to JSON input
+    (``{"__prefect_kind": "json", "value": "..."}``, prefect#17798): the server must hydrate it.
+    """
+    deployment = server.deployment("manual")
+    config = smoke_config(work / "storage", "api-run", seed=3)
+    config["train"] = {"__prefect_kind": "json", "value": json.dumps(config["train"])}
+    started = time.monotonic()
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-run"))
+    run = server.wait_final(created["id"], served["log"])
+    return {"run": run, "seconds": time.monotonic() - started, "config": smoke_config(work / "storage", "api-run", seed=3)}
+
+
+@pytest.mark.slow
+def test_served_deployments_have_schedule_presets_and_the_typed_form(server, served):
+    nightly, manual = server.deployment("nightly"), server.deployment("manual")
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == [served["cron"]]
+    assert nightly["schedules"][0]["active"] and not nightly["paused"]
+    assert nightly["schedules"][0]["schedule"]["timezone"] == NIGHTLY_TIMEZONE
+    assert manual["schedules"] == []
+    assert nightly["parameters"] == preset_parameters(NIGHTLY_PRESET)
+    assert manual["parameters"] == preset_parameters("default")
+    for deployment in (nightly, manual):
+        assert deployment["entrypoint"] == "flows.mnist.mnist_pipeline"
+        assert deployment["enforce_parameter_schema"] is True
+        assert deployment["parameter_openapi_schema"] == _schema()  # what the UI renders the form from
+
+
+@pytest.mark.slow
+def test_invalid_parameters_are_refused_naming_the_field(server, served, work):
+    deployment = server.deployment("manual")
+    before = len(server.post("/flow_runs/filter"))
+    for section, field, value, reason in (
+        ("train", "epochs", 0, "less than the minimum of 1"),
+        ("download", "source", "ftp", "is not one of"),
+    ):
+        config = smoke_config(work / "storage", "refused")
+        config[section][field] = value
+        response = httpx.post(
+            f"{server.api}/deployments/{deployment['id']}/create_flow_run",
+            json=ui_run_body(deployment, {"config": config}, "refused"), timeout=30,
+        )
+        assert response.status_code == 409, response.text
+        assert f"config.{section}.{field}" in response.json()["detail"] and reason in response.json()["detail"]
+    assert len(server.post("/flow_runs/filter")) == before  # nothing was created
+
+
+@pytest.mark.slow
+def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, work):
+    run = api_run["run"]
+    print(f"API-triggered smoke run: {api_run['seconds']:.0f}s")
+    assert run["state_type"] == "COMPLETED", run["state"]["message"]
+    assert run["parameters"]["config"] == api_run["config"]  # non-default values, JSON-kind section hydrated
+    task_runs = server.task_runs(run["id"])
+    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(STAGE_CPUS)
+    assert all(t["state_type"] == "COMPLETED" for t in task_runs)
+
+    artifacts = {a["key"]: a for a in server.artifacts(run["id"])}
+    assert set(KEYS.values()) <= set(artifacts)
+    assert artifacts[KEYS["progress"]]["type"] == "progress"
+    assert artifacts[KEYS["progress"]]["data"] == 100  # moved by the Ray Train controller's callback
+    assert "epoch 1/1" in artifacts[KEYS["progress"]]["description"]
+    for key in ("samples", "curves", "confusion", "predictions"):
+        assert artifacts[KEYS[key]]["type"] == "markdown"
+        assert embedded_png(artifacts[KEYS[key]]["data"]).width > 100
+    rows = json.loads(artifacts[KEYS["metrics"]]["data"])
+    assert rows[0]["class"] == "all" and rows[0]["support"] == 1000 and len(rows) == 11
+    summary = json.loads((work / "storage" / "runs" / "api-run" / "summary.json").read_text())
+    assert summary["config"]["train"]["seed"] == 3 and summary["status"] == "completed"
+    assert summary["best_checkpoint"] in artifacts[KEYS["checkpoint"]]["data"]
+    assert rows[0]["accuracy"] == round(summary["test_accuracy"], 4)
+
+
+@pytest.mark.slow
+def test_progress_artifact_key_versions_across_runs(server, api_run):
+    """Stable keys: the latest version of each key is this run's, readable by key for the UI's Artifacts page."""
+    for key in KEYS.values():
+        latest = server.get(f"/artifacts/{key}/latest")
+        assert latest["flow_run_id"] == api_run["run"]["id"], key
+
+
+@pytest.mark.slow
+def test_failed_run_logs_the_summary_and_posts_it_to_the_webhook(server, served, webhook, work):
+    deployment = server.deployment("manual")
+    config = smoke_config(work / "storage", "api-fail")
+    config["download"].update(source="mirror", mirror_url=(work / "no-such-mirror").as_uri() + "/", attempts=1)
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-fail"))
+    run = server.wait_final(created["id"], served["log"])
+    assert run["state_type"] == "FAILED"
+    posted = wait_for(lambda: [p for p in _Webhook.received if p.get("flow_run_id") == run["id"]], 30, "the webhook POST")
+    assert len(posted) == 1
+    text = posted[0]["text"]
+    assert posted[0]["stage"] == "download" and posted[0]["run_name"] == "api-fail"
+    assert "failed in stage 'download'" in text and "no-such-mirror" in text
+    assert f"--run-name api-fail --storage-root {work / 'storage'}" in text
+    logged = wait_for(lambda: [log for log in server.logs(run["id"]) if log["message"] == text], 30, "the summary in the run log")
+    assert logged[0]["level"] >= 40  # logged as an error, visible in the run's log tab
+
+
+@pytest.mark.slow
+def test_prefect_yaml_deploys_both_deployments_to_a_process_work_pool(tmp_path):
+    """`prefect deploy` with deployments/prefect.yaml, as the README says, against its own fresh server."""
+    srv = PrefectServer(tmp_path / "prefect-home").start()
+    try:
+        env = clean_env(PREFECT_HOME=str(srv.home), PREFECT_API_URL=srv.api)
+        for command in (
+            [PREFECT, "work-pool", "create", "mnist-process", "--type", "process"],
+            [PREFECT, "deploy", "--prefect-file", "deployments/prefect.yaml", "--all"],
+        ):
+            out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+            assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        nightly, manual = srv.deployment("nightly"), srv.deployment("manual")
+    finally:
+        srv.stop()
+    assert [s["schedule"]["cron"] for s in nightly["schedules"]] == [NIGHTLY_CRON] and nightly["schedules"][0]["active"]
+    assert manual["schedules"] == []
+    for deployment in (nightly, manual):
+        assert deployment["work_pool_name"] == "mnist-process"
+        assert deployment["parameter_openapi_schema"] == _schema()
+        assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+    assert PipelineConfig.model_validate(nightly["parameters"]["config"]) == PipelineConfig.model_validate(load_preset(NIGHTLY_PRESET))
