@@ -400,6 +400,9 @@ def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, w
     assert artifacts[KEYS["progress"]]["type"] == "progress"
     assert artifacts[KEYS["progress"]]["data"] == 100  # moved by the Ray Train controller's callback
     assert "epoch 1/1" in artifacts[KEYS["progress"]]["description"]
+    train_run = next(t for t in task_runs if t["name"].startswith("train-"))
+    updated = datetime.fromisoformat(artifacts[KEYS["progress"]]["updated"])
+    assert datetime.fromisoformat(train_run["start_time"]) < updated < datetime.fromisoformat(train_run["end_time"])  # live
     for key in ("samples", "curves", "confusion", "predictions"):
         assert artifacts[KEYS[key]]["type"] == "markdown"
         assert embedded_png(artifacts[KEYS[key]]["data"]).width > 100

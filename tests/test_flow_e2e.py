@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -107,11 +109,16 @@ def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smok
 
 
 @pytest.fixture
-def ray_cluster(tmp_path):
+def ray_cluster(monkeypatch):
     """A real Ray head node started with `ray start` on 127.0.0.1, stopped afterwards."""
+    # Token authentication is about who may join a cluster, not what this test checks; one
+    # setting for the cluster and this process keeps them agreeing.
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     ray_bin = Path(sys.executable).with_name("ray")
     port = 6390
-    env = {**os.environ, "RAY_TMPDIR": str(tmp_path / "ray")}
+    # A short folder: Ray's Unix socket paths under it must stay below 108 bytes.
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env = {**os.environ, "RAY_TMPDIR": temp}
     started = subprocess.run(
         [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
          "--include-dashboard=false", "--disable-usage-stats"],
@@ -122,6 +129,7 @@ def ray_cluster(tmp_path):
         yield f"127.0.0.1:{port}"
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_flow_connects_to_an_existing_ray_cluster(ray_cluster, tmp_path):

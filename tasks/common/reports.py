@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import functools
 import io
+import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -453,8 +454,6 @@ class TrainingProgress(UserCallback):
                 _sync=True,
             )
         except Exception as exc:
-            import logging
-
             logging.getLogger(__name__).warning("Progress artifact %s not updated: %s", self.artifact_id, exc)
 
 

@@ -1,0 +1,204 @@
+"""The Prefect UI in a real headless Chromium: schedule, run form, a run started from the form, its reports.
+
+Everything is real: ``prefect server start`` on 127.0.0.1 (fresh SQLite), ``python -m
+deployments.serve`` executing runs on a local Ray, and Debian's Chromium driven by Playwright
+(``executable_path``; browser downloads do not work here). Screenshots go to the test's tmp
+folder and are copied to ``test-output/ui/`` (git-ignored) for a person to look at.
+
+The pages are the UI that Prefect 3.8.8 opens by default (V2, under ``/v2``).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tasks.common.reports import KEYS
+from tests.test_deployments import ROOT, PrefectServer, far_cron, serve_deployments, stop_group, wait_for
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = "/usr/bin/chromium"
+# Without the background-networking flags Chromium's own connections are refused by this
+# closed network and slow every page; Playwright gives each launch a fresh --user-data-dir.
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--disable-dev-shm-usage",
+]
+PICTURES = {"samples": "Sample training digits", "curves": "Training curves", "confusion": "Confusion matrix", "predictions": "Test predictions"}
+FORM_FIELDS = {  # label -> its description, as the schema gives them
+    "Epochs (Optional)": "Passes over the training split.",
+    "Num Workers (Optional)": "Ray Train workers (data-parallel ranks).",
+    "Seed (Optional)": "Seed for weights, shuffling and augmentation.",
+    "Source (Optional)": "auto: try the official MNIST mirrors",
+    "Min Accuracy (Optional)": "Gate: the flow fails (keeping every artifact) below this test accuracy.",
+    "Storage Root (Optional)": "Folder every Ray node can reach",
+}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ui")
+
+
+@pytest.fixture(scope="module")
+def shots(work) -> Iterator[Path]:
+    folder = work / "screenshots"
+    folder.mkdir()
+    yield folder
+    keep = ROOT / "test-output" / "ui"
+    shutil.rmtree(keep, ignore_errors=True)
+    shutil.copytree(folder, keep)
+
+
+@pytest.fixture(scope="module")
+def server(work) -> Iterator[PrefectServer]:
+    srv = PrefectServer(work / "prefect-home").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def served(server, work) -> Iterator[dict]:
+    """Both deployments served from ``work`` (so the form's default storage root lands there); the form starts from smoke."""
+    cron = far_cron()
+    proc = serve_deployments(server, work, "--cron", cron, "--manual-preset", "smoke")
+    try:
+        yield {"cron": cron, "log": work / "serve.log", "manual": server.deployment("manual"), "nightly": server.deployment("nightly")}
+    finally:
+        stop_group(proc)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    yield page
+    context.close()
+
+
+def open_run_form(page, server: PrefectServer, deployment: dict):
+    page.goto(f"{server.url}/v2/deployments/deployment/{deployment['id']}/run", wait_until="networkidle")
+    page.get_by_label("Epochs (Optional)", exact=True).wait_for()
+
+
+def field_group(page, label: str):
+    """The form group (label, description, input) of a field."""
+    return page.get_by_text(label, exact=True).locator("xpath=ancestor::div[contains(@class, 'group')][1]")
+
+
+def test_nightly_deployment_page_shows_its_active_schedule(page, server, served, shots):
+    page.goto(f"{server.url}/v2/deployments/deployment/{served['nightly']['id']}", wait_until="networkidle")
+    hour = int(served["cron"].split()[1])
+    shown = f"At {hour % 12 or 12:02d}:00 {'AM' if hour < 12 else 'PM'}"  # how the UI words a daily cron
+    page.get_by_text(shown).wait_for()
+    page.screenshot(path=shots / "nightly-deployment.png", full_page=True)
+    assert page.get_by_role("switch").first.get_attribute("aria-checked") == "true"  # the schedule is active
+
+
+def test_run_form_is_typed_described_and_refuses_invalid_values(page, server, served, shots):
+    runs_before = len(server.post("/flow_runs/filter"))
+    open_run_form(page, server, served["manual"])
+    page.screenshot(path=shots / "run-form.png", full_page=True)
+    for label, description in FORM_FIELDS.items():
+        assert description in field_group(page, label).inner_text(), label
+    epochs = page.get_by_label("Epochs (Optional)", exact=True)
+    assert epochs.get_attribute("type") == "number" and epochs.get_attribute("min") == "1"
+    assert epochs.input_value() == "1"  # the smoke values the manual deployment was served with
+    assert "sample" in field_group(page, "Source (Optional)").inner_text()  # a choice (enum), not free text
+
+    epochs.fill("0")
+    page.get_by_role("button", name="Submit").click()
+    page.wait_for_timeout(1000)
+    page.screenshot(path=shots / "run-form-refused.png")
+    refused = epochs.evaluate("e => [e.validity.rangeUnderflow, e.validationMessage]")
+    assert refused[0] is True and "1" in refused[1], refused
+    assert page.url.endswith("/run")  # still on the form
+    assert len(server.post("/flow_runs/filter")) == runs_before  # nothing was started
+
+
+@pytest.fixture(scope="module")
+def form_run(browser, server, served, shots) -> dict:
+    """A run started from the form with changed parameters (run name and seed), waited for to the end."""
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.set_default_timeout(60_000)
+    try:
+        open_run_form(page, server, served["manual"])
+        run_name = field_group(page, "Run Name (Optional)")
+        run_name.get_by_role("tab", name="str").click()  # the field is str | None: pick str, then type
+        run_name.get_by_role("tabpanel").locator("textarea").fill("ui-run")
+        page.get_by_label("Seed (Optional)", exact=True).fill("5")
+        page.screenshot(path=shots / "run-form-filled.png")
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url(re.compile(r"/deployments/deployment/[^/?]+\?tab=Runs"))
+    finally:
+        context.close()
+
+    def created() -> dict | None:
+        runs = server.post("/flow_runs/filter", {"deployments": {"id": {"any_": [served["manual"]["id"]]}}})
+        return next((r for r in runs if r["parameters"]["config"].get("run_name") == "ui-run"), None)
+
+    run = wait_for(created, 30, "the flow run the form created")
+    return server.wait_final(run["id"], served["log"])
+
+
+def test_run_from_the_form_completes_with_the_changed_parameters(form_run, server):
+    assert form_run["state_type"] == "COMPLETED", form_run["state"]["message"]
+    config = form_run["parameters"]["config"]
+    assert config["run_name"] == "ui-run" and config["train"]["seed"] == 5
+    assert config["train"]["epochs"] == 1 and config["download"]["source"] == "sample"
+    assert {t["state_type"] for t in server.task_runs(form_run["id"])} == {"COMPLETED"}
+
+
+def test_flow_run_artifacts_tab_lists_every_report(page, server, form_run, shots):
+    page.goto(f"{server.url}/v2/runs/flow-run/{form_run['id']}?tab=Artifacts", wait_until="networkidle")
+    grid = page.get_by_test_id("flow-run-artifacts-grid")
+    grid.wait_for()
+    for key in KEYS.values():
+        grid.get_by_role("heading", name=key, exact=True).wait_for()
+    page.screenshot(path=shots / "flow-run-artifacts.png", full_page=True)
+
+
+def test_report_pictures_render_in_the_browser(page, server, form_run, shots):
+    artifacts = {a["key"]: a for a in server.artifacts(form_run["id"])}
+    for name, title in PICTURES.items():
+        artifact = artifacts[KEYS[name]]
+        page.goto(f"{server.url}/v2/artifacts/artifact/{artifact['id']}", wait_until="networkidle")
+        image = page.get_by_role("img", name=title)
+        image.wait_for()
+        page.wait_for_function("e => e.complete", arg=image.element_handle())
+        width, height, src = image.evaluate("e => [e.naturalWidth, e.naturalHeight, e.getAttribute('src').slice(0, 22)]")
+        page.screenshot(path=shots / f"artifact-{KEYS[name]}.png", full_page=True)
+        assert src == "data:image/png;base64," and width > 100 and height > 100, (name, width, height, src)
+
+
+def test_progress_and_metrics_show_in_the_browser(page, server, form_run, shots):
+    artifacts = {a["key"]: a for a in server.artifacts(form_run["id"])}
+    page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[KEYS['progress']]['id']}", wait_until="networkidle")
+    page.get_by_text("Progress: 100%").wait_for()
+    page.screenshot(path=shots / "artifact-progress.png")
+    page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[KEYS['metrics']]['id']}", wait_until="networkidle")
+    table = page.get_by_role("table")
+    table.get_by_role("cell", name="all", exact=True).wait_for()
+    assert [h.strip() for h in table.locator("th").all_inner_texts()] == ["class", "support", "correct", "precision", "recall", "accuracy"]
+    page.screenshot(path=shots / "artifact-metrics.png")
