@@ -70,12 +70,13 @@ def failure_summary(
     if not isinstance(config, dict):  # a PipelineConfig object when the hook runs in-process
         config = config.model_dump(mode="json") if hasattr(config, "model_dump") else {}
     stage, error = failed_stage(summary)
-    cause = (error or state_message or "unknown error (see the flow run log)").strip().rstrip(".")
+    # one paragraph: Prefect's messages for invalid parameters span several lines
+    cause = " ".join((error or state_message or "unknown error (see the flow run log)").split()).rstrip(".")
     run_name = summary.get("run_name") or config.get("run_name")
     storage_root = summary.get("storage_root") or config.get("storage_root")
     run_dir = summary.get("run_dir")
-    where = f"stage '{stage}'" if stage else "before any stage started (parameters or setup)"
-    if run_name:
+    where = f"in stage '{stage}'" if stage else "before any stage started (parameters or setup)"
+    if summary.get("run_name"):  # the run folder exists: resuming it makes sense
         resume = (
             f"To resume, fix the cause and start the run again with the same run name and storage root: "
             f"`python -m flows.mnist --run-name {run_name} --storage-root {storage_root}`, or a custom run "
@@ -86,7 +87,7 @@ def failure_summary(
         resume = "Nothing was written yet: fix the cause (the named parameter) and start a new run."
     completed = [name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "completed"]
     done = f" Stages completed before it: {', '.join(completed)}." if completed else ""
-    text = f"MNIST pipeline run {run_name or '(unnamed)'} (flow run {flow_run_name}) failed in {where}: {cause}.{done} {resume}"
+    text = f"MNIST pipeline run {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done} {resume}"
     return {
         "text": text,
         "stage": stage,

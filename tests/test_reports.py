@@ -206,9 +206,10 @@ def test_failure_summary_names_stage_cause_and_resume_command():
 
 
 def test_failure_summary_before_any_stage_uses_the_state_message():
-    report = hooks.failure_summary("witty-fox", "Validation of flow parameters failed: train.epochs", None, {"config": {}})
-    assert report["stage"] is None
-    assert "before any stage started" in report["text"] and "train.epochs" in report["text"]
+    message = "Validation of flow parameters failed with error: ParameterTypeError:\n - config: train.global_batch_size (2) is smaller"
+    report = hooks.failure_summary("witty-fox", message, None, {"config": {}})
+    assert report["stage"] is None and "\n" not in report["text"]
+    assert "failed before any stage started" in report["text"] and "ParameterTypeError: - config: train.global_batch_size" in report["text"]
 
 
 class _Hook(BaseHTTPRequestHandler):
