@@ -108,17 +108,22 @@ def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smok
     assert Path(printed["best_checkpoint"]).is_dir()
 
 
+def _ray_env(temp: str) -> dict[str, str]:
+    # Token authentication is about who may join a cluster, not what this test checks. It is set
+    # only in the subprocesses' environment: Ray fixes a process's auth mode the first time it
+    # reads it, so setting it in this process would break every later local Ray here.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    return env | {"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp}
+
+
 @pytest.fixture
-def ray_cluster(monkeypatch):
-    """A real Ray head node started with `ray start` on 127.0.0.1, stopped afterwards."""
-    # Token authentication is about who may join a cluster, not what this test checks; one
-    # setting for the cluster and this process keeps them agreeing.
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+def ray_cluster():
+    """A real Ray head node started with `ray start` on 127.0.0.1, stopped afterwards; yields (address, env)."""
     ray_bin = Path(sys.executable).with_name("ray")
     port = 6390
     # A short folder: Ray's Unix socket paths under it must stay below 108 bytes.
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
-    env = {**os.environ, "RAY_TMPDIR": temp}
+    env = _ray_env(temp)
     started = subprocess.run(
         [str(ray_bin), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
          "--include-dashboard=false", "--disable-usage-stats"],
@@ -126,27 +131,26 @@ def ray_cluster(monkeypatch):
     )
     assert started.returncode == 0, started.stderr[-2000:]
     try:
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", env
     finally:
         subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
         shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_flow_connects_to_an_existing_ray_cluster(ray_cluster, tmp_path):
-    """ray.address set: the stages run on that cluster (and the run leaves it running)."""
-    import ray
-
-    config = parse_cli(
-        ["--preset", "smoke", "--storage-root", str(tmp_path / "storage"), "--run-name", "on-cluster",
-         "--ray.address", ray_cluster]
-    ).pipeline_config()
-    with prefect_test_harness(server_startup_timeout=120):
-        summary = mnist_pipeline(config)
-    assert summary["status"] == "completed"
-    assert summary["test_accuracy"] >= 0.5
-    assert not ray.is_initialized()  # the flow disconnected ...
-    ray.init(address=ray_cluster)
-    try:
-        assert ray.cluster_resources().get("CPU") == 2  # ... and the cluster it used is still up
-    finally:
-        ray.shutdown()
+    """ray.address set: the stages run on that cluster, which is still up after the run."""
+    address, env = ray_cluster
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(tmp_path / "storage"),
+         "--run-name", "on-cluster", "--ray.address", address],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
+    assert summary["status"] == "completed" and summary["test_accuracy"] >= 0.5
+    assert f"Connecting to an existing Ray instance at {address}" in out.stderr + out.stdout
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address='{address}'); print(ray.cluster_resources()['CPU'])"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert probe.returncode == 0 and probe.stdout.strip().endswith("2.0"), probe.stderr[-2000:]
