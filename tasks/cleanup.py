@@ -19,7 +19,7 @@ from tasks.common.storage import StorageLayout, atomic_write_json
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import ParquetDataset
-from tasks.train import TrainedModel
+from tasks.train import TrainedModel, checkpoint_rank
 
 
 class CleanupReport(BaseModel):
@@ -35,7 +35,7 @@ def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: Tra
     """Paths the policy selects, before any safety check."""
     selected: list[Path] = []
     if cfg.keep_checkpoints:
-        ranked = sorted(trained.checkpoints, key=lambda c: (c.val_accuracy, c.epoch), reverse=True)
+        ranked = sorted(trained.checkpoints, key=lambda c: checkpoint_rank(c, trained.score), reverse=True)
         selected += [Path(c.path) for c in ranked[cfg.keep_checkpoints :] if c.path != evaluation.checkpoint]
     if cfg.delete_raw:
         selected.append(Path(raw.directory))

@@ -27,7 +27,8 @@ from tasks.common.storage import StorageLayout
 from tasks.common.train_loop import train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
 
-SCORE = "val_accuracy"
+# Which way each checkpoint score is better.
+SCORE_ORDER = {"val_accuracy": "max", "val_loss": "min"}
 
 
 class CheckpointInfo(BaseModel):
@@ -36,6 +37,13 @@ class CheckpointInfo(BaseModel):
     path: str
     epoch: int
     val_accuracy: float
+    val_loss: float = 0.0
+
+
+def checkpoint_rank(checkpoint: CheckpointInfo, score: str) -> tuple[float, int]:
+    """Sort key, larger is better: the configured score first, the later epoch on ties."""
+    value = checkpoint.val_accuracy if score == "val_accuracy" else -checkpoint.val_loss
+    return value, checkpoint.epoch
 
 
 class TrainedModel(BaseModel):
@@ -48,6 +56,7 @@ class TrainedModel(BaseModel):
     history: list[dict]
     num_workers: int
     cpus_per_worker: float
+    score: str = "val_accuracy"
 
 
 def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -> tuple[bool, float, int]:
@@ -89,17 +98,17 @@ def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int) -> dict:
     }
 
 
-def summarize_result(result, run_dir: Path, num_workers: int, cpus: float) -> TrainedModel:
+def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score: str = "val_accuracy") -> TrainedModel:
     """Turn a ``ray.train.Result`` into the manifest later stages read."""
     if result.error:
         raise RuntimeError(f"Ray Train run {run_dir} failed: {result.error}") from result.error
     kept = [
-        CheckpointInfo(path=ckpt.path, epoch=int(m["epoch"]), val_accuracy=float(m[SCORE]))
+        CheckpointInfo(path=ckpt.path, epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
         for ckpt, m in (result.best_checkpoints or [])
     ]
     if not kept:
         raise RuntimeError(f"Ray Train run {run_dir} finished without a checkpoint")
-    best = max(kept, key=lambda c: (c.val_accuracy, c.epoch))
+    best = max(kept, key=lambda c: checkpoint_rank(c, score))
     history = result.metrics_dataframe.to_dict(orient="records") if result.metrics_dataframe is not None else []
     return TrainedModel(
         run_dir=str(run_dir),
@@ -109,6 +118,7 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float) -> Tr
         history=[{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in history],
         num_workers=num_workers,
         cpus_per_worker=cpus,
+        score=score,
     )
 
 
@@ -128,7 +138,9 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
             name=layout.run_name,
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(
-                num_to_keep=cfg.num_to_keep, checkpoint_score_attribute=SCORE, checkpoint_score_order="max"
+                num_to_keep=cfg.num_to_keep,
+                checkpoint_score_attribute=cfg.checkpoint_score,
+                checkpoint_score_order=SCORE_ORDER[cfg.checkpoint_score],
             ),
             # Live progress in the Prefect UI: the callback runs in the Train controller process.
             callbacks=training_progress_callbacks(cfg.epochs, layout.run_name),
@@ -136,6 +148,6 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
         datasets=build_datasets(spec, seed=cfg.seed),
     )
     result = trainer.fit()
-    trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus)
+    trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)
     return trained

@@ -186,3 +186,14 @@ def test_ema_warms_up_then_tracks_the_weights_slowly():
     ema.update_parameters(model)
     assert ema.module.weight.detach().flatten().tolist() == pytest.approx([1 - ema_decay_at(0.99, 1)] * 2)
     assert make_ema(model, 0.0) is None
+
+
+def test_checkpoint_rank_follows_the_configured_score():
+    from tasks.train import checkpoint_rank
+
+    early = CheckpointInfo(path="a", epoch=3, val_accuracy=1.0, val_loss=0.60)
+    late = CheckpointInfo(path="b", epoch=9, val_accuracy=0.995, val_loss=0.51)
+    tie = CheckpointInfo(path="c", epoch=12, val_accuracy=1.0, val_loss=0.55)
+    pick = lambda score: max([early, late, tie], key=lambda c: checkpoint_rank(c, score)).path  # noqa: E731
+    assert pick("val_loss") == "b"
+    assert pick("val_accuracy") == "c"  # ties go to the later epoch
