@@ -113,9 +113,10 @@ def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) 
         ds = ray.data.read_parquet(spec.dataset.split_dir(split), **task_args)
         augment = split == "train"
         if augment:
-            # A seeded shuffle is re-seeded on every execution (RandomSeedConfig's default), so each
-            # epoch gets a new, reproducible permutation; the sample's files are sorted by class.
-            ds = ds.random_shuffle(seed=seed, **task_args)
+            # Unseeded: a fresh permutation on every epoch's execution (the sample's files are
+            # sorted by class). A seeded shuffle is meant to re-seed per execution, but measured
+            # here it sometimes repeated the previous epoch's order exactly.
+            ds = ds.random_shuffle(**task_args)
         datasets[split] = ds.map_batches(
             prepare_batch,
             batch_format="pyarrow",
