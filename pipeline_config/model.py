@@ -215,6 +215,13 @@ class EvaluateConfig(_Section):
     )
     num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
+    tta: bool = Field(
+        True,
+        description=(
+            "Test-time augmentation: predict from the softmax averaged over each test image and its four "
+            "one-pixel shifts (5 forward passes per image). metrics.json also reports the accuracy without it."
+        ),
+    )
 
 
 class CleanupConfig(_Section):

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import ray.data
 import torch
+import torch.nn.functional as F
 from prefect import task
 from pydantic import BaseModel
 
@@ -41,19 +42,50 @@ class Evaluation(BaseModel):
     metrics_path: str
     predictions_path: str
     passed_gate: bool
+    tta: bool = False
+    accuracy_without_tta: float | None = None
+
+
+# Test-time augmentation: the image itself and its four one-pixel shifts (dy, dx).
+TTA_SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))
+
+
+def shifted(images: torch.Tensor, dy: int, dx: int, fill: float) -> torch.Tensor:
+    """(N, 1, 28, 28) images moved by (dy, dx) pixels; uncovered pixels become ``fill`` (background)."""
+    if dy == 0 and dx == 0:
+        return images
+    h, w = images.shape[-2:]
+    padded = F.pad(images, (1, 1, 1, 1), value=fill)
+    return padded[..., 1 - dy : 1 - dy + h, 1 - dx : 1 - dx + w]
 
 
 class Predictor:
-    """Ray Data actor: loads the checkpoint once, then predicts batch after batch."""
+    """Ray Data actor: loads the checkpoint once, then predicts batch after batch.
 
-    def __init__(self, checkpoint_dir: str, torch_threads: int = 1):
+    ``pred`` is the class with the highest softmax averaged over the image and its four one-pixel
+    shifts when ``tta`` is on (``background`` fills the uncovered edge), else the plain argmax;
+    ``pred_plain`` is always the plain argmax, so both accuracies are reported.
+    """
+
+    def __init__(self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0):
         torch.set_num_threads(torch_threads)
         self.model = load_model(checkpoint_dir)
+        self.tta, self.background = tta, background
 
     @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        logits = self.model(torch.from_numpy(batch["image"]))
-        return {"row_id": batch["row_id"], "label": batch["label"], "pred": logits.argmax(1).numpy()}
+        images = torch.from_numpy(batch["image"])
+        plain = self.model(images).softmax(1)
+        averaged = plain
+        if self.tta:
+            views = [shifted(images, dy, dx, self.background) for dy, dx in TTA_SHIFTS[1:]]
+            averaged = (plain + self.model(torch.cat(views)).softmax(1).view(len(views), len(images), -1).sum(0)) / len(TTA_SHIFTS)
+        return {
+            "row_id": batch["row_id"],
+            "label": batch["label"],
+            "pred": averaged.argmax(1).numpy(),
+            "pred_plain": plain.argmax(1).numpy(),
+        }
 
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int = NUM_CLASSES) -> np.ndarray:
@@ -83,12 +115,17 @@ def actor_resources(cluster_cpus: float, num_actors: int, data_cpus: float = 1.0
 
 
 def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[str, np.ndarray]:
-    """Run the actor pool over the test split; return row_id, label and pred arrays."""
+    """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays."""
     test = build_datasets(spec, splits=("test",))["test"]
     actor_cpus, threads = actor_resources(float(ray.cluster_resources().get("CPU", 1)), cfg.num_actors)
     predictions = test.map_batches(
         Predictor,
-        fn_constructor_kwargs={"checkpoint_dir": checkpoint, "torch_threads": threads},
+        fn_constructor_kwargs={
+            "checkpoint_dir": checkpoint,
+            "torch_threads": threads,
+            "tta": cfg.tta,
+            "background": (0.0 - spec.config.mean) / spec.config.std,  # a black pixel, normalized
+        },
         batch_size=cfg.batch_rows,
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
@@ -96,7 +133,7 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[s
     )
     rows = predictions.to_arrow_refs()
     table = pa.concat_tables(ray.get(rows)).sort_by("row_id")
-    return {name: table.column(name).to_numpy() for name in ("row_id", "label", "pred")}
+    return {name: table.column(name).to_numpy() for name in ("row_id", "label", "pred", "pred_plain")}
 
 
 @task(name="evaluate")
@@ -108,6 +145,7 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
         raise RuntimeError(f"evaluation saw {len(out['row_id'])} test rows, expected {spec.dataset.rows['test']}")
     confusion = confusion_matrix(out["label"], out["pred"])
     scores = metrics_from_confusion(confusion)
+    plain_accuracy = float((out["label"] == out["pred_plain"]).mean()) if len(out["label"]) else 0.0
     folder = layout.evaluation_dir
     folder.mkdir(parents=True, exist_ok=True)
     predictions_path = folder / "predictions.parquet"
@@ -121,10 +159,15 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
         metrics_path=str(folder / "metrics.json"),
         predictions_path=str(predictions_path),
         passed_gate=scores["accuracy"] >= cfg.min_accuracy,
+        tta=cfg.tta,
+        accuracy_without_tta=plain_accuracy,
         **scores,
     )
     atomic_write_json(result.metrics_path, result.model_dump() | {"min_accuracy": cfg.min_accuracy})
-    logger.info("Test accuracy %.4f on %d images (gate %.4f)", result.accuracy, result.rows, cfg.min_accuracy)
+    logger.info(
+        "Test accuracy %.4f on %d images (without test-time augmentation %.4f; gate %.4f)",
+        result.accuracy, result.rows, plain_accuracy, cfg.min_accuracy,
+    )
     if not result.passed_gate:
         raise QualityGateError(
             f"test accuracy {result.accuracy:.4f} is below evaluate.min_accuracy {cfg.min_accuracy:.4f}; "

@@ -12,7 +12,7 @@ from tasks.common.model import MODEL_FILE, build_resnet18, load_model, save_chec
 from tasks.common.storage import StorageLayout, publish_dir, staging_dir
 from tasks.common.train_loop import one_cycle_lr
 from tasks.download import RawData
-from tasks.evaluate import Evaluation, Predictor, actor_resources, confusion_matrix, metrics_from_confusion
+from tasks.evaluate import TTA_SHIFTS, Evaluation, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
 from tasks.to_parquet import ParquetDataset
 from tasks.train import CheckpointInfo, TrainedModel, plan_resources
 
@@ -73,6 +73,34 @@ def test_checkpoint_files_load_into_a_plain_seed_style_resnet(tmp_path):
     out = predictor({"image": x, "label": np.zeros(4, dtype=np.int64), "row_id": np.arange(4)})
     expected = plain.eval()(torch.from_numpy(x)).argmax(1).numpy()
     np.testing.assert_array_equal(out["pred"], expected)
+
+
+def test_shifted_moves_content_and_fills_the_edge_with_background():
+    image = torch.full((1, 1, 28, 28), -1.0)
+    image[0, 0, 10, 20] = 1.0
+    down = shifted(image, 1, 0, -1.0)
+    assert down[0, 0, 11, 20] == 1.0 and down[0, 0, 10, 20] == -1.0
+    left = shifted(image, 0, -1, -1.0)
+    assert left[0, 0, 10, 19] == 1.0 and left.shape == image.shape
+    edge = torch.zeros((1, 1, 28, 28))
+    assert (shifted(edge, 0, 1, -1.0)[0, 0, :, 0] == -1.0).all()  # the uncovered column is background
+    assert (shifted(edge, 0, 1, -1.0)[0, 0, :, 1:] == 0.0).all()
+
+
+def test_predictor_averages_softmax_over_shifts_and_reports_the_plain_prediction(tmp_path):
+    model = build_resnet18()
+    save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    x = np.random.default_rng(1).standard_normal((6, 1, 28, 28)).astype(np.float32)
+    batch = {"image": x, "label": np.zeros(6, dtype=np.int64), "row_id": np.arange(6)}
+    plain = Predictor(str(tmp_path))(batch)
+    np.testing.assert_array_equal(plain["pred"], plain["pred_plain"])
+    tta = Predictor(str(tmp_path), tta=True, background=-1.0)(batch)
+    model = Predictor(str(tmp_path)).model
+    with torch.no_grad():
+        images = torch.from_numpy(x)
+        probs = sum(model(shifted(images, dy, dx, -1.0)).softmax(1) for dy, dx in TTA_SHIFTS) / len(TTA_SHIFTS)
+    np.testing.assert_array_equal(tta["pred"], probs.argmax(1).numpy())
+    np.testing.assert_array_equal(tta["pred_plain"], plain["pred_plain"])
 
 
 def torchvision_resnet18_seed_style():
