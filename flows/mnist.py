@@ -32,13 +32,22 @@ from tasks.common.storage import StorageLayout, atomic_write_json
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
-from tasks.train import train
+from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
 # the other stages only coordinate Ray Data / Ray Train work that reserves its own resources,
 # and holding a CPU there would starve it (with 2 CPUs and 2 training workers, it deadlocks).
 STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "train": 0, "evaluate": 0, "cleanup": 0}
+
+
+def train_with_retries(cfg) -> Task:
+    """The training stage with Prefect retries for when Ray Train gives up (see tasks/train.py)."""
+    return train.with_options(
+        retries=cfg.stage_retries,
+        retry_delay_seconds=cfg.stage_retry_delay_s,
+        retry_condition_fn=retry_infrastructure_failures,
+    )
 
 
 def default_run_name() -> str:
@@ -95,6 +104,8 @@ class StageRecorder:
             "stages": self.stages,
             "best_checkpoint": trained.best_checkpoint if trained else None,
             "best_val_accuracy": trained.best_val_accuracy if trained else None,
+            "training_attempts": trained.attempts if trained else None,
+            "resumed_from_epoch": trained.resumed_from_epoch if trained else None,
             "test_accuracy": metrics.get("accuracy"),
             "evaluation": metrics,
             "config": self.config.model_dump(mode="json"),
@@ -123,7 +134,7 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
             dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
             reports.publish_dataset_report(dataset)
             spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
-            trained = stage(train, spec=spec, cfg=config.train, layout=layout)
+            trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
             reports.publish_training_report(trained)
             evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
             reports.publish_evaluation_report(evaluation, dataset, trained)

@@ -22,6 +22,7 @@ from prefect.settings import (
 from prefect_ray import RayTaskRunner
 
 from pipeline_config import RayConfig
+from tasks.common.faults import FAULT_ENV
 
 
 def current_api_url() -> str | None:
@@ -71,8 +72,11 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
             "no Prefect API URL: set PREFECT_API_URL or start the flow with `python -m flows.mnist`, "
             "which starts a local Prefect server; Ray workers must report to the flow's API"
         )
+    env_vars = {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+    if os.environ.get(FAULT_ENV):  # test-only fault injection (tasks/common/faults.py) reaches the workers
+        env_vars[FAULT_ENV] = os.environ[FAULT_ENV]
     init_kwargs: dict = {
-        "runtime_env": {"env_vars": {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}},
+        "runtime_env": {"env_vars": env_vars},
         "include_dashboard": False,
         "log_to_driver": True,
     }

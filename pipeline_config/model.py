@@ -196,6 +196,26 @@ class TrainConfig(_Section):
         ),
     )
     max_failures: int = Field(2, ge=-1, le=100, description="Worker-group restarts Ray Train makes (FailureConfig); -1 = unlimited.")
+    stage_retries: int = Field(
+        1,
+        ge=0,
+        le=20,
+        description=(
+            "Prefect retries of the training stage after Ray Train gives up (max_failures spent) on an "
+            "infrastructure failure (a worker or node lost, a hang); each retry resumes the same Ray Train run "
+            "from its latest checkpoint. Errors in the training code are never retried."
+        ),
+    )
+    stage_retry_delay_s: float = Field(10.0, ge=0, le=3600, description="Seconds Prefect waits before retrying the training stage.")
+    hang_timeout_s: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description=(
+            "A training worker that does not reach the next step within this many seconds (stalled, deadlocked, stuck "
+            "in a collective) fails the attempt with an error naming its rank; 0 disables the per-step check."
+        ),
+    )
     num_to_keep: int = Field(2, ge=1, le=100, description="Checkpoints Ray Train keeps, best by checkpoint_score.")
     checkpoint_score: Literal["val_loss", "val_accuracy"] = Field(
         "val_loss",
@@ -216,10 +236,11 @@ class EvaluateConfig(_Section):
     num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
     tta: bool = Field(
-        True,
+        False,
         description=(
             "Test-time augmentation: predict from the softmax averaged over each test image and its four "
-            "one-pixel shifts (5 forward passes per image). metrics.json also reports the accuracy without it."
+            "one-pixel shifts (5 forward passes per image); metrics.json also reports the accuracy without it. "
+            "Off by default: on the sample it did not help (measured 98.9/98.8/99.0% with it, 99.0/98.8/99.3% without)."
         ),
     )
 

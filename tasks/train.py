@@ -4,13 +4,23 @@ The flow, not the trainer, names the run: ``RunConfig(storage_path=<root>/runs, 
 so calling this stage again with the same run name resumes that Ray Train run from its latest
 checkpoint instead of starting over.
 
-Which layer owns which failure: Ray Train restarts the worker group from the latest checkpoint
-when a worker or node dies (``FailureConfig(max_failures)``); Prefect does not retry this stage
-by default, so a bug fails fast instead of running ``max_failures`` more times.
+Which layer owns which failure:
+
+* Ray Train owns lost workers and nodes and hangs: it restarts the worker group from the latest
+  checkpoint, up to ``train.max_failures`` times (``FailureConfig``).
+* Prefect owns the case where Ray Train gives up: the stage is retried ``train.stage_retries``
+  times (``retry_infrastructure_failures`` decides), and each retry calls ``fit()`` again with
+  the same storage path and run name, which resumes the run from its latest checkpoint. A bug in
+  the training code (every failed rank raised an ordinary exception) is not retried.
+* The flow owns a lost driver: ``python -m flows.mnist --run-name <same name>`` skips finished
+  stages whose outputs verify on storage and this stage resumes from the latest checkpoint.
+
+Total budget before a run fails: (max_failures + 1) x (stage_retries + 1) training attempts.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -18,7 +28,7 @@ import ray
 from prefect import task
 from pydantic import BaseModel
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchTrainer
+from ray.train.torch import TorchConfig, TorchTrainer
 
 from pipeline_config import TrainConfig
 from tasks.common.logs import stage_logger
@@ -26,6 +36,9 @@ from tasks.common.reports import training_progress_callbacks
 from tasks.common.storage import StorageLayout
 from tasks.common.train_loop import train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
+
+# One JSON line per training attempt in the run folder: the epoch it started from and its world size.
+ATTEMPTS_LOG = "train_attempts.jsonl"
 
 # Which way each checkpoint score is better.
 SCORE_ORDER = {"val_accuracy": "max", "val_loss": "min"}
@@ -57,6 +70,8 @@ class TrainedModel(BaseModel):
     num_workers: int
     cpus_per_worker: float
     score: str = "val_accuracy"
+    attempts: list[dict] = []  # one per attempt: start_epoch, world_size (train_attempts.jsonl)
+    resumed_from_epoch: int | None = None  # the first attempt's start epoch when it resumed an earlier run
 
 
 def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -> tuple[bool, float, int]:
@@ -82,7 +97,7 @@ def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -
     return use_gpu, cpus, threads
 
 
-def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int) -> dict:
+def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir: str | None = None) -> dict:
     """The plain dict ``train_loop_per_worker`` unpacks."""
     return {
         "epochs": cfg.epochs,
@@ -95,7 +110,46 @@ def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int) -> dict:
         "strategy": cfg.strategy,
         "train_rows": train_rows,
         "torch_threads": torch_threads,
+        "hang_timeout_s": cfg.hang_timeout_s,
+        "fault_dir": fault_dir,  # where test-only fault injection records what fired (tasks.common.faults)
+        "attempts_log": str(Path(fault_dir).parent / ATTEMPTS_LOG) if fault_dir else None,
     }
+
+
+# Failures of a lost process or node, or a hang: worth another attempt from the latest checkpoint.
+_INFRASTRUCTURE_ERRORS = ("RayActorError", "ActorDiedError", "WorkerCrashedError", "NodeDiedError", "ActorUnavailableError",
+                          "OwnerDiedError", "ObjectLostError", "TrainingHangError", "DistBackendError", "DistNetworkError")
+_INFRASTRUCTURE_TEXT = ("Connection closed by peer", "Connection reset by peer", "timed out", "monitoredBarrier", "died")
+
+
+def is_infrastructure_failure(exc: BaseException) -> bool:
+    """True when ``exc`` (or a rank's failure inside a Ray Train error) is a lost worker, node or a hang.
+
+    ``ray.train.WorkerGroupError`` carries each failed rank's exception; when every one of them
+    is an ordinary exception (a bug, bad data) a retry would only fail again, so it is not one.
+    """
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        error = pending.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        names = {cls.__name__ for cls in type(error).__mro__}
+        if names & set(_INFRASTRUCTURE_ERRORS) or any(text in str(error) for text in _INFRASTRUCTURE_TEXT):
+            return True
+        pending.extend((getattr(error, "worker_failures", None) or {}).values())
+        pending.extend([getattr(error, "controller_failure", None), error.__cause__, error.__context__])
+    return False
+
+
+def retry_infrastructure_failures(task, task_run, state) -> bool:
+    """Prefect ``retry_condition_fn`` of the training stage: retry infrastructure failures only."""
+    try:
+        state.result()
+    except BaseException as exc:  # noqa: BLE001 - classifying it is the point
+        return is_infrastructure_failure(exc)
+    return False
 
 
 def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score: str = "val_accuracy") -> TrainedModel:
@@ -122,6 +176,13 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score
     )
 
 
+def read_attempts(path: Path) -> list[dict]:
+    """The training attempts recorded in ``train_attempts.jsonl`` (empty when there is none)."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 @task(name="train")
 def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> TrainedModel:
     """Train ResNet-18 with Ray Train on the transformed data; checkpoints go to the run folder."""
@@ -131,7 +192,9 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
     logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads),
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults")),
+        # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
+        torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(
             storage_path=str(layout.runs_dir),
@@ -149,5 +212,10 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
     )
     result = trainer.fit()
     trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)
+    attempts = read_attempts(layout.run_dir / ATTEMPTS_LOG)
+    resumed = next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None)
+    trained = trained.model_copy(update={"attempts": attempts, "resumed_from_epoch": resumed})
+    if len(attempts) > 1:
+        logger.info("Training took %d attempts, starting at epochs %s", len(attempts), [a["start_epoch"] for a in attempts])
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)
     return trained

@@ -59,3 +59,37 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
+
+
+def real_digits_mirror(folder: Path, train_per_class: int, test_per_class: int) -> list[str]:
+    """A file:// mirror of a few real digits taken from the bundled sample; returns the CLI flags that use it.
+
+    Real digits (not random pixels) so a couple of epochs learn something measurable.
+    """
+    import gzip as _gzip
+
+    from pipeline_config.model import SAMPLE_DIR
+
+    def read(name: str) -> np.ndarray:
+        data = _gzip.decompress((SAMPLE_DIR / name).read_bytes())
+        ndim = data[3]
+        shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+        return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+    def pick(labels: np.ndarray, per_class: int) -> np.ndarray:
+        return np.sort(np.concatenate([np.flatnonzero(labels == c)[:per_class] for c in range(10)]))
+
+    folder.mkdir(parents=True, exist_ok=True)
+    train_y, test_y = read("train-labels-idx1-ubyte.gz"), read("t10k-labels-idx1-ubyte.gz")
+    train_rows, test_rows = pick(train_y, train_per_class), pick(test_y, test_per_class)
+    arrays = {
+        "train-images-idx3-ubyte.gz": read("train-images-idx3-ubyte.gz")[train_rows],
+        "train-labels-idx1-ubyte.gz": train_y[train_rows],
+        "t10k-images-idx3-ubyte.gz": read("t10k-images-idx3-ubyte.gz")[test_rows],
+        "t10k-labels-idx1-ubyte.gz": test_y[test_rows],
+    }
+    flags = ["--download.source", "mirror", "--download.mirror-url", folder.as_uri() + "/"]
+    for (name, array), field in zip(arrays.items(), ("train-images", "train-labels", "test-images", "test-labels")):
+        (folder / name).write_bytes(_gzip.compress(idx_bytes(array), mtime=0))
+        flags += [f"--download.mirror-sha256.{field}", sha256_file(folder / name)]
+    return flags

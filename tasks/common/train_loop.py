@@ -9,9 +9,11 @@ extra_state.pt, the latter also holding the raw training weights so a resume is 
 
 from __future__ import annotations
 
+import json
 import math
 import tempfile
 import time
+from datetime import timedelta
 from typing import Any
 
 import ray.train
@@ -22,6 +24,7 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.optim.swa_utils import AveragedModel
 
+from tasks.common.faults import FaultInjector
 from tasks.common.model import (
     EXTRA_STATE_FILE,
     MODEL_FILE,
@@ -96,11 +99,57 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: Avera
         return int(extra["epoch"]) + 1
 
 
-def train_epoch(model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None) -> dict:
+def record_attempt(path: str, start_epoch: int, world_size: int) -> None:
+    """Append one line per training attempt (Ray Train restart or Prefect retry) to ``train_attempts.jsonl``."""
+    line = {"start_epoch": start_epoch, "world_size": world_size, "time": time.time()}
+    with open(path, "a") as handle:  # one short line per attempt; appends are atomic enough for a log
+        handle.write(json.dumps(line) + "\n")
+
+
+class TrainingHangError(RuntimeError):
+    """A rank did not reach a training step within ``train.hang_timeout_s``."""
+
+
+class StepGuard:
+    """What runs before every training step: test-only fault injection, then the hang check.
+
+    The hang check is a gloo ``monitored_barrier`` with ``timeout_s``: rank 0 waits for every
+    rank and, when one does not arrive, the error names it ("Rank 1 failed to pass
+    monitoredBarrier"), so a deadlocked or stalled worker fails the attempt instead of hanging
+    the flow forever. It needs the gloo backend (CPU training); with NCCL only the process
+    group timeout (``TorchConfig(timeout_s)``, set from the same field) applies.
+    """
+
+    def __init__(self, rank: int, world_size: int, timeout_s: float, fault_dir: str | None):
+        self.rank, self.timeout_s = rank, timeout_s
+        self.faults = FaultInjector(fault_dir, rank) if fault_dir else None
+        self.monitored = (
+            timeout_s > 0 and world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
+        )
+
+    def before_step(self, epoch: int, step: int) -> None:
+        if self.faults:
+            self.faults.check(epoch, step)
+        if not self.monitored:
+            return
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=self.timeout_s), wait_all_ranks=True)
+        except RuntimeError as exc:
+            raise TrainingHangError(
+                f"rank {self.rank}: a training worker did not reach step {step} of epoch {epoch} within "
+                f"train.hang_timeout_s={self.timeout_s:g}s (stalled, deadlocked or died): {exc}"
+            ) from exc
+
+
+def train_epoch(
+    model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None
+) -> dict:
     """One pass over this rank's shard; returns global loss, accuracy and images/s."""
     model.train()
     loss_sum, correct, seen, start = 0.0, 0.0, 0.0, time.perf_counter()
     for step, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device)):
+        if guard is not None:
+            guard.before_step(epoch, step)
         lr = one_cycle_lr((epoch + min(step / steps_per_epoch, 1.0)) / epochs, peak_lr)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -188,6 +237,10 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
     ema = make_ema(model, config["ema_decay"])
     start_epoch = restore(model, optimizer, ema)
+    rank = ray.train.get_context().get_world_rank()
+    if rank == 0 and config.get("attempts_log"):
+        record_attempt(config["attempts_log"], start_epoch, world_size)
+    guard = StepGuard(rank, world_size, config.get("hang_timeout_s", 0), config.get("fault_dir"))
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
@@ -195,7 +248,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         start = time.perf_counter()
         metrics = {"epoch": epoch}
         metrics |= train_epoch(
-            model, optimizer, criterion, train_shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema
+            model, optimizer, criterion, train_shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard
         )
         metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
         metrics["epoch_seconds"] = time.perf_counter() - start
