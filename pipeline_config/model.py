@@ -167,6 +167,16 @@ class TrainConfig(_Section):
             "uses every core); raise it on a cluster."
         ),
     )
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description=(
+            "Elastic training: when set, Ray Train runs with between min_workers and num_workers workers "
+            "(ScalingConfig(num_workers=(min, max))), so losing a node restarts on what remains instead of "
+            "waiting for it. The global batch stays the same: each worker takes global_batch_size / workers. Unset: fixed."
+        ),
+    )
     epochs: int = Field(30, ge=1, le=1000, description="Passes over the training split.")
     global_batch_size: int = Field(
         128, ge=1, le=65536, description="Images per optimizer step across all workers; each worker takes global ÷ workers."
@@ -338,6 +348,11 @@ class PipelineConfig(_Section):
             raise ValueError(
                 f"train.global_batch_size ({self.train.global_batch_size}) is smaller than train.num_workers "
                 f"({self.train.num_workers}): every worker needs at least one image per step; raise the batch or lower the workers"
+            )
+        if self.train.min_workers is not None and self.train.min_workers > self.train.num_workers:
+            raise ValueError(
+                f"train.min_workers ({self.train.min_workers}) is larger than train.num_workers ({self.train.num_workers}): "
+                "the elastic range is min_workers..num_workers; lower min_workers or raise num_workers"
             )
         if self.train.strategy == "fsdp" and self.train.ema_decay > 0:
             raise ValueError(

@@ -183,18 +183,27 @@ def build_manifest(directory: Path, fingerprint: str, inputs: dict[str, str], ro
     return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs, "rows": rows, "files": files}
 
 
-def verify_manifest(directory: Path, fingerprint: str) -> dict | None:
-    """The manifest of ``directory`` if it matches ``fingerprint`` and every file's sha256, else None."""
+def manifest_problem(directory: Path, fingerprint: str) -> str | None:
+    """Why the dataset in ``directory`` cannot be reused (naming the file), or None when it verifies."""
     manifest = read_json(directory / MANIFEST)
-    if not isinstance(manifest, dict) or manifest.get("fingerprint") != fingerprint:
-        return None
+    if not isinstance(manifest, dict):
+        return f"{directory / MANIFEST} is missing or unreadable"
+    if manifest.get("fingerprint") != fingerprint:
+        return f"{directory / MANIFEST} describes another build ({manifest.get('fingerprint')!r})"
     files = manifest.get("files") or {}
     on_disk = {str(p.relative_to(directory)) for p in directory.rglob("*.parquet")}
     if not files or set(files) != on_disk:
-        return None
-    if any(sha256_file(directory / name) != digest for name, digest in files.items()):
-        return None
-    return manifest
+        extra, missing = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
+        return f"{directory}: Parquet files do not match the manifest (missing {missing}, unexpected {extra})"
+    for name, digest in files.items():
+        if sha256_file(directory / name) != digest:
+            return f"{directory / name}: sha256 does not match the manifest (truncated or modified)"
+    return None
+
+
+def verify_manifest(directory: Path, fingerprint: str) -> dict | None:
+    """The manifest of ``directory`` if it matches ``fingerprint`` and every file's sha256, else None."""
+    return None if manifest_problem(directory, fingerprint) else read_json(directory / MANIFEST)
 
 
 def dataset_fingerprint(raw: RawData, cfg: ParquetConfig) -> str:
@@ -208,9 +217,13 @@ def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> Parqu
     logger = stage_logger(__name__)
     fingerprint = dataset_fingerprint(raw, cfg)
     final = layout.dataset_dir(fingerprint)
-    if (manifest := verify_manifest(final, fingerprint)) is not None:
+    problem = manifest_problem(final, fingerprint) if final.exists() else None
+    if final.exists() and problem is None:
+        manifest = read_json(final / MANIFEST)
         logger.info("Parquet dataset %s verified against its manifest; conversion skipped", final)
         return ParquetDataset(directory=str(final), fingerprint=fingerprint, rows=manifest["rows"], skipped=True)
+    if problem:
+        logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
     staging = staging_dir(final)
     rows = convert(Path(raw.directory), staging, cfg)
     atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows))

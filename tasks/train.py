@@ -97,6 +97,13 @@ def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -
     return use_gpu, cpus, threads
 
 
+def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
+    """ScalingConfig's num_workers: fixed, or the elastic (min, max) range when train.min_workers is set."""
+    if cfg.min_workers is None or cfg.min_workers == cfg.num_workers:
+        return cfg.num_workers
+    return (cfg.min_workers, cfg.num_workers)
+
+
 def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir: str | None = None) -> dict:
     """The plain dict ``train_loop_per_worker`` unpacks."""
     return {
@@ -195,7 +202,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
         train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults")),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
+        scaling_config=ScalingConfig(num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(
             storage_path=str(layout.runs_dir),
             name=layout.run_name,

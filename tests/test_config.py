@@ -132,3 +132,13 @@ def test_cli_rejects_unknown_flag(tmp_path):
     assert out.returncode != 0
     assert "train.epoch" in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_elastic_worker_range_is_checked_and_passed_to_ray_train():
+    from tasks.train import worker_range
+
+    config = parse_cli(["--train.num-workers", "4", "--train.min-workers", "2"]).pipeline_config()
+    assert worker_range(config.train) == (2, 4)
+    assert worker_range(parse_cli(["--train.num-workers", "3"]).pipeline_config().train) == 3
+    with pytest.raises(ValueError, match="train.min_workers"):
+        parse_cli(["--train.num-workers", "2", "--train.min-workers", "3"]).pipeline_config()

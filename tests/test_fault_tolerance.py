@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -186,3 +188,60 @@ def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, 
     error = summary["stages"]["train"]["error"]
     assert "hang_timeout_s=20" in error and "Rank 1 failed to pass monitoredBarrier" in error, error
     assert summary["stages"]["train"]["seconds"] < 300, elapsed  # surfaced in bounded time, not hung
+
+
+@pytest.mark.slow
+def test_node_loss_restarts_on_the_remaining_node_with_elastic_workers(tmp_path, mirror_flags):
+    """A real two-node Ray cluster on loopback (`ray start` head + worker node); the worker node is killed mid-training."""
+    ray_bin = Path(sys.executable).with_name("ray")
+    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
+    # Token authentication is about who may join a cluster, not what this test checks; it is set in
+    # the subprocesses only, since Ray fixes a process's auth mode the first time it reads it.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "MNIST_FAULT_INJECT"}
+    env |= {"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp}
+    address = "127.0.0.1:6391"
+    common = ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+    head = subprocess.run(
+        [str(ray_bin), "start", "--head", "--port=6391", "--num-cpus=3", "--include-dashboard=false", *common],
+        env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert head.returncode == 0, head.stderr[-2000:]
+    node = flow = None
+    try:
+        # The worker node runs in the foreground in its own process group, so killing that group is
+        # losing the node: its raylet and every worker process on it.
+        node = subprocess.Popen(
+            [str(ray_bin), "start", f"--address={address}", "--num-cpus=2", "--block", *common],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        )
+        storage = tmp_path / "storage"
+        # 3 + 2 CPUs, 1 kept for Ray Data: two workers of 2 CPUs, one on each node.
+        args = [*mirror_flags, *COMMON, "--run-name", "nodes", "--train.epochs", "4", "--train.min-workers", "1",
+                "--ray.address", address]
+        flow = subprocess.Popen(
+            [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        run_dir = storage / "runs" / "nodes"
+        deadline = time.monotonic() + 600
+        while not list(run_dir.glob("checkpoint_*/model.pt")) and time.monotonic() < deadline and flow.poll() is None:
+            time.sleep(1)
+        assert flow.poll() is None and list(run_dir.glob("checkpoint_*")), "training never reached its first checkpoint"
+        attempts = [json.loads(line) for line in (run_dir / "train_attempts.jsonl").read_text().splitlines()]
+        assert attempts[0]["world_size"] == 2
+        os.killpg(node.pid, signal.SIGKILL)  # the node is gone
+        node.wait(timeout=60)
+        output, _ = flow.communicate(timeout=900)
+        assert flow.returncode == 0, output[-4000:]
+    finally:
+        for proc in (flow, node):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if proc is node else proc.kill()
+        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(temp, ignore_errors=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    attempts = summary["training_attempts"]
+    # restarted on the one remaining node, from a checkpoint written before the loss (shared storage)
+    assert attempts[0] == attempts[0] | {"start_epoch": 0, "world_size": 2}
+    assert attempts[-1]["world_size"] == 1 and attempts[-1]["start_epoch"] >= 1, attempts

@@ -20,6 +20,7 @@ from tasks.to_parquet import (
     images_from_column,
     to_parquet,
     to_table,
+    manifest_problem,
     verify_manifest,
 )
 from tests.conftest import idx_bytes, synthetic_digits, write_raw
@@ -87,6 +88,7 @@ def test_stage_publishes_skips_and_rebuilds_a_tampered_dataset(tmp_path, layout)
     victim = next((folder / "train").glob("*.parquet"))
     victim.write_bytes(victim.read_bytes()[:-50])  # a truncated file is detected ...
     assert verify_manifest(folder, first.fingerprint) is None
+    assert manifest_problem(folder, first.fingerprint) == f"{victim}: sha256 does not match the manifest (truncated or modified)"
     third = to_parquet.fn(raw, CFG, layout)  # ... and the dataset is rebuilt, not used
     assert not third.skipped
     assert verify_manifest(folder, first.fingerprint) is not None

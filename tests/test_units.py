@@ -8,7 +8,7 @@ import torch
 
 from pipeline_config import CleanupConfig, TrainConfig
 from tasks.cleanup import check_deletable, cleanup, plan
-from tasks.common.model import MODEL_FILE, build_resnet18, load_model, save_checkpoint_files
+from tasks.common.model import CHECKSUMS_FILE, IntegrityError, MODEL_FILE, build_resnet18, load_model, save_checkpoint_files
 from tasks.common.storage import StorageLayout, publish_dir, staging_dir
 from tasks.common.train_loop import one_cycle_lr
 from tasks.download import RawData
@@ -114,8 +114,28 @@ def torchvision_resnet18_seed_style():
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     from torchvision.models import resnet18
 
-    torch.save(resnet18(num_classes=10).state_dict(), tmp_path / MODEL_FILE)  # 3-channel stem
+    other = resnet18(num_classes=10)  # 3-channel stem
+    save_checkpoint_files(tmp_path, other, torch.optim.AdamW(other.parameters()), {"epoch": 0})
     with pytest.raises(ValueError, match="does not hold a one-channel ResNet-18"):
+        load_model(tmp_path)
+
+
+def test_tampered_or_unverifiable_checkpoint_is_refused_naming_the_file(tmp_path):
+    model = build_resnet18()
+    save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    load_model(tmp_path)  # intact: loads
+    original = (tmp_path / MODEL_FILE).read_bytes()
+    (tmp_path / MODEL_FILE).write_bytes(original[:-100])  # truncated
+    with pytest.raises(IntegrityError, match=f"{tmp_path / MODEL_FILE} does not match its sha256"):
+        load_model(tmp_path)
+    tampered = bytearray(original)
+    tampered[len(tampered) // 2] ^= 0xFF
+    (tmp_path / MODEL_FILE).write_bytes(bytes(tampered))  # same size, one byte changed
+    with pytest.raises(IntegrityError, match="modified or truncated"):
+        load_model(tmp_path)
+    (tmp_path / MODEL_FILE).write_bytes(original)
+    (tmp_path / CHECKSUMS_FILE).unlink()
+    with pytest.raises(IntegrityError, match="_checksums.json is missing"):
         load_model(tmp_path)
 
 

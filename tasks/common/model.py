@@ -5,10 +5,16 @@ Checkpoint folders keep the seeds' contract so their restore and inference code 
     model.pt        state dict of the unwrapped model (no ``module.`` prefix)
     optimizer.pt    optimizer state dict
     extra_state.pt  {"epoch": last completed epoch, ...} plus scheduler state and metrics
+    _checksums.json sha256 of the three files, verified on every load (a changed or truncated
+                    file is refused with an IntegrityError naming it, never loaded)
+
+Loading uses ``torch.load(weights_only=True)``: tensors and plain containers only, nothing else
+from storage is unpickled.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,9 +22,17 @@ from typing import Any
 import torch
 from torchvision.models import resnet18
 
+from tasks.common.storage import sha256_file
+
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 EXTRA_STATE_FILE = "extra_state.pt"
+CHECKSUMS_FILE = "_checksums.json"
+CHECKPOINT_FILES = (MODEL_FILE, OPTIMIZER_FILE, EXTRA_STATE_FILE)
+
+
+class IntegrityError(RuntimeError):
+    """A checkpoint file does not match the checksum written with it."""
 
 
 def build_resnet18(num_classes: int = 10) -> torch.nn.Module:
@@ -48,7 +62,24 @@ def save_checkpoint_files(
     torch.save(unwrap(model).state_dict(), directory / MODEL_FILE)
     torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), directory / OPTIMIZER_FILE)
     torch.save(extra_state, directory / EXTRA_STATE_FILE)
+    checksums = {name: sha256_file(directory / name) for name in CHECKPOINT_FILES}
+    (directory / CHECKSUMS_FILE).write_text(json.dumps(checksums, indent=2, sort_keys=True) + "\n")
     return directory
+
+
+def verify_checkpoint_file(path: Path) -> None:
+    """Raise IntegrityError unless ``path`` matches its sha256 in the folder's _checksums.json."""
+    sums_path = path.parent / CHECKSUMS_FILE
+    try:
+        expected = json.loads(sums_path.read_text()).get(path.name)
+    except (OSError, ValueError, AttributeError):
+        raise IntegrityError(
+            f"{sums_path} is missing or unreadable: the checkpoint cannot be verified, so {path} is not loaded"
+        ) from None
+    if expected is None:
+        raise IntegrityError(f"{path.name} is not listed in {sums_path}; refusing to load {path}")
+    if sha256_file(path) != expected:
+        raise IntegrityError(f"{path} does not match its sha256 in {sums_path} (modified or truncated); refusing to load it")
 
 
 def load_state(directory: str | os.PathLike[str], name: str) -> Any:
@@ -56,6 +87,7 @@ def load_state(directory: str | os.PathLike[str], name: str) -> Any:
     path = Path(directory) / name
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file missing: {path}")
+    verify_checkpoint_file(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
