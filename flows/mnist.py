@@ -28,7 +28,7 @@ from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
 from tasks.common import reports
-from tasks.common.storage import StorageLayout, atomic_write_json
+from tasks.common.storage import RunInUseError, StorageLayout, atomic_write_json, lease_uses, run_lease
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
@@ -126,12 +126,13 @@ def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
 def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
     layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name())
-    hooks.remember_run(layout)
-    with ray_task_runner(config.ray) as runner:
+    with run_lease(layout), ray_task_runner(config.ray) as runner:  # refuses a live run of the same name
+        hooks.remember_run(layout)
         stage = StageRecorder(runner, layout, config)
         try:
             raw = stage(download, cfg=config.download, layout=layout)
             dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+            lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
             reports.publish_dataset_report(dataset)
             spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
             trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
@@ -161,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             mnist_pipeline(config)
         except Exception as exc:  # the summary below still tells what happened
             failed = exc
-    summary = json.loads(layout.summary_path.read_text()) if layout.summary_path.is_file() else {}
+    in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
+    summary = json.loads(layout.summary_path.read_text()) if layout.summary_path.is_file() and not in_use else {}
     if summary:
         summary.pop("config", None)
         print(json.dumps(summary, indent=2))

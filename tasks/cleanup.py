@@ -2,7 +2,9 @@
 
 Safety rules, checked for every path before anything is deleted: it lies inside the storage
 root (symlinks resolved), is not itself a symlink, and is not (nor contains) the checkpoint the
-evaluation used. A path that breaks a rule stops the stage with its name; nothing is deleted.
+evaluation used, and is not (nor contains) a folder another live run on the same storage root
+reads (its lease in ``<root>/leases/``). A path that breaks a rule stops the stage with its name;
+nothing is deleted. The dry run applies the same checks, so it lists exactly what a real run deletes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pydantic import BaseModel
 
 from pipeline_config import CleanupConfig
 from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, atomic_write_json
+from tasks.common.storage import StorageLayout, atomic_write_json, paths_in_use
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import ParquetDataset
@@ -44,8 +46,11 @@ def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: Tra
     return selected
 
 
-def check_deletable(path: Path, layout: StorageLayout, protected: list[Path]) -> None:
-    """Raise ValueError naming ``path`` unless it is safe to delete."""
+def check_deletable(path: Path, layout: StorageLayout, protected: list[Path], in_use: list[Path] = ()) -> None:
+    """Raise ValueError naming ``path`` unless it is safe to delete.
+
+    ``protected``: what the evaluation used; ``in_use``: folders other live runs read.
+    """
     if path.is_symlink():
         raise ValueError(f"refusing to delete {path}: it is a symbolic link")
     if not layout.contains(path):
@@ -55,6 +60,10 @@ def check_deletable(path: Path, layout: StorageLayout, protected: list[Path]) ->
         keep = keep.resolve()
         if resolved == keep or keep.is_relative_to(resolved):
             raise ValueError(f"refusing to delete {path}: it holds {keep}, which the evaluation used")
+    for used in in_use:
+        used = used.resolve()
+        if resolved == used or used.is_relative_to(resolved) or resolved.is_relative_to(used):
+            raise ValueError(f"refusing to delete {path}: another live run on this storage root reads {used}")
 
 
 def size_of(path: Path) -> int:
@@ -76,8 +85,9 @@ def cleanup(
     """Delete what the retention policy selects, inside the storage root only (or list it in a dry run)."""
     logger = stage_logger(__name__)
     paths = [p for p in plan(cfg, raw, dataset, trained, evaluation) if p.exists()]
+    in_use = paths_in_use(layout)
     for path in paths:  # every check passes before the first deletion
-        check_deletable(path, layout, [Path(evaluation.checkpoint)])
+        check_deletable(path, layout, [Path(evaluation.checkpoint)], in_use)
     total = sum(size_of(p) for p in paths)
     if not cfg.dry_run:
         for path in paths:

@@ -39,6 +39,7 @@ from tasks.common.storage import (
     MANIFEST,
     StorageLayout,
     atomic_write_json,
+    file_lock,
     publish_dir,
     read_json,
     sha256_file,
@@ -217,6 +218,11 @@ def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> Parqu
     logger = stage_logger(__name__)
     fingerprint = dataset_fingerprint(raw, cfg)
     final = layout.dataset_dir(fingerprint)
+    with file_lock(layout, f"dataset-{fingerprint}"):  # a concurrent run building it: wait, then reuse
+        return _build_or_reuse(raw, cfg, final, fingerprint, logger)
+
+
+def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: Path, fingerprint: str, logger) -> ParquetDataset:
     problem = manifest_problem(final, fingerprint) if final.exists() else None
     if final.exists() and problem is None:
         manifest = read_json(final / MANIFEST)

@@ -6,6 +6,8 @@ Every path a stage reads or writes is built here, from the storage root and the 
     <root>/datasets/mnist-<fingerprint>/  Parquet splits + _manifest.json (shared across runs)
     <root>/runs/<run>/                    the Ray Train run (checkpoints) + summary.json
     <root>/runs/<run>/evaluation/         metrics.json, confusion matrix, predictions
+    <root>/locks/                         fcntl locks: one dataset build at a time
+    <root>/leases/<run>.json              live runs and the folders they read (cleanup leaves those alone)
 
 Writes are atomic: a temporary name in the same folder, then ``os.replace``, so a reader sees
 the old state or the new one, never half a file; folders are published the same way.
@@ -13,12 +15,17 @@ the old state or the new one, never half a file; folders are published the same 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import socket
 import tempfile
+import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,3 +146,91 @@ def publish_dir(staging: Path, final: Path) -> Path:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+@contextmanager
+def file_lock(layout: StorageLayout, name: str, timeout_s: float = 3600.0) -> Iterator[Path]:
+    """Hold an exclusive lock ``<root>/locks/<name>.lock`` (fcntl; shared by every process on this storage).
+
+    Two runs building the same dataset take turns: the second waits, then finds the first's
+    verified build and reuses it, so two writers never publish into the same folder.
+    """
+    path = layout.root_path / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
+    with open(path, "a+") as handle:
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {timeout_s:g}s for {path}, held by another run") from None
+                time.sleep(0.5)
+        try:
+            yield path
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+class RunInUseError(RuntimeError):
+    """Another live process is running a run with the same name on the same storage root."""
+
+
+def _lease_is_live(lease: dict) -> bool:
+    if lease.get("host") != socket.gethostname():
+        return True  # another machine's process: assume live (it removes its lease when it ends)
+    try:
+        os.kill(int(lease["pid"]), 0)
+    except (ProcessLookupError, KeyError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lease_path(layout: StorageLayout, run_name: str | None = None) -> Path:
+    return layout.root_path / "leases" / f"{run_name or layout.run_name}.json"
+
+
+def live_leases(layout: StorageLayout) -> dict[str, dict]:
+    """Leases of live runs on this storage root other than ``layout``'s own: run name -> lease."""
+    leases = {}
+    for path in sorted((layout.root_path / "leases").glob("*.json")):
+        lease = read_json(path)
+        if isinstance(lease, dict) and path.stem != layout.run_name and _lease_is_live(lease):
+            leases[path.stem] = lease
+    return leases
+
+
+def paths_in_use(layout: StorageLayout) -> list[Path]:
+    """Folders other live runs on this storage root read (their raw data and Parquet datasets)."""
+    return [Path(p) for lease in live_leases(layout).values() for p in lease.get("uses", [])]
+
+
+@contextmanager
+def run_lease(layout: StorageLayout) -> Iterator[Path]:
+    """Mark this run live for its whole duration (``<root>/leases/<run>.json``); refuse a live duplicate."""
+    path = lease_path(layout)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with file_lock(layout, "leases", timeout_s=60):
+        existing = read_json(path)
+        if isinstance(existing, dict) and _lease_is_live(existing) and existing.get("pid") != os.getpid():
+            raise RunInUseError(
+                f"run {layout.run_name!r} is already running on {layout.root} (pid {existing.get('pid')} on "
+                f"{existing.get('host')}, lease {path}); pick another run name or wait for it to end"
+            )
+        atomic_write_json(path, {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "uses": []})
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def lease_uses(layout: StorageLayout, *folders: str) -> None:
+    """Record in this run's lease that it reads ``folders``, so other runs' cleanup leaves them alone."""
+    path = lease_path(layout)
+    lease = read_json(path)
+    if isinstance(lease, dict):
+        lease["uses"] = sorted(set(lease.get("uses", [])) | set(folders))
+        atomic_write_json(path, lease)

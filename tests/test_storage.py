@@ -1,0 +1,174 @@
+"""Storage shared by concurrent runs: the dataset build lock, run leases, and cleanup around live runs.
+
+Fast tests use real files and real processes (a second Python process holds the lock or the
+lease); the slow test runs two real flows at once on one storage root.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.cleanup import check_deletable, cleanup
+from tasks.common.storage import (
+    RunInUseError,
+    StorageLayout,
+    file_lock,
+    lease_path,
+    lease_uses,
+    live_leases,
+    paths_in_use,
+    run_lease,
+)
+
+from tests.test_units import run_tree  # noqa: F401 - the fixture: a run folder with checkpoints, raw files and a dataset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def hold_in_child(code: str) -> subprocess.Popen:
+    """A second process that runs ``code`` (which takes a lock or lease), prints 'held', then waits for stdin."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", code + "\nprint('held', flush=True)\nimport sys; sys.stdin.read()"],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def release(child: subprocess.Popen) -> None:
+    child.stdin.close()
+    child.wait(timeout=30)
+
+
+def test_dataset_lock_makes_a_second_builder_wait(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "storage"), "a")
+    child = hold_in_child(
+        "from tasks.common.storage import StorageLayout, file_lock\n"
+        f"layout = StorageLayout.create({str(tmp_path / 'storage')!r}, 'b')\n"
+        "lock = file_lock(layout, 'dataset-x'); lock.__enter__()"
+    )
+    try:
+        with pytest.raises(TimeoutError, match="dataset-x.lock, held by another run"):
+            with file_lock(layout, "dataset-x", timeout_s=1):
+                pass
+        acquired = threading.Event()
+
+        def wait_for_lock():
+            with file_lock(layout, "dataset-x", timeout_s=60):
+                acquired.set()
+
+        waiter = threading.Thread(target=wait_for_lock)
+        waiter.start()
+        time.sleep(1.0)
+        assert not acquired.is_set()  # still held by the other process
+    finally:
+        release(child)
+    waiter.join(timeout=30)
+    assert acquired.is_set()  # taken as soon as the other process let go
+
+
+def test_a_live_run_name_is_refused_and_a_dead_ones_lease_is_taken_over(tmp_path):
+    storage = str(tmp_path / "storage")
+    layout = StorageLayout.create(storage, "nightly")
+    child = hold_in_child(
+        "from tasks.common.storage import StorageLayout, run_lease\n"
+        f"lease = run_lease(StorageLayout.create({storage!r}, 'nightly')); lease.__enter__()"
+    )
+    try:
+        with pytest.raises(RunInUseError, match=f"run 'nightly' is already running on {storage} \\(pid {child.pid}"):
+            with run_lease(layout):
+                pass
+        assert json.loads(lease_path(layout).read_text())["pid"] == child.pid  # the live lease is untouched
+    finally:
+        child.kill()  # dies without removing its lease, like a crashed driver
+        child.wait(timeout=30)
+    assert lease_path(layout).is_file()
+    with run_lease(layout) as path:  # the stale lease of a dead process is taken over
+        assert json.loads(path.read_text())["pid"] == os.getpid()
+    assert not lease_path(layout).exists()  # and removed when the run ends
+
+
+def test_cleanup_never_deletes_what_another_live_run_reads(run_tree):
+    layout, raw, dataset, trained, evaluation = run_tree
+    from pipeline_config import CleanupConfig
+
+    other = StorageLayout.create(layout.root, "manual-run")
+    child = hold_in_child(
+        "from tasks.common.storage import StorageLayout, run_lease, lease_uses\n"
+        f"layout = StorageLayout.create({layout.root!r}, 'manual-run')\n"
+        f"lease = run_lease(layout); lease.__enter__(); lease_uses(layout, {dataset.directory!r})"
+    )
+    try:
+        assert set(live_leases(layout)) == {"manual-run"}
+        assert paths_in_use(layout) == [Path(dataset.directory)]
+        with pytest.raises(ValueError, match="another live run on this storage root reads"):
+            check_deletable(Path(dataset.directory), layout, [], paths_in_use(layout))
+        policy = CleanupConfig(delete_raw=True, delete_parquet=True)
+        with pytest.raises(ValueError, match=f"refusing to delete {dataset.directory}"):
+            cleanup.fn(policy.model_copy(update={"dry_run": True}), raw, dataset, trained, evaluation, layout)
+        with pytest.raises(ValueError, match=f"refusing to delete {dataset.directory}"):
+            cleanup.fn(policy, raw, dataset, trained, evaluation, layout)
+        assert Path(dataset.directory).exists() and Path(raw.directory).exists()  # nothing deleted
+    finally:
+        release(child)
+    assert not lease_path(other).exists()
+    report = cleanup.fn(policy, raw, dataset, trained, evaluation, layout)  # the other run ended: allowed now
+    assert set(report.paths) == {raw.directory, dataset.directory} and not Path(dataset.directory).exists()
+
+
+def test_lease_records_the_folders_a_run_reads(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "storage"), "r1")
+    with run_lease(layout) as path:
+        lease_uses(layout, "/s/raw/x", "/s/datasets/y")
+        lease_uses(layout, "/s/datasets/y")
+        assert json.loads(path.read_text())["uses"] == ["/s/datasets/y", "/s/raw/x"]
+        other = StorageLayout.create(str(tmp_path / "storage"), "r2")
+        assert paths_in_use(other) == [Path("/s/datasets/y"), Path("/s/raw/x")]
+        assert paths_in_use(layout) == []  # a run's own lease never blocks it
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_path):
+    """A scheduled run overlapping a manual one: same storage root, same data, started together."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tests.conftest import real_digits_mirror
+
+    storage = tmp_path / "storage"
+    flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
+    common = [*flags, "--storage-root", str(storage), "--train.epochs", "1", "--train.global-batch-size", "64",
+              "--evaluate.min-accuracy", "0"]
+    # One Prefect server for both, as deployments have: two CLI runs without PREFECT_API_URL would
+    # each start a temporary server on the same default SQLite database.
+    with prefect_test_harness(server_startup_timeout=120):
+        env = {k: v for k, v in os.environ.items() if k != "MNIST_FAULT_INJECT"} | {"PREFECT_API_URL": PREFECT_API_URL.value()}
+        runs = {
+            name: subprocess.Popen(
+                [sys.executable, "-m", "flows.mnist", *common, "--run-name", name],
+                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for name in ("scheduled", "manual")
+        }
+        outputs = {name: proc.communicate(timeout=900)[0] for name, proc in runs.items()}
+    for name, proc in runs.items():
+        assert proc.returncode == 0, outputs[name][-4000:]
+    summaries = {name: json.loads((storage / "runs" / name / "summary.json").read_text()) for name in runs}
+    assert all(s["status"] == "completed" for s in summaries.values())
+    datasets = {s["data"]["dataset_dir"] for s in summaries.values()}
+    assert len(datasets) == 1  # one shared dataset ...
+    assert sorted(s["data"]["conversion_skipped"] for s in summaries.values()) == [False, True]  # ... built once
+    assert [p.name for p in (storage / "datasets").iterdir()] == [Path(datasets.pop()).name]  # no second copy, no staging
+    checkpoints = {name: {p.name for p in (storage / "runs" / name).glob("checkpoint_*")} for name in runs}
+    assert all(checkpoints.values())
+    assert summaries["scheduled"]["best_checkpoint"].startswith(str(storage / "runs" / "scheduled"))
+    assert summaries["manual"]["best_checkpoint"].startswith(str(storage / "runs" / "manual"))
+    assert not list((storage / "leases").glob("*.json"))  # both leases released
