@@ -27,5 +27,8 @@ test: install
 test-fast: install
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
+bench: install
+	$(PY) -m benchmarks.run $(ARGS)
+
 clean:
 	rm -rf $(VENV) storage .pytest_cache

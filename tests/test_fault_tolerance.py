@@ -13,6 +13,7 @@ The slow tests run the real CLI (real local Ray, a temporary Prefect server, a f
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -186,7 +187,7 @@ def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, 
     assert out.returncode == 1
     assert summary["status"] == "failed" and summary["stages"]["train"]["status"] == "failed"
     error = summary["stages"]["train"]["error"]
-    assert "hang_timeout_s=20" in error and "Rank 1 failed to pass monitoredBarrier" in error, error
+    assert "hang_timeout_s=20" in error and re.search(r"Ranks? 1 failed to pass monitoredBarrier", error), error
     assert summary["stages"]["train"]["seconds"] < 300, elapsed  # surfaced in bounded time, not hung
 
 

@@ -114,7 +114,7 @@ class StepGuard:
     """What runs before every training step: test-only fault injection, then the hang check.
 
     The hang check is a gloo ``monitored_barrier`` with ``timeout_s``: rank 0 waits for every
-    rank and, when one does not arrive, the error names it ("Rank 1 failed to pass
+    rank and, when one does not arrive, the error names it ("Ranks 1 failed to pass
     monitoredBarrier"), so a deadlocked or stalled worker fails the attempt instead of hanging
     the flow forever. It needs the gloo backend (CPU training); with NCCL only the process
     group timeout (``TorchConfig(timeout_s)``, set from the same field) applies.

@@ -1,0 +1,240 @@
+"""Benchmarks: our pipeline side by side with the seeds' approach and a plain PyTorch loop, as ratios.
+
+    python -m benchmarks.run            # full: sample, 60,000 and 1,000,000 rows; prints a table
+    python -m benchmarks.run --quick    # small sizes, one repetition (what the test runs)
+
+Every figure is measured in the same run as its baseline, repetitions alternate baseline and
+ours, and the table quotes medians and ratios: this machine is shared and absolute times drift.
+Results go to ``benchmarks/results/latest.json`` (or ``--out``).
+
+Rows:
+* data path: IDX files -> Parquet -> Ray Data normalize, ours (streaming pyarrow writer,
+  vectorized ``map_batches``) against the seeds' approach (pandas lists of lists, ``from_pandas``,
+  ``write_parquet``, per-row PIL ``ToTensor``/``Normalize`` through ``ds.map``);
+* conversion memory: peak RSS of our conversion of 1,000,000 rows, in a fresh process;
+* training throughput: images/s of our training loop (Ray Train, 1 worker) against a plain
+  single-process loop on in-memory tensors, same model, batch and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import platform
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+
+
+def write_idx_dir(folder: Path, n_train: int, n_test: int, seed: int = 0) -> Path:
+    """Synthetic MNIST-shaped IDX .gz files (random pixels; the data path does not care)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+
+    def idx(array: np.ndarray) -> bytes:
+        header = struct.pack(">HBB", 0, 0x08, array.ndim) + b"".join(struct.pack(">I", d) for d in array.shape)
+        return header + array.tobytes()
+
+    for (images, labels), n in zip(((FILES[0], FILES[1]), (FILES[2], FILES[3])), (n_train, n_test)):
+        with gzip.open(folder / images, "wb", compresslevel=1) as handle:
+            handle.write(idx(np.zeros((0, 28, 28), np.uint8))[:4] + struct.pack(">III", n, 28, 28))
+            for start in range(0, n, 50_000):
+                handle.write(rng.integers(0, 256, size=(min(50_000, n - start), 28, 28), dtype=np.uint8).tobytes())
+        (folder / labels).write_bytes(gzip.compress(idx((np.arange(n) % 10).astype(np.uint8)), compresslevel=1))
+    return folder
+
+
+def read_idx(path: Path) -> np.ndarray:
+    data = gzip.decompress(path.read_bytes())
+    ndim = data[3]
+    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+def ours_data_path(raw: Path, out: Path) -> float:
+    """Seconds for our conversion + transform over every training row."""
+    import ray.data
+
+    from pipeline_config import ParquetConfig
+    from tasks.to_parquet import convert
+    from tasks.transform import prepare_batch
+
+    start = time.perf_counter()
+    convert(raw, out, ParquetConfig(validation_every=1000))
+    ds = ray.data.read_parquet(str(out / "train")).map_batches(
+        prepare_batch, batch_format="pyarrow", batch_size=4096, fn_kwargs={"mean": 0.5, "std": 0.5}
+    )
+    rows = sum(len(b["label"]) for b in ds.iter_batches(batch_size=4096, batch_format="numpy"))
+    assert rows > 0
+    return time.perf_counter() - start
+
+
+def seeds_data_path(raw: Path, out: Path) -> float:
+    """Seconds for the seeds' approach over the same training rows (our re-implementation of it)."""
+    import pandas as pd
+    import ray.data
+    from PIL import Image
+    from torchvision.transforms import Compose, Normalize, ToTensor
+
+    start = time.perf_counter()
+    images, labels = read_idx(raw / FILES[0]), read_idx(raw / FILES[1])
+    frame = pd.DataFrame({"image": images.tolist(), "label": labels})
+    ray.data.from_pandas(frame).write_parquet(str(out))
+
+    def per_row(row: dict) -> dict:
+        transform = Compose([ToTensor(), Normalize((0.5,), (0.5,))])
+        row["image"] = transform(Image.fromarray(np.array(row["image"], dtype=np.uint8)))
+        return row
+
+    ds = ray.data.read_parquet(str(out), file_extensions=["parquet"]).map(per_row)
+    rows = sum(len(b["label"]) for b in ds.iter_batches(batch_size=4096, batch_format="numpy"))
+    assert rows == len(labels)
+    return time.perf_counter() - start
+
+
+def conversion_peak_rss_mb(rows: int, work: Path) -> dict:
+    """Convert ``rows`` synthetic rows in a fresh process; its peak RSS and seconds."""
+    raw = write_idx_dir(work / f"raw-{rows}", rows, 1000)
+    # VmHWM (the process's peak RSS), not ru_maxrss: Linux carries ru_maxrss over fork + exec, so a
+    # child of this (large) process would report our peak, not its own.
+    code = (
+        "import sys, time; from pathlib import Path\n"
+        "def hwm(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
+        "from pipeline_config import ParquetConfig; from tasks.to_parquet import convert\n"
+        "base = hwm()\n"
+        "t = time.perf_counter(); convert(Path(sys.argv[1]), Path(sys.argv[2]), ParquetConfig())\n"
+        "print(base, hwm(), time.perf_counter() - t)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(raw), str(work / f"pq-{rows}")], cwd=ROOT,
+                         capture_output=True, text=True, check=True)
+    base_kb, peak_kb, seconds = out.stdout.split()
+    return {"rows": rows, "peak_rss_mb": round(int(peak_kb) / 1024, 1), "rss_before_mb": round(int(base_kb) / 1024, 1),
+            "seconds": round(float(seconds), 2), "rows_per_s": round(rows / float(seconds))}
+
+
+def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
+    """A plain single-process loop on in-memory tensors: the same model, optimizer and batch."""
+    import torch
+
+    from tasks.common.model import build_resnet18
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_resnet18()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    model.train()
+    for step in range(steps + 2):
+        if step == 2:  # warm-up steps are not timed
+            start = time.perf_counter()
+        loss = criterion(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return steps * batch / (time.perf_counter() - start)
+
+
+def ray_train_images_per_s(work: Path, epochs: int) -> dict:
+    """Our training stage (Ray Train, 1 worker, same batch) on the bundled sample; its last epoch's images/s."""
+    from pipeline_config import PipelineConfig
+    from tasks.common.storage import StorageLayout
+    from tasks.download import download
+    from tasks.to_parquet import to_parquet
+    from tasks.train import train
+    from tasks.transform import transform
+
+    config = PipelineConfig.model_validate(
+        {"download": {"source": "sample"}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": 1}}
+    )
+    layout = StorageLayout.create(str(work / "storage"), f"bench-{time.time_ns()}")
+    raw = download.fn(config.download, layout)
+    dataset = to_parquet.fn(raw, config.parquet, layout)
+    spec = transform.fn(dataset, config.transform, layout)
+    start = time.perf_counter()
+    trained = train.fn(spec, config.train, layout)
+    last = trained.history[-1]
+    return {"images_per_s": last["images_per_s"], "stage_seconds": time.perf_counter() - start}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
+    parser.add_argument("--out", default=str(HERE / "results" / "latest.json"), help="where to write the JSON")
+    args = parser.parse_args(argv)
+
+    import ray
+
+    sizes = [(4000, 2)] if args.quick else [(4000, 3), (60_000, 1)]  # (training rows, repetitions)
+    rss_rows = 50_000 if args.quick else 1_000_000
+    rows_out: list[dict] = []
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        with tempfile.TemporaryDirectory(prefix="mnist-bench-") as tmp:
+            work = Path(tmp)
+            for n, reps in sizes:
+                raw = write_idx_dir(work / f"raw-{n}", n, 1000)
+                seeds, ours = [], []
+                ours_data_path(raw, work / "warm")  # warm-up: Ray Data workers and imports
+                for rep in range(reps):  # alternate baseline and ours
+                    seeds.append(seeds_data_path(raw, work / f"seeds-{n}-{rep}"))
+                    ours.append(ours_data_path(raw, work / f"ours-{n}-{rep}"))
+                s, o = statistics.median(seeds), statistics.median(ours)
+                rows_out.append({"benchmark": "data path", "rows": n, "baseline": "seeds' pandas + per-row PIL",
+                                 "baseline_s": round(s, 2), "ours_s": round(o, 2), "ours_rows_per_s": round(n / o),
+                                 "baseline_rows_per_s": round(n / s), "speedup": round(s / o, 2), "reps": reps,
+                                 "goal": ">= 20x at 60,000 rows"})
+            rows_out.append({"benchmark": "conversion peak RSS", **conversion_peak_rss_mb(rss_rows, work),
+                             "goal": "<= 1,500 MB at 1,000,000 rows"})
+            ray.shutdown()  # training starts its own local Ray below, as the flow's stage would
+            plain = plain_images_per_s(steps=5 if args.quick else 30, batch=128, threads=2)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ours_train = ray_train_images_per_s(work, epochs=1 if args.quick else 2)
+            rows_out.append({"benchmark": "training throughput (1 worker x 2 threads, batch 128)",
+                             "baseline": "plain PyTorch loop, in-memory tensors", "baseline_images_per_s": round(plain, 1),
+                             "ours_images_per_s": round(ours_train["images_per_s"], 1),
+                             "ratio": round(ours_train["images_per_s"] / plain, 3), "goal": ">= 0.9x"})
+    finally:
+        ray.shutdown()
+    result = {
+        "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_avg_1m_at_end": round(__import__("os").getloadavg()[0], 2)},
+        "mode": "quick" if args.quick else "full",
+        "rows": rows_out,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(rows_out))
+    print(f"\nwritten to {out}")
+    return 0
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| benchmark | size | baseline | ours | ratio | goal |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        if r["benchmark"] == "data path":
+            lines.append(f"| data path | {r['rows']:,} rows | {r['baseline_s']} s ({r['baseline_rows_per_s']:,} rows/s) | "
+                         f"{r['ours_s']} s ({r['ours_rows_per_s']:,} rows/s) | {r['speedup']}x faster | {r['goal']} |")
+        elif r["benchmark"] == "conversion peak RSS":
+            lines.append(f"| conversion peak RSS | {r['rows']:,} rows | | {r['peak_rss_mb']} MB, {r['rows_per_s']:,} rows/s | | {r['goal']} |")
+        else:
+            lines.append(f"| {r['benchmark']} | | {r['baseline_images_per_s']} img/s | {r['ours_images_per_s']} img/s | "
+                         f"{r['ratio']}x | {r['goal']} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

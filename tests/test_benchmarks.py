@@ -1,0 +1,34 @@
+"""The benchmark suite runs end to end in its quick mode and reports every row with real numbers.
+
+It asserts the suite works, not how fast anything is: speed goals are ratios in the benchmark's
+own table (README, Performance), never timed unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_quick_benchmark_writes_every_row(tmp_path):
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    kinds = [row["benchmark"] for row in result["rows"]]
+    assert kinds[0] == "data path" and "conversion peak RSS" in kinds and kinds[-1].startswith("training throughput")
+    data = result["rows"][0]
+    assert data["rows"] == 4000 and data["baseline_s"] > 0 and data["ours_s"] > 0 and data["speedup"] > 0
+    rss = result["rows"][1]
+    assert rss["peak_rss_mb"] >= rss["rss_before_mb"] > 0 and rss["rows_per_s"] > 0
+    train = result["rows"][2]
+    assert train["baseline_images_per_s"] > 0 and train["ours_images_per_s"] > 0 and train["ratio"] > 0
+    assert "| data path | 4,000 rows |" in run.stdout  # the printed table
