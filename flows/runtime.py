@@ -22,7 +22,7 @@ from prefect.settings import (
 from prefect_ray import RayTaskRunner
 
 from pipeline_config import RayConfig
-from tasks.common.faults import FAULT_ENV
+from tasks.common.faults import TEST_HOOK_ENVS
 
 
 def current_api_url() -> str | None:
@@ -73,8 +73,9 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
             "which starts a local Prefect server; Ray workers must report to the flow's API"
         )
     env_vars = {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
-    if os.environ.get(FAULT_ENV):  # test-only fault injection (tasks/common/faults.py) reaches the workers
-        env_vars[FAULT_ENV] = os.environ[FAULT_ENV]
+    for name in TEST_HOOK_ENVS:  # test-only fault injection and row logging (tasks/common/faults.py)
+        if os.environ.get(name):
+            env_vars[name] = os.environ[name]
     init_kwargs: dict = {
         "runtime_env": {"env_vars": env_vars},
         "include_dashboard": False,

@@ -226,6 +226,16 @@ class TrainConfig(_Section):
             "in a collective) fails the attempt with an error naming its rank; 0 disables the per-step check."
         ),
     )
+    checkpoint_every_steps: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Also checkpoint every this many optimizer steps inside an epoch (0: only at epoch ends). Such a checkpoint "
+            "records which rows the epoch has trained on, so a restart trains the rest of the epoch exactly once, "
+            "with any number of workers."
+        ),
+    )
     num_to_keep: int = Field(2, ge=1, le=100, description="Checkpoints Ray Train keeps, best by checkpoint_score.")
     checkpoint_score: Literal["val_loss", "val_accuracy"] = Field(
         "val_loss",

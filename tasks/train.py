@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import ray
@@ -31,6 +32,7 @@ from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
 from pipeline_config import TrainConfig
+from tasks.common.faults import ROW_LOG_ENV
 from tasks.common.logs import stage_logger
 from tasks.common.reports import training_progress_callbacks
 from tasks.common.storage import StorageLayout
@@ -104,8 +106,11 @@ def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
     return (cfg.min_workers, cfg.num_workers)
 
 
-def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir: str | None = None) -> dict:
+def loop_config(
+    cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir: str | None = None, spec: TransformSpec | None = None
+) -> dict:
     """The plain dict ``train_loop_per_worker`` unpacks."""
+    run_dir = Path(fault_dir).parent if fault_dir else None
     return {
         "epochs": cfg.epochs,
         "global_batch_size": cfg.global_batch_size,
@@ -119,7 +124,12 @@ def loop_config(cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir
         "torch_threads": torch_threads,
         "hang_timeout_s": cfg.hang_timeout_s,
         "fault_dir": fault_dir,  # where test-only fault injection records what fired (tasks.common.faults)
-        "attempts_log": str(Path(fault_dir).parent / ATTEMPTS_LOG) if fault_dir else None,
+        "attempts_log": str(run_dir / ATTEMPTS_LOG) if run_dir else None,
+        "checkpoint_every_steps": cfg.checkpoint_every_steps,
+        # A resumed mid-epoch rebuilds the train pipeline without the rows it already trained on.
+        "transform": spec.model_dump(mode="json") if spec is not None else None,
+        # Test-only: every rank logs the row_ids it trains on (tasks.common.faults.ROW_LOG_ENV).
+        "row_log_dir": str(run_dir / "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
     }
 
 
@@ -163,9 +173,11 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score
     """Turn a ``ray.train.Result`` into the manifest later stages read."""
     if result.error:
         raise RuntimeError(f"Ray Train run {run_dir} failed: {result.error}") from result.error
+    # Mid-epoch checkpoints are only there to resume from; they are never candidates.
     kept = [
         CheckpointInfo(path=ckpt.path, epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
         for ckpt, m in (result.best_checkpoints or [])
+        if not m.get("mid_epoch")
     ]
     if not kept:
         raise RuntimeError(f"Ray Train run {run_dir} finished without a checkpoint")
@@ -176,7 +188,11 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score
         best_checkpoint=best.path,
         best_val_accuracy=best.val_accuracy,
         checkpoints=kept,
-        history=[{k: v for k, v in row.items() if isinstance(v, (int, float))} for row in history],
+        history=[
+            {k: v for k, v in row.items() if isinstance(v, (int, float)) and k not in ("mid_epoch", "step")}
+            for row in history
+            if not (row.get("mid_epoch") == 1)
+        ],
         num_workers=num_workers,
         cpus_per_worker=cpus,
         score=score,
@@ -199,7 +215,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
     logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults")),
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults"), spec),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import ray.data
 import torch
 import torch.nn.functional as F
@@ -104,27 +105,42 @@ def augmentation(cfg: TransformConfig) -> dict[str, float] | None:
     return params if any(params.values()) else None
 
 
-def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
-    """Lazy Ray Datasets for ``splits``; train is shuffled and augmented anew each time it runs."""
+def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
+    """``batch`` without the rows whose ``row_id`` is in ``row_ids`` (rows already trained on)."""
+    keep = pc.invert(pc.is_in(batch.column("row_id"), value_set=pa.array(row_ids, type=pa.int64())))
+    return batch.filter(keep)
+
+
+def build_split(spec: TransformSpec, split: str, seed: int = 0, exclude: np.ndarray | None = None) -> ray.data.Dataset:
+    """One split as a lazy Ray Dataset; train is shuffled and augmented anew each time it runs.
+
+    ``exclude``: row_ids to leave out (the part of an interrupted epoch that a checkpoint
+    already covers), so a resumed epoch trains on exactly the rows it has not seen.
+    """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
-    datasets = {}
-    for split in splits:
-        ds = ray.data.read_parquet(spec.dataset.split_dir(split), **task_args)
-        augment = split == "train"
-        if augment:
-            # Unseeded: a fresh permutation on every epoch's execution (the sample's files are
-            # sorted by class). A seeded shuffle is meant to re-seed per execution, but measured
-            # here it sometimes repeated the previous epoch's order exactly.
-            ds = ds.random_shuffle(**task_args)
-        datasets[split] = ds.map_batches(
-            prepare_batch,
-            batch_format="pyarrow",
-            batch_size=cfg.batch_rows,
-            fn_kwargs={"mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed},
-            **task_args,
-        )
-    return datasets
+    ds = ray.data.read_parquet(spec.dataset.split_dir(split), **task_args)
+    if exclude is not None and len(exclude):
+        ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
+    augment = split == "train"
+    if augment:
+        # Unseeded: a fresh permutation on every epoch's execution (the sample's files are
+        # sorted by class). A seeded shuffle is meant to re-seed per execution, but measured
+        # here it sometimes repeated the previous epoch's order exactly. Exact resumption does
+        # not need a replayable order: checkpoints record which rows were consumed.
+        ds = ds.random_shuffle(**task_args)
+    return ds.map_batches(
+        prepare_batch,
+        batch_format="pyarrow",
+        batch_size=cfg.batch_rows,
+        fn_kwargs={"mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed},
+        **task_args,
+    )
+
+
+def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
+    """Lazy Ray Datasets for ``splits`` (see `build_split`)."""
+    return {split: build_split(spec, split, seed) for split in splits}
 
 
 def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:

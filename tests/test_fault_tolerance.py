@@ -7,14 +7,19 @@ The slow tests run the real CLI (real local Ray, a temporary Prefect server, a f
   retry of the training stage resumes the same run from its latest checkpoint;
 * a driver killed mid-training, then the same run name again: finished stages skipped after
   verification, training resumed from a checkpoint;
-* a stalled worker: the run fails within ``train.hang_timeout_s`` with the rank named.
+* a stalled worker: the run fails within ``train.hang_timeout_s`` with the rank named;
+* exactly-once mid-epoch resumption: kills between mid-epoch checkpoints, the last attempt with a
+  different number of workers; the row_ids every rank trained on (``MNIST_RECORD_ROWS``) add up to
+  the training set once per epoch;
+* node loss on a real two-node cluster.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+from collections import Counter
 import shutil
 import signal
 import subprocess
@@ -23,11 +28,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from ray.exceptions import ActorDiedError
 from ray.train import WorkerGroupError
 
-from tasks.common.faults import Fault, FaultInjector, parse_faults
+from tasks.common.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults
 from tasks.train import is_infrastructure_failure
 from tests.conftest import real_digits_mirror
 
@@ -107,10 +113,14 @@ def mirror_flags(tmp_path_factory) -> list[str]:
     return real_digits_mirror(tmp_path_factory.mktemp("mirror"), train_per_class=60, test_per_class=20)
 
 
-def run_cli(args: list[str], storage: Path, faults: str | None = None, timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MNIST_FAULT_INJECT")}
+def run_cli(
+    args: list[str], storage: Path, faults: str | None = None, timeout: float = 900, record_rows: bool = False
+) -> tuple[subprocess.CompletedProcess, dict]:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", FAULT_ENV, ROW_LOG_ENV)}
     if faults:
-        env["MNIST_FAULT_INJECT"] = faults
+        env[FAULT_ENV] = faults
+    if record_rows:
+        env[ROW_LOG_ENV] = "1"
     out = subprocess.run(
         [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
@@ -173,6 +183,54 @@ def test_killed_driver_resumes_with_the_same_run_name(tmp_path, mirror_flags):
     from ray.train import Result
 
     assert Result.from_path(str(run_dir)).metrics["epoch"] == 3  # the resumed run finished all 4 epochs
+
+
+def committed_rows(row_log: Path, attempts: list[dict]) -> dict[int, Counter]:
+    """Per epoch, the row_ids whose training survived: each attempt's steps before the next attempt's start.
+
+    A step after the checkpoint the next attempt resumed from was rolled back with its weights,
+    so its rows are not counted; the last attempt's steps all count.
+    """
+    starts = [(a["start_epoch"], a["start_step"], a["world_size"]) for a in attempts]
+    rows: dict[int, Counter] = {}
+    for index, (epoch, step, world) in enumerate(starts):
+        files = sorted(row_log.glob(f"from-e{epoch}s{step}-w{world}-rank*.jsonl"))
+        assert len(files) == world, (starts[index], [f.name for f in files])  # every rank of the attempt logged
+        end = starts[index + 1][:2] if index + 1 < len(starts) else (1 << 30, 0)
+        for path in files:
+            for line in path.read_text().splitlines():
+                entry = json.loads(line)
+                if (entry["epoch"], entry["step"]) < end:
+                    rows.setdefault(entry["epoch"], Counter()).update(entry["rows"])
+    return rows
+
+
+@pytest.mark.slow
+def test_interrupted_epochs_train_every_row_exactly_once(tmp_path, mirror_flags):
+    storage = tmp_path / "storage"
+    base = [*mirror_flags, *COMMON, "--run-name", "exact", "--train.checkpoint-every-steps", "3", "--train.stage-retries", "0"]
+    # First run, 2 workers: a kill at step 5 of epoch 1 is repaired by Ray Train from the step-3
+    # checkpoint; a kill at step 4 of epoch 2 exhausts max_failures and the flow fails.
+    faults = "kill:rank=1:epoch=1:step=5;kill:rank=0:epoch=2:step=4"
+    out, _ = run_cli([*base, "--train.max-failures", "1"], storage, faults, record_rows=True)
+    assert out.returncode == 1, out.stderr[-3000:]
+    # Second run of the same run name with 1 worker: the rest of epoch 2 is split over 1 rank.
+    out, summary = run_cli([*base, "--train.num-workers", "1"], storage, record_rows=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    attempts = summary["training_attempts"]
+    assert [a["world_size"] for a in attempts] == [2, 2, 1], attempts
+    assert [a["start_epoch"] for a in attempts] == [0, 1, 2], attempts
+    assert attempts[1]["start_step"] > 0 and attempts[2]["start_step"] > 0, attempts  # resumed mid-epoch
+    train_ids = pq.read_table(Path(summary["data"]["dataset_dir"]) / "train", columns=["row_id"]).column("row_id").to_pylist()
+    expected = Counter(train_ids)
+    assert len(expected) == summary["data"]["rows"]["train"] == len(train_ids)
+    consumed = committed_rows(storage / "runs" / "exact" / "row_log", attempts)
+    assert sorted(consumed) == [0, 1, 2]
+    for epoch, rows in consumed.items():
+        twice = sorted(r for r, n in rows.items() if n > 1)
+        missing = sorted(expected - rows)
+        assert rows == expected, f"epoch {epoch}: {len(twice)} rows twice {twice[:10]}, {len(missing)} missing {missing[:10]}"
+    assert summary["status"] == "completed"
 
 
 @pytest.mark.slow

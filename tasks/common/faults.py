@@ -19,10 +19,15 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 FAULT_ENV = "MNIST_FAULT_INJECT"
+# Test-only as well: when set (any non-empty value), every rank logs the row_ids it trains on
+# under <run>/row_log/ so a test can prove each epoch saw every row exactly once.
+ROW_LOG_ENV = "MNIST_RECORD_ROWS"
+TEST_HOOK_ENVS = (FAULT_ENV, ROW_LOG_ENV)
 ACTIONS = ("kill", "stall")
 
 
@@ -64,9 +69,13 @@ def parse_faults(spec: str | None) -> list[Fault]:
 class FaultInjector:
     """Checks the configured faults at every training step of one rank."""
 
-    def __init__(self, marker_dir: str | os.PathLike[str], rank: int, spec: str | None = None):
+    def __init__(
+        self, marker_dir: str | os.PathLike[str], rank: int, spec: str | None = None, settle: Callable[[], None] | None = None
+    ):
+        """``settle`` runs just before a fault fires: the training loop passes a wait until Ray Train
+        has committed every report so far, so the test knows which checkpoint a restart resumes from."""
         self.faults = parse_faults(os.environ.get(FAULT_ENV) if spec is None else spec)
-        self.marker_dir, self.rank = Path(marker_dir), rank
+        self.marker_dir, self.rank, self.settle = Path(marker_dir), rank, settle
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -77,6 +86,8 @@ class FaultInjector:
             marker = self.marker_dir / f"{fault.key}.fired"
             if not fault.matches(self.rank, epoch, step) or marker.exists():
                 continue
+            if self.settle is not None:
+                self.settle()
             self.marker_dir.mkdir(parents=True, exist_ok=True)
             marker.write_text(f"{fault} fired at epoch {epoch} step {step}, pid {os.getpid()}\n")
             print(f"[fault injection] {fault.action} rank {self.rank} at epoch {epoch} step {step}", flush=True)

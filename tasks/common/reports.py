@@ -440,7 +440,7 @@ class TrainingProgress(UserCallback):
         self.artifact_id, self.epochs = str(artifact_id), epochs
 
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
-        if not metrics or "epoch" not in metrics[0]:
+        if not metrics or "epoch" not in metrics[0] or metrics[0].get("mid_epoch"):
             return
         from prefect.artifacts import update_progress_artifact
 

@@ -5,6 +5,11 @@ shifts / rotations / zoom (applied in the Ray Data transform) and an exponential
 (EMA) of the weights, which is what gets validated and saved as ``model.pt``. Every rank reports
 every epoch; rank 0 attaches a checkpoint in the seeds' format (model.pt / optimizer.pt /
 extra_state.pt, the latter also holding the raw training weights so a resume is exact).
+
+With ``checkpoint_every_steps`` > 0 every rank also reports every K optimizer steps, and the
+checkpoint records the data position (`Position`): the epoch, its steps done and the ``row_id``s
+they consumed, gathered from all ranks. A restart with any world size rebuilds the epoch's train
+pipeline without those rows (`remainder_shard`), so every row is trained on once per epoch.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import json
 import math
 import tempfile
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
@@ -77,11 +84,24 @@ def inference_model(model: torch.nn.Module, ema: AveragedModel | None) -> torch.
     return ema.module if ema is not None else unwrap(model)
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None) -> int:
-    """Load the latest checkpoint Ray Train hands this attempt, if any; return the next epoch."""
+@dataclass
+class Position:
+    """Where a training attempt starts: the epoch, the optimizer steps of it already done and their rows.
+
+    ``consumed`` holds the ``row_id``s that the steps before ``step`` trained on (every rank's,
+    gathered into the checkpoint), so a resumed epoch trains on exactly the rest.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    consumed: torch.Tensor | None = None
+
+
+def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None) -> Position:
+    """Load the latest checkpoint Ray Train hands this attempt, if any; return where to go on from."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
-        return 0
+        return Position()
     with checkpoint.as_directory() as ckpt_dir:
         shipped = load_state(ckpt_dir, MODEL_FILE)
         extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
@@ -96,14 +116,28 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: Avera
             ema.module.load_state_dict(shipped)
             ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
         optimizer.load_state_dict(optimizer_state)
-        return int(extra["epoch"]) + 1
+        if "position" in extra:  # a mid-epoch checkpoint
+            position = extra["position"]
+            return Position(int(position["epoch"]), int(position["step"]), position["row_ids"])
+        return Position(int(extra["epoch"]) + 1)
 
 
-def record_attempt(path: str, start_epoch: int, world_size: int) -> None:
+def record_attempt(path: str, start: Position, world_size: int) -> None:
     """Append one line per training attempt (Ray Train restart or Prefect retry) to ``train_attempts.jsonl``."""
-    line = {"start_epoch": start_epoch, "world_size": world_size, "time": time.time()}
+    line = {"start_epoch": start.epoch, "start_step": start.step, "world_size": world_size, "time": time.time()}
     with open(path, "a") as handle:  # one short line per attempt; appends are atomic enough for a log
         handle.write(json.dumps(line) + "\n")
+
+
+def wait_for_committed_reports() -> None:
+    """Block until Ray Train's controller has taken in every report so far (checkpoints committed).
+
+    Ray Train V2 reports are queued on each worker and collected by the controller's status poll
+    (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``, 2 s); a worker that dies first takes its queued
+    report with it and the restart resumes from the checkpoint before. Fault injection calls this
+    before it fires so a test knows which checkpoint the restart must use.
+    """
+    ray.train.get_all_reported_checkpoints(consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=120)
 
 
 class TrainingHangError(RuntimeError):
@@ -122,7 +156,7 @@ class StepGuard:
 
     def __init__(self, rank: int, world_size: int, timeout_s: float, fault_dir: str | None):
         self.rank, self.timeout_s = rank, timeout_s
-        self.faults = FaultInjector(fault_dir, rank) if fault_dir else None
+        self.faults = FaultInjector(fault_dir, rank, settle=wait_for_committed_reports) if fault_dir else None
         self.monitored = (
             timeout_s > 0 and world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
         )
@@ -141,13 +175,50 @@ class StepGuard:
             ) from exc
 
 
+class RowLog:
+    """Test-only record of the ``row_id``s a rank trained on, one JSON line per step.
+
+    Written only when the driver sets ``MNIST_RECORD_ROWS`` (tasks.common.faults); the exactly-once
+    test reads it back. One file per rank and attempt: ``<run>/row_log/from-e<E>s<S>-w<W>-rank<R>.jsonl``.
+    """
+
+    def __init__(self, directory: str, start: Position, world_size: int, rank: int):
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        self.path = Path(directory) / f"from-e{start.epoch}s{start.step}-w{world_size}-rank{rank}.jsonl"
+
+    def write(self, epoch: int, step: int, row_ids: torch.Tensor) -> None:
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps({"epoch": epoch, "step": step, "rows": row_ids.tolist()}) + "\n")
+
+
+def gather_rows(local: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's consumed ``row_id``s since the epoch (or attempt) began, concatenated (a collective)."""
+    mine = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return torch.cat(everyone)
+
+
 def train_epoch(
-    model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None
+    model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None,
+    start: Position | None = None, checkpoint_every: int = 0, row_log: RowLog | None = None,
 ) -> dict:
-    """One pass over this rank's shard; returns global loss, accuracy and images/s."""
+    """One pass over this rank's shard; returns global loss, accuracy and images/s.
+
+    ``start`` resumes an interrupted epoch: step numbering (and the learning-rate schedule) go on
+    from ``start.step`` and ``start.consumed`` is carried into the next mid-epoch checkpoint.
+    Every ``checkpoint_every`` steps (0: never) all ranks report a mid-epoch checkpoint holding
+    the data position: the steps done and every row_id they consumed.
+    """
     model.train()
-    loss_sum, correct, seen, start = 0.0, 0.0, 0.0, time.perf_counter()
-    for step, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device)):
+    first_step = start.step if start is not None else 0
+    earlier = [start.consumed] if start is not None and start.consumed is not None else []
+    consumed: list[torch.Tensor] = []
+    loss_sum, correct, seen, start_time = 0.0, 0.0, 0.0, time.perf_counter()
+    lr = one_cycle_lr(epoch / epochs, peak_lr)
+    for step, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device), start=first_step):
         if guard is not None:
             guard.before_step(epoch, step)
         lr = one_cycle_lr((epoch + min(step / steps_per_epoch, 1.0)) / epochs, peak_lr)
@@ -164,7 +235,15 @@ def train_epoch(
         loss_sum += loss.item() * len(labels)
         correct += (logits.argmax(1) == labels).sum().item()
         seen += len(labels)
-    elapsed = time.perf_counter() - start
+        row_ids = batch["row_id"].cpu()
+        consumed.append(row_ids)
+        if row_log is not None:
+            row_log.write(epoch, step, row_ids)
+        if checkpoint_every and (step + 1) % checkpoint_every == 0:
+            rows = gather_rows(consumed)
+            position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
+            report_mid_epoch(position, model, optimizer, ema)
+    elapsed = time.perf_counter() - start_time
     loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)
     return {
         "train_loss": loss_sum / max(seen, 1),
@@ -199,8 +278,17 @@ class _StateDictView(torch.nn.Module):
         return self._state
 
 
-def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None) -> None:
-    """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state)."""
+# Mid-epoch checkpoints are reported with the worst possible scores: they exist to resume from
+# (Ray Train always keeps the latest checkpoint), never to be picked as the best one.
+MID_EPOCH_SCORES = {"val_loss": 1e30, "val_accuracy": -1.0}
+
+
+def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None) -> None:
+    """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state).
+
+    ``extra_state.pt`` keeps the seeds' meaning of ``epoch`` (the last completed epoch); a
+    mid-epoch checkpoint adds ``position`` (epoch in progress, steps done, consumed row_ids).
+    """
     optimizer_state = None
     if isinstance(model, FSDP):
         # Gathering full weights and optimizer state is a collective: every rank takes part and
@@ -214,12 +302,40 @@ def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | Non
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            extra = {"epoch": epoch, "metrics": metrics}
+            extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
+            if position is not None:
+                extra["position"] = position
             if ema is not None:
                 extra |= {"train_weights": unwrap(model).state_dict(), "ema_updates": int(ema.n_averaged)}
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def report_mid_epoch(position: dict, model, optimizer, ema: AveragedModel | None) -> None:
+    """Report a mid-epoch checkpoint carrying the data position (see `report`)."""
+    metrics = {"epoch": position["epoch"], "step": position["step"], "mid_epoch": 1, **MID_EPOCH_SCORES}
+    report(metrics, model, optimizer, position["epoch"] - 1, ema, position)
+
+
+def remainder_shard(config: dict[str, Any], start: Position, rank: int, world_size: int):
+    """This rank's share of the rows an interrupted epoch has not trained on yet.
+
+    Rank 0 builds the train pipeline without ``start.consumed`` and splits it across the current
+    world size (which may differ from the failed attempt's); the other ranks receive their
+    iterators from it, as Ray Train hands out `get_dataset_shard` iterators.
+    """
+    from tasks.transform import TransformSpec, build_split  # the Ray Data side, only needed on resume
+
+    splits: list[Any] = [None]
+    if rank == 0:
+        spec = TransformSpec.model_validate(config["transform"])
+        exclude = start.consumed.numpy() if start.consumed is not None else None
+        dataset = build_split(spec, "train", config["seed"], exclude=exclude)
+        splits = [dataset.streaming_split(world_size, equal=True)]
+    if world_size > 1:
+        dist.broadcast_object_list(splits, src=0)
+    return splits[0][rank]
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -236,20 +352,24 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=config["weight_decay"])
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
     ema = make_ema(model, config["ema_decay"])
-    start_epoch = restore(model, optimizer, ema)
+    start = restore(model, optimizer, ema)
     rank = ray.train.get_context().get_world_rank()
     if rank == 0 and config.get("attempts_log"):
-        record_attempt(config["attempts_log"], start_epoch, world_size)
+        record_attempt(config["attempts_log"], start, world_size)
     guard = StepGuard(rank, world_size, config.get("hang_timeout_s", 0), config.get("fault_dir"))
+    row_log = RowLog(config["row_log_dir"], start, world_size, rank) if config.get("row_log_dir") else None
 
     train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
-    for epoch in range(start_epoch, epochs):
-        start = time.perf_counter()
+    for epoch in range(start.epoch, epochs):
+        begin = time.perf_counter()
+        resuming = epoch == start.epoch and start.step > 0
+        shard = remainder_shard(config, start, rank, world_size) if resuming else train_shard
         metrics = {"epoch": epoch}
         metrics |= train_epoch(
-            model, optimizer, criterion, train_shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard
+            model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard,
+            start=start if resuming else None, checkpoint_every=config.get("checkpoint_every_steps", 0), row_log=row_log,
         )
         metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
-        metrics["epoch_seconds"] = time.perf_counter() - start
+        metrics["epoch_seconds"] = time.perf_counter() - begin
         report(metrics, model, optimizer, epoch, ema)
