@@ -28,7 +28,7 @@ from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
 from tasks.common import reports
-from tasks.common.storage import RunInUseError, StorageLayout, atomic_write_json, lease_uses, run_lease
+from tasks.common.storage import RunInUseError, StorageLayout, atomic_write_json, lease_uses, run_lease, storage_writes
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
@@ -113,7 +113,8 @@ class StageRecorder:
 
     def write_summary(self) -> dict[str, Any]:
         summary = self.summary()
-        atomic_write_json(self.layout.summary_path, summary)
+        with storage_writes("summary", self.layout.run_dir):
+            atomic_write_json(self.layout.summary_path, summary)
         return summary
 
 
@@ -140,8 +141,13 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
             evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
             reports.publish_evaluation_report(evaluation, dataset, trained)
             stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
-        finally:
-            summary = stage.write_summary()
+        except BaseException:
+            try:
+                stage.write_summary()
+            except OSError as exc:  # e.g. the storage root is full: keep the stage's own error
+                print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
+            raise
+        summary = stage.write_summary()
     return summary
 
 

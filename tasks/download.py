@@ -38,7 +38,7 @@ from torchvision.datasets.utils import calculate_md5, download_url
 
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
 from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, sha256_file
+from tasks.common.storage import STORAGE_ERRNOS, StorageLayout, sha256_file, storage_writes
 
 logger = logging.getLogger(__name__)
 
@@ -304,6 +304,8 @@ def fetch_file(
         except ChecksumMismatchError:
             raise  # a wrong file is a wrong file: retrying the same source will not fix it
         except Exception as exc:
+            if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
+                raise  # a full or read-only storage root: retrying the download cannot help
             if not is_transient(exc):
                 raise DownloadError(f"cannot download {dest.name} from {url}: {_describe(exc)} (not retried)") from exc
             if attempt == attempts:
@@ -411,9 +413,10 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
             ", ".join(OFFICIAL_MIRRORS), cfg.connect_timeout_s,
         )
     directory = layout.raw_dir(source_key(plan)).absolute()
-    files, skipped = sync_files(
-        plan.base_url, directory, plan.expected, cfg.attempts, cfg.backoff_s, log, cfg.read_timeout_s
-    )
+    with storage_writes("download"):
+        files, skipped = sync_files(
+            plan.base_url, directory, plan.expected, cfg.attempts, cfg.backoff_s, log, cfg.read_timeout_s
+        )
     state = "already present and verified, no download" if skipped else "verified"
     log.info("MNIST files %s in %s (source=%s, %s)", state, directory, plan.source, plan.base_url)
     return RawData(source=plan.source, url=plan.base_url, directory=str(directory), files=files, skipped=skipped)

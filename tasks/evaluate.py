@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from pipeline_config import EvaluateConfig
 from tasks.common.model import load_model
 from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json
+from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json, storage_writes
 from tasks.train import TrainedModel
 from tasks.transform import TransformSpec, build_datasets
 
@@ -147,11 +147,12 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
     scores = metrics_from_confusion(confusion)
     plain_accuracy = float((out["label"] == out["pred_plain"]).mean()) if len(out["label"]) else 0.0
     folder = layout.evaluation_dir
-    folder.mkdir(parents=True, exist_ok=True)
     predictions_path = folder / "predictions.parquet"
     buffer = pa.BufferOutputStream()
     pq.write_table(pa.table(out), buffer)
-    atomic_write_bytes(predictions_path, buffer.getvalue().to_pybytes())
+    with storage_writes("evaluate"):
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(predictions_path, buffer.getvalue().to_pybytes())
     result = Evaluation(
         checkpoint=trained.best_checkpoint,
         confusion=confusion.tolist(),
@@ -163,7 +164,8 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
         accuracy_without_tta=plain_accuracy,
         **scores,
     )
-    atomic_write_json(result.metrics_path, result.model_dump() | {"min_accuracy": cfg.min_accuracy})
+    with storage_writes("evaluate"):
+        atomic_write_json(result.metrics_path, result.model_dump() | {"min_accuracy": cfg.min_accuracy})
     logger.info(
         "Test accuracy %.4f on %d images (without test-time augmentation %.4f; gate %.4f)",
         result.accuracy, result.rows, plain_accuracy, cfg.min_accuracy,

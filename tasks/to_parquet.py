@@ -39,12 +39,13 @@ from tasks.common.storage import (
     MANIFEST,
     StorageLayout,
     atomic_write_json,
+    building,
     file_lock,
     publish_dir,
     read_json,
     sha256_file,
     sha256_json,
-    staging_dir,
+    storage_writes,
 )
 from tasks.download import RawData
 
@@ -218,7 +219,8 @@ def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> Parqu
     logger = stage_logger(__name__)
     fingerprint = dataset_fingerprint(raw, cfg)
     final = layout.dataset_dir(fingerprint)
-    with file_lock(layout, f"dataset-{fingerprint}"):  # a concurrent run building it: wait, then reuse
+    # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
+    with storage_writes("to-parquet", final.parent), file_lock(layout, f"dataset-{fingerprint}"):
         return _build_or_reuse(raw, cfg, final, fingerprint, logger)
 
 
@@ -230,9 +232,9 @@ def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: Path, fingerprint: 
         return ParquetDataset(directory=str(final), fingerprint=fingerprint, rows=manifest["rows"], skipped=True)
     if problem:
         logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
-    staging = staging_dir(final)
-    rows = convert(Path(raw.directory), staging, cfg)
-    atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows))
-    publish_dir(staging, final)
+    with building(final) as staging:  # removed again if the build fails half-way
+        rows = convert(Path(raw.directory), staging, cfg)
+        atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows))
+        publish_dir(staging, final)
     logger.info("Wrote Parquet dataset %s: %s", final, rows)
     return ParquetDataset(directory=str(final), fingerprint=fingerprint, rows=rows)

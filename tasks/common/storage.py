@@ -10,11 +10,14 @@ Every path a stage reads or writes is built here, from the storage root and the 
     <root>/leases/<run>.json              live runs and the folders they read (cleanup leaves those alone)
 
 Writes are atomic: a temporary name in the same folder, then ``os.replace``, so a reader sees
-the old state or the new one, never half a file; folders are published the same way.
+the old state or the new one, never half a file; folders are published the same way. A full or
+read-only storage root fails the stage with `StorageWriteError` naming the path and the fix; the
+half-built staging folder is removed, so the last good state stays as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -122,6 +125,59 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+# errno values that mean "the storage cannot take this write", not a bug in the stage.
+STORAGE_ERRNOS = {
+    errno.ENOSPC: "the storage root is full (no space left on the device)",
+    errno.EDQUOT: "the storage quota is exhausted",
+    errno.EFBIG: "the file is larger than the storage allows",
+    errno.EROFS: "the storage root is mounted read-only",
+}
+
+
+class StorageWriteError(OSError):
+    """A stage could not write to the storage root (full, over quota or read-only)."""
+
+    def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
+        return str(self.args[0]) if self.args else super().__str__()
+
+
+@contextmanager
+def storage_writes(stage: str, where: str | os.PathLike[str] | None = None) -> Iterator[None]:
+    """Turn a full or read-only storage root into one clear `StorageWriteError` naming the path.
+
+    ``where``: the folder the stage writes to, named when the error itself carries no file name
+    (pyarrow's write errors do not).
+    """
+    try:
+        yield
+    except StorageWriteError:
+        raise
+    except OSError as exc:
+        reason = STORAGE_ERRNOS.get(exc.errno or 0)
+        if reason is None and where is not None and "No space left on device" in str(exc):
+            reason = STORAGE_ERRNOS[errno.ENOSPC]  # pyarrow raises a bare OSError with the text only
+        if reason is None:
+            raise
+        target = exc.filename or (f"under {where}" if where is not None else "to the storage root")
+        error = StorageWriteError(
+            f"{stage}: cannot write {target}: {reason}. Nothing was published and the previous state is intact; "
+            "free space (or make it writable, or pick another --storage-root) and run again with the same --run-name"
+        )
+        error.errno = exc.errno or errno.ENOSPC
+        raise error from exc
+
+
+@contextmanager
+def building(final: Path) -> Iterator[Path]:
+    """A staging folder for ``final`` that is removed again when the build fails (see `publish_dir`)."""
+    staging = staging_dir(final)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
 
 
 def staging_dir(final: Path) -> Path:
