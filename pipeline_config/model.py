@@ -158,6 +158,14 @@ class TransformConfig(_Section):
 class TrainConfig(_Section):
     """Distributed training with Ray Train (TorchTrainer, Ray Train V2)."""
 
+    mode: Literal["distributed", "single"] = Field(
+        "distributed",
+        description=(
+            "distributed: Ray Train workers (TorchTrainer). single: the same model, recipe, data pipeline and "
+            "checkpoint files in one process without Ray Train (the seeds' plain PyTorch section), to see the price "
+            "of distribution on your hardware; it ignores the worker and Ray Train failure settings."
+        ),
+    )
     num_workers: int = Field(
         1,
         ge=1,

@@ -16,6 +16,9 @@ Which layer owns which failure:
   stages whose outputs verify on storage and this stage resumes from the latest checkpoint.
 
 Total budget before a run fails: (max_failures + 1) x (stage_retries + 1) training attempts.
+
+``train.mode: single`` runs the same loop in this stage's own process without Ray Train
+(tasks.common.single_process), as a baseline for the price of distribution.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pipeline_config import TrainConfig
 from tasks.common.faults import ROW_LOG_ENV
 from tasks.common.logs import stage_logger
 from tasks.common.reports import training_progress_callbacks
+from tasks.common.single_process import fit_single
 from tasks.common.storage import StorageLayout
 from tasks.common.train_loop import train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
@@ -211,6 +215,8 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
     """Train ResNet-18 with Ray Train on the transformed data; checkpoints go to the run folder."""
     logger = stage_logger(__name__)
     resources = ray.cluster_resources()
+    if cfg.mode == "single":
+        return train_single(spec, cfg, layout, threads=max(1, int(resources.get("CPU", 1))))
     use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
     logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
     trainer = TorchTrainer(
@@ -242,3 +248,30 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
         logger.info("Training took %d attempts, starting at epochs %s", len(attempts), [a["start_epoch"] for a in attempts])
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)
     return trained
+
+
+def train_single(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, threads: int) -> TrainedModel:
+    """``train.mode: single``: the loop in this process with every CPU's threads (tasks.common.single_process)."""
+    logger = stage_logger(__name__)
+    logger.info("Training in one process without Ray Train (train.mode=single), %d torch threads", threads)
+    config = loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults"), spec)
+    found, history = fit_single(config, spec, layout.run_dir, cfg.num_to_keep, cfg.checkpoint_score)
+    kept = [
+        CheckpointInfo(path=str(path), epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
+        for path, m in found
+    ]
+    best = max(kept, key=lambda c: checkpoint_rank(c, cfg.checkpoint_score))
+    attempts = read_attempts(layout.run_dir / ATTEMPTS_LOG)
+    logger.info("Best checkpoint %s (val accuracy %.4f)", best.path, best.val_accuracy)
+    return TrainedModel(
+        run_dir=str(layout.run_dir),
+        best_checkpoint=best.path,
+        best_val_accuracy=best.val_accuracy,
+        checkpoints=kept,
+        history=history,
+        num_workers=1,
+        cpus_per_worker=float(threads),
+        score=cfg.checkpoint_score,
+        attempts=attempts,
+        resumed_from_epoch=next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None),
+    )

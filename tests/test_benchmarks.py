@@ -29,6 +29,11 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert data["rows"] == 4000 and data["baseline_s"] > 0 and data["ours_s"] > 0 and data["speedup"] > 0
     rss = result["rows"][1]
     assert rss["peak_rss_mb"] >= rss["rss_before_mb"] > 0 and rss["rows_per_s"] > 0
-    train = result["rows"][2]
+    overhead = result["rows"][2]
+    assert overhead["benchmark"] == "fixed overhead" and overhead["prefect_server_s"] > 0 and overhead["ray_start_s"] > 0
+    assert overhead["total_s"] >= overhead["ray_train_worker_group_s"] > 0
+    single, train = result["rows"][3], result["rows"][4]
+    assert "single" in single["benchmark"] and single["ours_images_per_s"] > 0 and single["ratio"] > 0
     assert train["baseline_images_per_s"] > 0 and train["ours_images_per_s"] > 0 and train["ratio"] > 0
+    assert train["ratio_to_single_mode"] > 0
     assert "| data path | 4,000 rows |" in run.stdout  # the printed table

@@ -103,23 +103,38 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: Avera
     if checkpoint is None:
         return Position()
     with checkpoint.as_directory() as ckpt_dir:
-        shipped = load_state(ckpt_dir, MODEL_FILE)
-        extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
-        optimizer_state = load_state(ckpt_dir, OPTIMIZER_FILE)
-        if isinstance(model, FSDP):  # full (unsharded) files; FSDP re-shards them on load
-            with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
-                model.load_state_dict(extra.get("train_weights", shipped))
-                optimizer_state = FSDP.optim_state_dict_to_load(model, optimizer, optimizer_state)
-        else:
-            unwrap(model).load_state_dict(extra.get("train_weights", shipped))
-        if ema is not None:
-            ema.module.load_state_dict(shipped)
-            ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
-        optimizer.load_state_dict(optimizer_state)
-        if "position" in extra:  # a mid-epoch checkpoint
-            position = extra["position"]
-            return Position(int(position["epoch"]), int(position["step"]), position["row_ids"])
-        return Position(int(extra["epoch"]) + 1)
+        return load_checkpoint(ckpt_dir, model, optimizer, ema)
+
+
+def load_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None) -> Position:
+    """Load weights, optimizer and EMA state from a checkpoint folder; return where to go on from."""
+    shipped = load_state(ckpt_dir, MODEL_FILE)
+    extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
+    optimizer_state = load_state(ckpt_dir, OPTIMIZER_FILE)
+    if isinstance(model, FSDP):  # full (unsharded) files; FSDP re-shards them on load
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+            model.load_state_dict(extra.get("train_weights", shipped))
+            optimizer_state = FSDP.optim_state_dict_to_load(model, optimizer, optimizer_state)
+    else:
+        unwrap(model).load_state_dict(extra.get("train_weights", shipped))
+    if ema is not None:
+        ema.module.load_state_dict(shipped)
+        ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
+    optimizer.load_state_dict(optimizer_state)
+    if "position" in extra:  # a mid-epoch checkpoint
+        position = extra["position"]
+        return Position(int(position["epoch"]), int(position["step"]), position["row_ids"])
+    return Position(int(extra["epoch"]) + 1)
+
+
+def checkpoint_extra(metrics: dict, model, epoch: int, ema: AveragedModel | None, position: dict | None = None) -> dict[str, Any]:
+    """``extra_state.pt``: the seeds' ``epoch`` (last completed), metrics, and what an exact resume needs."""
+    extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
+    if position is not None:
+        extra["position"] = position
+    if ema is not None:
+        extra |= {"train_weights": unwrap(model).state_dict(), "ema_updates": int(ema.n_averaged)}
+    return extra
 
 
 def record_attempt(path: str, start: Position, world_size: int) -> None:
@@ -302,11 +317,7 @@ def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | Non
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = None
         if ray.train.get_context().get_world_rank() == 0:
-            extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
-            if position is not None:
-                extra["position"] = position
-            if ema is not None:
-                extra |= {"train_weights": unwrap(model).state_dict(), "ema_updates": int(ema.n_averaged)}
+            extra = checkpoint_extra(metrics, model, epoch, ema, position)
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
         ray.train.report(metrics, checkpoint=checkpoint)

@@ -1,0 +1,97 @@
+"""``train.mode: single``: the training loop in one process, without Ray Train (the seeds' first section).
+
+Same model, recipe, Ray Data pipeline and checkpoint files as the distributed mode, so the two
+can be compared on one machine (``benchmarks/``, or a run with ``--train.mode single``): what
+is left between them is the price of distribution (worker-group start, DDP all-reduce, per-rank
+data shards, reporting). Without Ray Train nothing restarts a failed process: a failure fails
+the stage, and running it again (Prefect's retry or the same ``--run-name``) resumes from the
+latest epoch checkpoint in ``<run>/single/``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tasks.common.model import EXTRA_STATE_FILE, build_resnet18, load_state, save_checkpoint_files
+from tasks.common.storage import atomic_write_bytes, building, publish_dir
+from tasks.common.train_loop import (
+    Position,
+    checkpoint_extra,
+    inference_model,
+    load_checkpoint,
+    make_ema,
+    record_attempt,
+    train_epoch,
+    validate,
+)
+
+SINGLE_DIR = "single"
+HISTORY_FILE = "history.jsonl"
+
+
+def epoch_checkpoints(folder: Path) -> list[Path]:
+    """The published checkpoint folders, oldest epoch first."""
+    return sorted(folder.glob("checkpoint_epoch_*"))
+
+
+def checkpoint_metrics(checkpoint: Path) -> dict[str, Any]:
+    """The metrics saved with a checkpoint (in ``extra_state.pt``, checksum-verified)."""
+    return dict(load_state(checkpoint, EXTRA_STATE_FILE)["metrics"])
+
+
+def prune(folder: Path, num_to_keep: int, score: str) -> None:
+    """Keep the ``num_to_keep`` best checkpoints by ``score``, and always the latest one."""
+    found = epoch_checkpoints(folder)
+    sign = 1 if score == "val_accuracy" else -1
+    ranked = sorted(found, key=lambda p: (sign * checkpoint_metrics(p)[score], p.name), reverse=True)
+    for path in set(ranked[num_to_keep:]) - {found[-1]}:
+        trash = path.with_name(f".{path.name}.deleted")
+        path.rename(trash)  # one rename, then delete: never a half-deleted checkpoint under its name
+        shutil.rmtree(trash)
+
+
+def fit_single(config: dict[str, Any], spec, run_dir: Path, num_to_keep: int, score: str) -> tuple[list[tuple[Path, dict]], list[dict]]:
+    """Train in this process; return the kept checkpoints with their metrics, and the per-epoch history.
+
+    ``config`` is the dict of ``tasks.train.loop_config``; ``spec`` the transform's TransformSpec.
+    """
+    from tasks.transform import build_split  # Ray Data; the stage runs inside the Ray cluster
+
+    folder = run_dir / SINGLE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(config["seed"])
+    torch.set_num_threads(config["torch_threads"])
+    epochs, batch_size, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
+    device = torch.device("cpu")
+    model = build_resnet18().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=config["weight_decay"])
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
+    ema = make_ema(model, config["ema_decay"])
+    existing = epoch_checkpoints(folder)
+    start = load_checkpoint(existing[-1], model, optimizer, ema) if existing else Position()
+    if config.get("attempts_log"):
+        record_attempt(config["attempts_log"], start, world_size=1)
+    history_path = folder / HISTORY_FILE
+    history = [json.loads(line) for line in history_path.read_text().splitlines()] if history_path.is_file() else []
+    history = [row for row in history if row["epoch"] < start.epoch]  # epochs after the checkpoint were rolled back
+    steps_per_epoch = max(1, math.ceil(config["train_rows"] / batch_size))
+    for epoch in range(start.epoch, epochs):
+        metrics: dict[str, Any] = {"epoch": epoch}
+        metrics |= train_epoch(
+            model, optimizer, criterion, build_split(spec, "train", config["seed"]), batch_size, epoch, epochs,
+            steps_per_epoch, peak_lr, device, ema,
+        )
+        metrics |= validate(inference_model(model, ema), criterion, build_split(spec, "val", config["seed"]), batch_size, device)
+        with building(folder / f"checkpoint_epoch_{epoch:04d}") as staging:
+            save_checkpoint_files(staging, inference_model(model, ema), optimizer, checkpoint_extra(metrics, model, epoch, ema))
+            publish_dir(staging, folder / f"checkpoint_epoch_{epoch:04d}")
+        history.append(metrics)
+        atomic_write_bytes(history_path, "".join(json.dumps(row) + "\n" for row in history).encode())
+        prune(folder, num_to_keep, score)
+    return [(path, checkpoint_metrics(path)) for path in epoch_checkpoints(folder)], history
