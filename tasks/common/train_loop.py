@@ -220,7 +220,7 @@ def train_epoch(
     model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None,
     start: Position | None = None, checkpoint_every: int = 0, row_log: RowLog | None = None,
 ) -> dict:
-    """One pass over this rank's shard; returns global loss, accuracy and images/s.
+    """One pass over this rank's shard; returns global loss, accuracy, images/s and this rank's data wait.
 
     ``start`` resumes an interrupted epoch: step numbering (and the learning-rate schedule) go on
     from ``start.step`` and ``start.consumed`` is carried into the next mid-epoch checkpoint.
@@ -232,8 +232,10 @@ def train_epoch(
     earlier = [start.consumed] if start is not None and start.consumed is not None else []
     consumed: list[torch.Tensor] = []
     loss_sum, correct, seen, start_time = 0.0, 0.0, 0.0, time.perf_counter()
+    data_wait, mark = 0.0, start_time
     lr = one_cycle_lr(epoch / epochs, peak_lr)
     for step, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device), start=first_step):
+        data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
         if guard is not None:
             guard.before_step(epoch, step)
         lr = one_cycle_lr((epoch + min(step / steps_per_epoch, 1.0)) / epochs, peak_lr)
@@ -258,12 +260,16 @@ def train_epoch(
             rows = gather_rows(consumed)
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
             report_mid_epoch(position, model, optimizer, ema)
+        mark = time.perf_counter()
     elapsed = time.perf_counter() - start_time
     loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)
     return {
         "train_loss": loss_sum / max(seen, 1),
         "train_accuracy": correct / max(seen, 1),
         "images_per_s": seen / max(elapsed, 1e-9),
+        # Of the epoch's seconds, how many this rank spent waiting for data (the rest is compute).
+        "epoch_train_s": elapsed,
+        "data_wait_s": data_wait,
         "lr": lr,
     }
 
