@@ -133,13 +133,28 @@ class PrefectServer:
         if self.proc is not None:
             stop_group(self.proc)
 
+    def request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        """One API call, retried on 503 the way Prefect's own client retries it.
+
+        The server answers 503 when SQLite reports SQLITE_BUSY / SQLITE_BUSY_SNAPSHOT (a
+        transient lock, prefect/server/api/server.py ``is_client_retryable_exception``); the
+        write was rolled back, so sending it again is safe. Seen once in CI on this 2-core
+        machine while a flow run was writing logs.
+        """
+        for attempt in range(6):
+            response = httpx.request(method, f"{self.api}{path}", timeout=30, **kwargs)
+            if response.status_code != 503:
+                return response
+            time.sleep(2**attempt)
+        return response
+
     def get(self, path: str, **kwargs) -> Any:
-        response = httpx.get(f"{self.api}{path}", timeout=30, **kwargs)
+        response = self.request("GET", path, **kwargs)
         response.raise_for_status()
         return response.json()
 
     def post(self, path: str, body: dict | None = None) -> Any:
-        response = httpx.post(f"{self.api}{path}", json=body or {}, timeout=30)
+        response = self.request("POST", path, json=body or {})
         response.raise_for_status()
         return response.json()
 
@@ -376,9 +391,9 @@ def test_invalid_parameters_are_refused_naming_the_field(server, served, work):
     ):
         config = smoke_config(work / "storage", "refused")
         config[section][field] = value
-        response = httpx.post(
-            f"{server.api}/deployments/{deployment['id']}/create_flow_run",
-            json=ui_run_body(deployment, {"config": config}, "refused"), timeout=30,
+        response = server.request(
+            "POST", f"/deployments/{deployment['id']}/create_flow_run",
+            json=ui_run_body(deployment, {"config": config}, "refused"),
         )
         assert response.status_code == 409, response.text
         assert f"config.{section}.{field}" in response.json()["detail"] and reason in response.json()["detail"]
