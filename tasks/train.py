@@ -40,7 +40,7 @@ from tasks.common.logs import stage_logger
 from tasks.common.reports import training_progress_callbacks
 from tasks.common.single_process import fit_single
 from tasks.common.storage import StorageLayout
-from tasks.common.train_loop import train_loop_per_worker
+from tasks.common.train_loop import HISTORY_FILE, read_history, train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
 
 # One JSON line per training attempt in the run folder: the epoch it started from and its world size.
@@ -129,6 +129,7 @@ def loop_config(
         "hang_timeout_s": cfg.hang_timeout_s,
         "fault_dir": fault_dir,  # where test-only fault injection records what fired (tasks.common.faults)
         "attempts_log": str(run_dir / ATTEMPTS_LOG) if run_dir else None,
+        "history_path": str(run_dir / HISTORY_FILE) if run_dir else None,  # every epoch's metrics, from rank 0
         "checkpoint_every_steps": cfg.checkpoint_every_steps,
         # A resumed mid-epoch rebuilds the train pipeline without the rows it already trained on.
         "transform": spec.model_dump(mode="json") if spec is not None else None,
@@ -186,7 +187,10 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score
     if not kept:
         raise RuntimeError(f"Ray Train run {run_dir} finished without a checkpoint")
     best = max(kept, key=lambda c: checkpoint_rank(c, score))
-    history = result.metrics_dataframe.to_dict(orient="records") if result.metrics_dataframe is not None else []
+    # Every epoch from rank 0's history.jsonl; Result.metrics_dataframe only has the kept checkpoints.
+    history = read_history(run_dir / HISTORY_FILE)
+    if not history and result.metrics_dataframe is not None:
+        history = result.metrics_dataframe.to_dict(orient="records")
     return TrainedModel(
         run_dir=str(run_dir),
         best_checkpoint=best.path,

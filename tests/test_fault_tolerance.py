@@ -34,6 +34,7 @@ from ray.exceptions import ActorDiedError
 from ray.train import WorkerGroupError
 
 from tasks.common.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults
+from tasks.common.train_loop import HISTORY_FILE, read_history
 from tasks.train import is_infrastructure_failure
 from tests.conftest import real_digits_mirror
 
@@ -144,6 +145,11 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
     starts = [a["start_epoch"] for a in summary["training_attempts"]]
     assert starts == [0, 1, 2], starts  # every restart resumed from the latest checkpoint, none from scratch
     assert summary["resumed_from_epoch"] == 1
+    # The run's per-epoch record has every epoch once, the ones rerun after a restart replaced
+    # (Ray Train's own metrics_dataframe would hold only the num_to_keep=2 kept checkpoints).
+    history = read_history(storage / "runs" / "kills" / HISTORY_FILE)
+    assert [row["epoch"] for row in history] == [0, 1, 2]
+    assert all(0 <= row["val_accuracy"] <= 1 and row["finished_at"] > 0 for row in history)
     reference, ref_summary = run_cli([*mirror_flags, *COMMON, "--run-name", "calm"], storage)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert [a["start_epoch"] for a in ref_summary["training_attempts"]] == [0]
@@ -187,6 +193,7 @@ def test_killed_driver_resumes_with_the_same_run_name(tmp_path, mirror_flags):
     from ray.train import Result
 
     assert Result.from_path(str(run_dir)).metrics["epoch"] == 3  # the resumed run finished all 4 epochs
+    assert [row["epoch"] for row in read_history(run_dir / HISTORY_FILE)] == [0, 1, 2, 3]
 
 
 def committed_rows(row_log: Path, attempts: list[dict]) -> dict[int, Counter]:

@@ -10,7 +10,7 @@ from pipeline_config import CleanupConfig, TrainConfig
 from tasks.cleanup import check_deletable, cleanup, plan
 from tasks.common.model import CHECKSUMS_FILE, IntegrityError, MODEL_FILE, build_resnet18, load_model, save_checkpoint_files
 from tasks.common.storage import StorageLayout, publish_dir, staging_dir
-from tasks.common.train_loop import one_cycle_lr
+from tasks.common.train_loop import one_cycle_lr, read_history, record_epoch
 from tasks.download import RawData
 from tasks.evaluate import TTA_SHIFTS, Evaluation, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
 from tasks.to_parquet import ParquetDataset
@@ -245,3 +245,13 @@ def test_checkpoint_rank_follows_the_configured_score():
     pick = lambda score: max([early, late, tie], key=lambda c: checkpoint_rank(c, score)).path  # noqa: E731
     assert pick("val_loss") == "b"
     assert pick("val_accuracy") == "c"  # ties go to the later epoch
+
+
+def test_epoch_history_keeps_every_epoch_and_a_rerun_replaces_the_rest(tmp_path):
+    path = tmp_path / "history.jsonl"
+    assert read_history(path) == []
+    for epoch in range(3):
+        record_epoch(path, {"epoch": epoch, "val_accuracy": 0.5 + epoch / 10})
+    # A restart from the epoch-1 checkpoint reruns epoch 1: it replaces epochs 1 and 2.
+    rows = record_epoch(path, {"epoch": 1, "val_accuracy": 0.9})
+    assert rows == read_history(path) == [{"epoch": 0, "val_accuracy": 0.5}, {"epoch": 1, "val_accuracy": 0.9}]

@@ -10,29 +10,31 @@ latest epoch checkpoint in ``<run>/single/``.
 
 from __future__ import annotations
 
-import json
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tasks.common.model import EXTRA_STATE_FILE, build_resnet18, load_state, save_checkpoint_files
-from tasks.common.storage import atomic_write_bytes, building, publish_dir
+from tasks.common.storage import building, publish_dir
 from tasks.common.train_loop import (
+    HISTORY_FILE,
     Position,
     checkpoint_extra,
     inference_model,
     load_checkpoint,
     make_ema,
+    read_history,
     record_attempt,
+    record_epoch,
     train_epoch,
     validate,
 )
 
 SINGLE_DIR = "single"
-HISTORY_FILE = "history.jsonl"
 
 
 def epoch_checkpoints(folder: Path) -> list[Path]:
@@ -78,8 +80,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: Path, num_to_keep: int, sc
     if config.get("attempts_log"):
         record_attempt(config["attempts_log"], start, world_size=1)
     history_path = folder / HISTORY_FILE
-    history = [json.loads(line) for line in history_path.read_text().splitlines()] if history_path.is_file() else []
-    history = [row for row in history if row["epoch"] < start.epoch]  # epochs after the checkpoint were rolled back
+    history = [row for row in read_history(history_path) if row["epoch"] < start.epoch]  # later epochs were rolled back
     steps_per_epoch = max(1, math.ceil(config["train_rows"] / batch_size))
     for epoch in range(start.epoch, epochs):
         metrics: dict[str, Any] = {"epoch": epoch}
@@ -88,10 +89,10 @@ def fit_single(config: dict[str, Any], spec, run_dir: Path, num_to_keep: int, sc
             steps_per_epoch, peak_lr, device, ema,
         )
         metrics |= validate(inference_model(model, ema), criterion, build_split(spec, "val", config["seed"]), batch_size, device)
+        metrics["finished_at"] = time.time()
         with building(folder / f"checkpoint_epoch_{epoch:04d}") as staging:
             save_checkpoint_files(staging, inference_model(model, ema), optimizer, checkpoint_extra(metrics, model, epoch, ema))
             publish_dir(staging, folder / f"checkpoint_epoch_{epoch:04d}")
-        history.append(metrics)
-        atomic_write_bytes(history_path, "".join(json.dumps(row) + "\n" for row in history).encode())
+        history = record_epoch(history_path, metrics)
         prune(folder, num_to_keep, score)
     return [(path, checkpoint_metrics(path)) for path in epoch_checkpoints(folder)], history

@@ -41,6 +41,7 @@ from tasks.common.model import (
     save_checkpoint_files,
     unwrap,
 )
+from tasks.common.storage import atomic_write_bytes
 
 
 def one_cycle_lr(progress: float, peak: float, warmup: float = 0.2, floor: float = 1e-3) -> float:
@@ -135,6 +136,28 @@ def checkpoint_extra(metrics: dict, model, epoch: int, ema: AveragedModel | None
     if ema is not None:
         extra |= {"train_weights": unwrap(model).state_dict(), "ema_updates": int(ema.n_averaged)}
     return extra
+
+
+HISTORY_FILE = "history.jsonl"
+
+
+def read_history(path: str | Path) -> list[dict]:
+    """Every finished epoch's metrics from ``history.jsonl`` (empty when there is none)."""
+    path = Path(path)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def record_epoch(path: str | Path, metrics: dict) -> list[dict]:
+    """Add one epoch's metrics to ``history.jsonl``, replacing that epoch and any later one.
+
+    The run's per-epoch record for the training curves and benchmarks. Ray Train V2's
+    ``Result.metrics_dataframe`` holds only the kept checkpoints' metrics (num_to_keep of them),
+    so it cannot be the history. An epoch rerun after a restart replaces what the failed attempt
+    wrote from that epoch on. Rewritten whole (atomic rename): one short line per epoch.
+    """
+    rows = [row for row in read_history(path) if row["epoch"] < metrics["epoch"]] + [metrics]
+    atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
+    return rows
 
 
 def record_attempt(path: str, start: Position, world_size: int) -> None:
@@ -389,4 +412,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         )
         metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
         metrics["epoch_seconds"] = time.perf_counter() - begin
+        metrics["finished_at"] = time.time()  # wall clock, for time-to-accuracy (benchmarks/accuracy.py)
+        if rank == 0 and config.get("history_path"):
+            record_epoch(config["history_path"], metrics)
         report(metrics, model, optimizer, epoch, ema)

@@ -1,0 +1,129 @@
+"""Time to accuracy: wall seconds until the held-out accuracy first reaches a target.
+
+Ours is the training stage as the flow runs it (Ray Train, the default preset's recipe and
+worker count, the Ray Data pipeline, per-epoch validation and checkpoints), timed from the
+stage's start to the end of the first epoch whose validation accuracy reaches the target; the
+worker-group start is part of it. The baseline is a plain single-process PyTorch loop on
+in-memory tensors with the same recipe: the same model, AdamW, one-cycle schedule, label
+smoothing, weight EMA, batch, augmentation (shift, rotation, zoom, drawn anew every epoch), epochs
+and threads, evaluated on the same 1,000 held-out images after every epoch; it stops at the
+target. Both run on the bundled sample. ``benchmarks.run`` calls `measure`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _sample_arrays() -> dict[str, np.ndarray]:
+    from benchmarks.run import read_idx
+    from pipeline_config.model import SAMPLE_DIR
+
+    names = {"train_x": "train-images-idx3-ubyte.gz", "train_y": "train-labels-idx1-ubyte.gz",
+             "test_x": "t10k-images-idx3-ubyte.gz", "test_y": "t10k-labels-idx1-ubyte.gz"}
+    return {key: read_idx(Path(SAMPLE_DIR) / name) for key, name in names.items()}
+
+
+def plain_time_to_accuracy(config, target: float, threads: int) -> dict:
+    """The plain loop with ``config``'s recipe; seconds until the held-out accuracy reaches ``target``."""
+    import torch
+
+    from tasks.common.model import build_resnet18
+    from tasks.common.train_loop import inference_model, make_ema, one_cycle_lr
+    from tasks.transform import normalize, random_affine
+
+    train_cfg, tf = config.train, config.transform
+    data = _sample_arrays()
+    test_x = torch.from_numpy(normalize(data["test_x"], tf.mean, tf.std))
+    test_y = torch.from_numpy(data["test_y"].astype(np.int64))
+    train_y = torch.from_numpy(data["train_y"].astype(np.int64))
+    torch.manual_seed(train_cfg.seed)
+    rng = np.random.default_rng(train_cfg.seed)
+    model = build_resnet18()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.learning_rate, weight_decay=train_cfg.weight_decay)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=train_cfg.label_smoothing)
+    ema = make_ema(model, train_cfg.ema_decay)
+    epochs, batch = train_cfg.epochs, train_cfg.global_batch_size
+    n = len(train_y)
+    steps_per_epoch = math.ceil(n / batch)
+    history: list[float] = []
+    start = time.perf_counter()
+    for epoch in range(epochs):
+        # This epoch's augmented copy of the training set, in one batched call (random_affine pins
+        # torch to one thread for Ray Data tasks; the loop takes its threads back afterwards).
+        augmented = random_affine(data["train_x"], tf.shift_px, tf.rotate_deg, tf.scale, rng)
+        torch.set_num_threads(threads)
+        train_x = torch.from_numpy(normalize(augmented, tf.mean, tf.std))
+        order = torch.from_numpy(rng.permutation(n))
+        model.train()
+        for step in range(steps_per_epoch):
+            idx = order[step * batch : (step + 1) * batch]
+            for group in optimizer.param_groups:
+                group["lr"] = one_cycle_lr((epoch + step / steps_per_epoch) / epochs, train_cfg.learning_rate)
+            loss = criterion(model(train_x[idx]), train_y[idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            if ema is not None:
+                ema.update_parameters(model)
+        evaluated = inference_model(model, ema)
+        evaluated.eval()
+        with torch.no_grad():
+            correct = sum(int((evaluated(test_x[i : i + 512]).argmax(1) == test_y[i : i + 512]).sum()) for i in range(0, len(test_y), 512))
+        history.append(correct / len(test_y))
+        if history[-1] >= target:
+            return {"seconds": time.perf_counter() - start, "epoch": epoch, "accuracy": history[-1], "history": history}
+    return {"seconds": None, "epoch": None, "accuracy": max(history), "history": history}
+
+
+def ours_time_to_accuracy(config, work: Path, target: float) -> dict:
+    """Our training stage with ``config``; seconds from its start to the first epoch at ``target``."""
+    from tasks.common.storage import StorageLayout
+    from tasks.download import download
+    from tasks.to_parquet import to_parquet
+    from tasks.train import train
+    from tasks.transform import transform
+
+    layout = StorageLayout.create(str(work / "storage"), f"bench-accuracy-{time.time_ns()}")
+    raw = download.fn(config.download, layout)
+    dataset = to_parquet.fn(raw, config.parquet, layout)
+    spec = transform.fn(dataset, config.transform, layout)
+    start = time.time()
+    trained = train.fn(spec, config.train, layout)
+    stage_s = time.time() - start
+    history = sorted(trained.history, key=lambda row: row["epoch"])
+    accuracies = [row["val_accuracy"] for row in history]
+    for row in history:
+        if row["val_accuracy"] >= target:
+            return {"seconds": row["finished_at"] - start, "epoch": int(row["epoch"]), "accuracy": row["val_accuracy"],
+                    "history": accuracies, "stage_s": stage_s}
+    return {"seconds": None, "epoch": None, "accuracy": max(accuracies), "history": accuracies, "stage_s": stage_s}
+
+
+def measure(work: Path, epochs: int, target: float, threads: int = 2) -> dict:
+    """One row: ours against the plain loop, both with the default recipe over ``epochs`` epochs."""
+    from pipeline_config import PipelineConfig
+
+    config = PipelineConfig.model_validate({"download": {"source": "sample"}, "train": {"epochs": epochs}})
+    plain = plain_time_to_accuracy(config, target, threads)
+    ours = ours_time_to_accuracy(config, work, target)
+    ratio = round(ours["seconds"] / plain["seconds"], 2) if ours["seconds"] and plain["seconds"] else None
+    return {
+        "benchmark": "time to accuracy", "target": target, "epochs": epochs, "workers": config.train.num_workers,
+        "baseline": "plain PyTorch loop, same recipe, in-memory tensors",
+        "baseline_s": _round(plain["seconds"]), "baseline_epoch": plain["epoch"], "baseline_history": _rounded(plain["history"]),
+        "ours_s": _round(ours["seconds"]), "ours_epoch": ours["epoch"], "ours_history": _rounded(ours["history"]),
+        "ours_stage_s": _round(ours["stage_s"]), "ratio": ratio, "goal": "<= 1.2x",
+    }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def _rounded(values: list[float]) -> list[float]:
+    return [round(v, 4) for v in values]
