@@ -271,7 +271,7 @@ def format_table(rows: list[dict]) -> str:
             def reached(seconds, epoch, history):
                 return f"{seconds} s (epoch {epoch + 1})" if seconds is not None else f"not reached (best {max(history):.4f})"
 
-            lines.append(f"| time to {r['target']:.0%} held-out accuracy | {r['epochs']} epochs, {r['workers']} worker(s) | "
+            lines.append(f"| time to {r['target']:.0%} validation accuracy | {r['epochs']} epochs, {r['workers']} worker(s) | "
                          f"{reached(r['baseline_s'], r['baseline_epoch'], r['baseline_history'])} | "
                          f"{reached(r['ours_s'], r['ours_epoch'], r['ours_history'])} | "
                          f"{'' if r['ratio'] is None else str(r['ratio']) + 'x'} | {r['goal']} |")

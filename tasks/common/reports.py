@@ -461,8 +461,15 @@ def training_progress_callbacks(epochs: int, run_name: str) -> list[TrainingProg
     """Create the training progress artifact (at 0%) and return the callback that moves it.
 
     Returns an empty list, with a warning, when the artifact cannot be created (no Prefect
-    API, for example): training then runs without live progress.
+    API, for example): training then runs without live progress. Outside a Prefect task run (the
+    stage function called directly, as the benchmarks do) there is no run to attach it to, and
+    creating it would start a temporary Prefect server here and another one in the Ray Train
+    controller: no callback then.
     """
+    from prefect.context import TaskRunContext
+
+    if TaskRunContext.get() is None:
+        return []
     try:
         from prefect.artifacts import create_progress_artifact
 
