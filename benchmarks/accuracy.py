@@ -63,7 +63,7 @@ def plain_time_to_accuracy(config, target: float, threads: int) -> dict:
     for epoch in range(epochs):
         # This epoch's augmented copy of the training set, in one batched call (random_affine pins
         # torch to one thread for Ray Data tasks; the loop takes its threads back afterwards).
-        augmented = random_affine(train_images, tf.shift_px, tf.rotate_deg, tf.scale, rng)
+        augmented = random_affine(train_images, tf.shift_px, tf.rotate_deg, tf.scale, rng.random((len(train_images), 4)))
         torch.set_num_threads(threads)
         train_x = torch.from_numpy(normalize(augmented, tf.mean, tf.std))
         order = torch.from_numpy(rng.permutation(n))

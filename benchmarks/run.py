@@ -194,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
+    from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG  # Ray as a run starts it
+
     sizes = [(4000, 2)] if args.quick else [(4000, 3), (60_000, 1)]  # (training rows, repetitions)
     rss_rows = 50_000 if args.quick else 1_000_000
     rows_out: list[dict] = []
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:
         with tempfile.TemporaryDirectory(prefix="mnist-bench-") as tmp:
             work = Path(tmp)
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()  # training starts its own local Ray below, as the flow's stage would
             rows_out.append({"benchmark": "fixed overhead", **fixed_overhead(), "goal": "<= 15 s in total"})
             plain = plain_images_per_s(steps=5 if args.quick else 30, batch=128, threads=2)
-            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
             epochs = 1 if args.quick else 2
             single = ray_train_images_per_s(work, epochs, mode="single")
             ours_train = ray_train_images_per_s(work, epochs)

@@ -64,6 +64,16 @@ def prefect_api() -> Iterator[str]:
             os.environ["PREFECT_API_URL"] = previous
 
 
+# Keep idle workers alive between epochs. By default Ray kills idle task workers one second after
+# they go idle once more workers exist than CPUs (and the Ray Data and Ray Train actors alone
+# exceed that), so every epoch's shuffle and map tasks paid for fresh Python processes importing
+# torch: measured 10-90 s per epoch on 2 cores instead of ~7, and with the per-epoch train
+# pipeline (tasks.common.train_loop.EpochShards) 8.7 s of data wait per epoch instead of 0.9-2.4.
+# Applies to the local Ray a run starts; a cluster started with `ray start` takes the same values
+# as RAY_num_workers_soft_limit / RAY_idle_worker_killing_time_threshold_ms in its environment.
+LOCAL_RAY_SYSTEM_CONFIG = {"num_workers_soft_limit": 16, "idle_worker_killing_time_threshold_ms": 600_000}
+
+
 def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
     """A RayTaskRunner for ``cfg``: a fresh local Ray when no address is set, else that cluster."""
     api_url = current_api_url()
@@ -87,11 +97,7 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
         address = "local"
         if cfg.num_cpus:
             init_kwargs["num_cpus"] = cfg.num_cpus
-        # Keep idle workers alive between epochs. By default Ray kills idle task workers one
-        # second after they go idle once more workers exist than CPUs (and the Ray Data and Ray
-        # Train actors alone exceed that), so every epoch's shuffle and map tasks paid for fresh
-        # Python processes importing torch: measured 10-90 s per epoch on 2 cores instead of ~7.
-        init_kwargs["_system_config"] = {"num_workers_soft_limit": 16, "idle_worker_killing_time_threshold_ms": 600_000}
+        init_kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
     else:
         address = cfg.address
         init_kwargs.pop("include_dashboard")

@@ -131,7 +131,7 @@ def loop_config(
         "attempts_log": str(run_dir / ATTEMPTS_LOG) if run_dir else None,
         "history_path": str(run_dir / HISTORY_FILE) if run_dir else None,  # every epoch's metrics, from rank 0
         "checkpoint_every_steps": cfg.checkpoint_every_steps,
-        # A resumed mid-epoch rebuilds the train pipeline without the rows it already trained on.
+        # Each epoch builds its train pipeline from it (a resumed one without the rows already trained on).
         "transform": spec.model_dump(mode="json") if spec is not None else None,
         # Test-only: every rank logs the row_ids it trains on (tasks.common.faults.ROW_LOG_ENV).
         "row_log_dir": str(run_dir / "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
@@ -241,7 +241,9 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
             # Live progress in the Prefect UI: the callback runs in the Train controller process.
             callbacks=training_progress_callbacks(cfg.epochs, layout.run_name),
         ),
-        datasets=build_datasets(spec, seed=cfg.seed),
+        # Validation only: the train rows are built per epoch inside the loop (their order and
+        # augmentation depend on the epoch; tasks.common.train_loop.epoch_shard).
+        datasets=build_datasets(spec, seed=cfg.seed, splits=("val",)),
     )
     result = trainer.fit()
     trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)

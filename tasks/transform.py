@@ -1,8 +1,8 @@
 """Stage 3: the Ray Data transform from Parquet rows to normalized 1x28x28 float32 tensors.
 
 The transform is vectorized (one numpy expression per batch, no per-row PIL), and lazy: the
-training stage builds the same pipeline with `build_datasets` so it streams into Ray Train,
-re-shuffling and re-augmenting every epoch. This stage runs the pipeline once over every split
+training stage builds the same pipeline (`build_split`) so it streams into Ray Train, with each
+epoch's shuffle and augmentation fixed by (seed, epoch). This stage runs the pipeline once over every split
 before any training starts, checks what comes out (shape, dtype, finite values, label range, row
 counts) and publishes a manifest of it; training then consumes exactly what was checked.
 
@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import ray.data
+from ray.data import RandomSeedConfig
 import torch
 import torch.nn.functional as F
 from prefect import task
@@ -51,9 +52,11 @@ def normalize(images: np.ndarray, mean: float, std: float) -> np.ndarray:
     return (scaled - np.float32(mean)) / np.float32(std)
 
 
-def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: float, rng: np.random.Generator) -> np.ndarray:
-    """Randomly shift, rotate and scale each (N, 28, 28) uint8 image; returns float32 on the 0..1 scale.
+def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: float, draws: np.ndarray) -> np.ndarray:
+    """Shift, rotate and scale each (N, 28, 28) uint8 image; returns float32 on the 0..1 scale.
 
+    ``draws``: (N, 4) uniform numbers in [0, 1) per image (angle, zoom, shift y, shift x), e.g.
+    `row_draws` (the same for a row wherever its batch falls) or ``rng.random((n, 4))``.
     One batched ``affine_grid`` + ``grid_sample`` (bilinear, zero fill) for the whole batch.
     """
     n = len(images)
@@ -61,20 +64,44 @@ def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: f
     pixels = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).float().div_(255.0).unsqueeze(1)
     if n == 0 or (shift_px == 0 and rotate_deg == 0 and scale == 0):
         return pixels.squeeze(1).numpy()
-    angle = np.deg2rad(rng.uniform(-rotate_deg, rotate_deg, n))
-    zoom = rng.uniform(1 - scale, 1 + scale, n)
-    # affine_grid maps output to input coordinates in [-1, 1]: one pixel is 2/28.
-    shift = rng.integers(-shift_px, shift_px + 1, size=(n, 2)) * (2.0 / 28)
+    angle = np.deg2rad(rotate_deg * (2 * draws[:, 0] - 1))
+    zoom = 1 + scale * (2 * draws[:, 1] - 1)
+    # Whole-pixel shifts in [-shift_px, shift_px]; affine_grid maps output to input coordinates in
+    # [-1, 1], so one pixel is 2/28.
+    shift = (np.floor(draws[:, 2:4] * (2 * shift_px + 1)) - shift_px) * (2.0 / 28)
     cos, sin = np.cos(angle) / zoom, np.sin(angle) / zoom
     theta = np.stack([np.stack([cos, -sin, shift[:, 0]], 1), np.stack([sin, cos, shift[:, 1]], 1)], 1)
     grid = F.affine_grid(torch.from_numpy(theta).float(), [n, 1, 28, 28], align_corners=False)
     return F.grid_sample(pixels, grid, mode="bilinear", padding_mode="zeros", align_corners=False).squeeze(1).numpy()
 
 
-def _batch_seed(row_ids: np.ndarray, seed: int) -> np.random.Generator:
-    # Per-batch randomness from the rows in it: reproducible for a given batch, different every
-    # epoch because the shuffle puts different rows together.
-    return np.random.default_rng([seed, int(np.bitwise_xor.reduce(row_ids * 2654435761 % (1 << 62), initial=0))])
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer on a uint64 array: a cheap, well-spread hash (wraps modulo 2**64)."""
+    x = x + _GOLDEN
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def row_hash(row_ids: np.ndarray, seed: int, epoch: int, stream: int) -> np.ndarray:
+    """A uint64 per row from (seed, epoch, stream, row_id): the same wherever and whenever it is computed."""
+    parts = _mix64(np.array([seed, epoch, stream], dtype=np.uint64))
+    key = _mix64(_mix64(parts[0:1] ^ parts[1:2] * _GOLDEN) ^ parts[2:3])
+    return _mix64(np.asarray(row_ids).astype(np.uint64) ^ key)
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of epoch ``epoch``'s shuffle of the training rows (< 2**32, as Ray Data's shuffle needs)."""
+    return int(row_hash(np.array([epoch]), seed, epoch, stream=0)[0] >> np.uint64(32))
+
+
+def row_draws(row_ids: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+    """(N, 4) uniforms in [0, 1) per row for `random_affine`, fixed by (seed, epoch, row_id)."""
+    bits = np.stack([row_hash(row_ids, seed, epoch, stream) for stream in (1, 2, 3, 4)], 1)
+    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
 def prepare_batch(
@@ -83,15 +110,17 @@ def prepare_batch(
     std: float,
     augment: dict[str, float] | None = None,
     seed: int = 0,
+    epoch: int = 0,
 ) -> dict[str, np.ndarray]:
     """Parquet batch -> {"image": float32 (N,1,28,28), "label": int64 (N,), "row_id": int64 (N,)}.
 
-    ``augment`` (training only): keyword arguments of `random_affine` (shift_px, rotate_deg, scale).
+    ``augment`` (training only): keyword arguments of `random_affine` (shift_px, rotate_deg,
+    scale); each row's transform is drawn from (seed, epoch, row_id), not from its batch.
     """
     row_ids = batch.column("row_id").to_numpy()
     images = images_from_column(batch.column("image")).reshape(-1, 28, 28)
     if augment:
-        images = random_affine(images, rng=_batch_seed(row_ids, seed), **augment)
+        images = random_affine(images, draws=row_draws(row_ids, seed, epoch), **augment)
     return {
         "image": normalize(images, mean, std),
         "label": batch.column("label").to_numpy().astype(np.int64),
@@ -111,36 +140,40 @@ def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
     return batch.filter(keep)
 
 
-def build_split(spec: TransformSpec, split: str, seed: int = 0, exclude: np.ndarray | None = None) -> ray.data.Dataset:
-    """One split as a lazy Ray Dataset; train is shuffled and augmented anew each time it runs.
+def build_split(
+    spec: TransformSpec, split: str, seed: int = 0, epoch: int = 0, exclude: np.ndarray | None = None
+) -> ray.data.Dataset:
+    """One split as a lazy Ray Dataset; train is shuffled and augmented by (seed, epoch).
 
-    ``exclude``: row_ids to leave out (the part of an interrupted epoch that a checkpoint
-    already covers), so a resumed epoch trains on exactly the rows it has not seen.
+    Training rows go through Ray Data's shuffle seeded by `epoch_seed`, with each row's
+    augmentation drawn from (seed, epoch, row_id), and the order is kept through the pipeline
+    (``preserve_order``): an epoch is the same sequence every time it is built, whichever
+    process builds it. ``exclude``: row_ids to leave out after the shuffle (the part of an
+    interrupted epoch that a checkpoint already covers), so a resumed epoch trains on exactly
+    the rows the interrupted attempt had not reached, in the order they would have come.
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
     ds = ray.data.read_parquet(spec.dataset.split_dir(split), **task_args)
-    if exclude is not None and len(exclude):
-        ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
     augment = split == "train"
     if augment:
-        # Unseeded: a fresh permutation on every epoch's execution (the sample's files are
-        # sorted by class). A seeded shuffle is meant to re-seed per execution, but measured
-        # here it sometimes repeated the previous epoch's order exactly. Exact resumption does
-        # not need a replayable order: checkpoints record which rows were consumed.
-        ds = ds.random_shuffle(**task_args)
-    return ds.map_batches(
+        ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
+    if exclude is not None and len(exclude):
+        ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
+    ds = ds.map_batches(
         prepare_batch,
         batch_format="pyarrow",
         batch_size=cfg.batch_rows,
-        fn_kwargs={"mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed},
+        fn_kwargs={"mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed, "epoch": epoch},
         **task_args,
     )
+    ds.context.execution_options.preserve_order = True
+    return ds
 
 
-def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
+def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val"), epoch: int = 0) -> dict[str, ray.data.Dataset]:
     """Lazy Ray Datasets for ``splits`` (see `build_split`)."""
-    return {split: build_split(spec, split, seed) for split in splits}
+    return {split: build_split(spec, split, seed, epoch) for split in splits}
 
 
 def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:

@@ -153,14 +153,11 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
     reference, ref_summary = run_cli([*mirror_flags, *COMMON, "--run-name", "calm"], storage)
     assert reference.returncode == 0, reference.stderr[-3000:]
     assert [a["start_epoch"] for a in ref_summary["training_attempts"]] == [0]
-    # 27 optimizer steps in all (3 epochs of 570 rows, batch 64): the model is still in its most
-    # volatile phase, the per-epoch shuffle is not seeded and Ray Data hands blocks to ranks
-    # dynamically, so two runs differ a lot (measured in CI: interrupted 42.5% against a clean
-    # 63%; other runs within 6 points). The check is that the interrupted run learned well above
-    # chance (10%) and not far below a clean one; that it resumed rather than restarted is the
-    # start-epoch check above.
-    assert summary["test_accuracy"] >= 0.25, summary["test_accuracy"]
-    assert summary["test_accuracy"] >= ref_summary["test_accuracy"] - 0.25, (summary["test_accuracy"], ref_summary["test_accuracy"])
+    # Same seed, same result: each epoch's order and augmentation are fixed by (seed, epoch) and
+    # the restarts resumed from exact checkpoints (weights, optimizer, EMA), so the interrupted
+    # run matches the uninterrupted one within half a point (200 test digits: one digit).
+    assert summary["test_accuracy"] >= 0.25, summary["test_accuracy"]  # it learned (chance is 10%)
+    assert abs(summary["test_accuracy"] - ref_summary["test_accuracy"]) <= 0.005, (summary["test_accuracy"], ref_summary["test_accuracy"])
 
 
 @pytest.mark.slow

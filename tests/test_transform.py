@@ -10,7 +10,7 @@ import pytest
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.download import RawData
 from tasks.to_parquet import to_parquet, to_table
-from tasks.transform import build_datasets, normalize, prepare_batch, random_affine, transform
+from tasks.transform import build_datasets, build_split, normalize, prepare_batch, random_affine, epoch_seed, row_draws, transform
 from tests.conftest import synthetic_digits, write_raw
 
 
@@ -26,20 +26,20 @@ def test_random_shift_moves_content_exactly_and_fills_with_zero():
     image = np.zeros((1, 28, 28), dtype=np.uint8)
     image[0, 10:18, 10:18] = 200
     rng = np.random.default_rng(0)
-    shifted = random_affine(np.repeat(image, 50, 0), shift_px=2, rotate_deg=0, scale=0, rng=rng)
+    shifted = random_affine(np.repeat(image, 50, 0), shift_px=2, rotate_deg=0, scale=0, draws=rng.random((50, 4)))
     assert shifted.shape == (50, 28, 28) and shifted.dtype == np.float32
     np.testing.assert_allclose(shifted.reshape(50, -1).sum(1), image.sum() / 255, rtol=1e-5)  # nothing lost
     offsets = {tuple(np.argwhere(s > 0)[0] - (10, 10)) for s in shifted}
     assert offsets <= {(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)}
     assert len(offsets) > 5  # really random, not a constant shift
-    identity = random_affine(image, 0, 0, 0, rng)
+    identity = random_affine(image, 0, 0, 0, rng.random((1, 4)))
     np.testing.assert_allclose(identity, image / 255, rtol=1e-6)
 
 
 def test_rotation_and_zoom_change_the_digit_but_stay_in_range():
     image = np.zeros((8, 28, 28), dtype=np.uint8)
     image[:, 4:24, 13:15] = 255  # a vertical bar
-    out = random_affine(image, shift_px=0, rotate_deg=30, scale=0.2, rng=np.random.default_rng(1))
+    out = random_affine(image, shift_px=0, rotate_deg=30, scale=0.2, draws=np.random.default_rng(1).random((8, 4)))
     assert out.min() >= 0 and out.max() <= 1
     assert not np.allclose(out, image / 255, atol=0.1)
     mass = out.reshape(8, -1).sum(1) / (image[0].sum() / 255)
@@ -57,8 +57,25 @@ def test_prepare_batch_from_arrow():
     augment = {"shift_px": 2, "rotate_deg": 10, "scale": 0.1}
     shifted = prepare_batch(table, 0.5, 0.5, augment=augment, seed=3)
     again = prepare_batch(table, 0.5, 0.5, augment=augment, seed=3)
-    np.testing.assert_array_equal(shifted["image"], again["image"])  # reproducible per batch and seed
+    np.testing.assert_array_equal(shifted["image"], again["image"])  # reproducible per seed and epoch
     assert not np.array_equal(shifted["image"], out["image"])
+    # A row's augmentation does not depend on the batch it lands in, only on (seed, epoch, row_id).
+    split = [prepare_batch(table.slice(i, 1), 0.5, 0.5, augment=augment, seed=3)["image"] for i in range(6)]
+    np.testing.assert_array_equal(np.concatenate(split), shifted["image"])
+    next_epoch = prepare_batch(table, 0.5, 0.5, augment=augment, seed=3, epoch=1)
+    assert not np.array_equal(next_epoch["image"], shifted["image"])
+
+
+def test_epoch_seeds_and_draws_are_fixed_by_seed_epoch_and_row():
+    seeds = {(seed, epoch): epoch_seed(seed, epoch) for seed in range(5) for epoch in range(50)}
+    assert seeds[(3, 7)] == epoch_seed(3, 7) and len(set(seeds.values())) == len(seeds)
+    assert all(0 <= value < 2**32 for value in seeds.values())
+    rows = np.arange(10_000, dtype=np.int64)
+    np.testing.assert_array_equal(row_draws(rows[5000:], 7, 2), row_draws(rows, 7, 2)[5000:])  # per row, not per call
+    draws = row_draws(rows, 7, 2)
+    assert draws.shape == (10_000, 4) and draws.min() >= 0 and draws.max() < 1
+    np.testing.assert_allclose(draws.mean(0), 0.5, atol=0.02)  # uniform
+    assert abs(np.corrcoef(draws[:, 0], draws[:, 1])[0, 1]) < 0.05  # the four streams are independent
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +100,27 @@ def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs):
     assert sum(spec.checks["train"]["label_counts"]) == 160
 
 
-def test_training_split_is_reshuffled_every_epoch_and_keeps_every_row(local_ray, spec_inputs):
+def _run(ds) -> tuple[np.ndarray, np.ndarray]:
+    batches = list(ds.iter_batches(batch_format="numpy", batch_size=32))
+    return np.concatenate([b["row_id"] for b in batches]), np.concatenate([b["image"] for b in batches])
+
+
+def test_training_split_order_and_augmentation_are_fixed_by_seed_and_epoch(local_ray, spec_inputs):
     dataset, layout = spec_inputs
     spec = transform.fn(dataset, TransformConfig(), layout)
-    train = build_datasets(spec, seed=0)["train"]
-    epochs = [np.concatenate([b["row_id"] for b in train.iter_batches(batch_format="numpy")]) for _ in range(2)]
-    for order in epochs:
-        assert sorted(order.tolist()) == sorted(epochs[0].tolist())  # every row exactly once
-        assert len(order) == 160
-    assert not np.array_equal(epochs[0], epochs[1])  # a new permutation each epoch
-    assert not np.array_equal(np.sort(epochs[0]), epochs[0])  # not file order
+    epoch0, again, epoch1, other_seed = (
+        _run(build_split(spec, "train", seed, epoch)) for seed, epoch in [(0, 0), (0, 0), (0, 1), (1, 0)]
+    )
+    for order, _ in (epoch0, epoch1, other_seed):
+        assert len(order) == 160 and sorted(order.tolist()) == sorted(epoch0[0].tolist())  # every row exactly once
+    np.testing.assert_array_equal(again[0], epoch0[0])  # the same epoch built twice: same order ...
+    np.testing.assert_array_equal(again[1], epoch0[1])  # ... and the same augmented pixels
+    assert not np.array_equal(epoch0[0], epoch1[0]) and not np.array_equal(epoch0[0], other_seed[0])
+    assert not np.array_equal(np.sort(epoch0[0]), epoch0[0])  # not file order
+    # Resuming after 50 rows: the rest in the order they would have come, each augmented the same.
+    rest = _run(build_split(spec, "train", 0, 0, exclude=epoch0[0][:50]))
+    np.testing.assert_array_equal(rest[0], epoch0[0][50:])
+    np.testing.assert_array_equal(rest[1], epoch0[1][50:])
 
 
 def test_validation_split_is_not_augmented(local_ray, spec_inputs):

@@ -85,7 +85,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: Path, num_to_keep: int, sc
     for epoch in range(start.epoch, epochs):
         metrics: dict[str, Any] = {"epoch": epoch}
         metrics |= train_epoch(
-            model, optimizer, criterion, build_split(spec, "train", config["seed"]), batch_size, epoch, epochs,
+            model, optimizer, criterion, build_split(spec, "train", config["seed"], epoch), batch_size, epoch, epochs,
             steps_per_epoch, peak_lr, device, ema,
         )
         metrics |= validate(inference_model(model, ema), criterion, build_split(spec, "val", config["seed"]), batch_size, device)

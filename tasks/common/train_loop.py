@@ -8,8 +8,10 @@ extra_state.pt, the latter also holding the raw training weights so a resume is 
 
 With ``checkpoint_every_steps`` > 0 every rank also reports every K optimizer steps, and the
 checkpoint records the data position (`Position`): the epoch, its steps done and the ``row_id``s
-they consumed, gathered from all ranks. A restart with any world size rebuilds the epoch's train
-pipeline without those rows (`remainder_shard`), so every row is trained on once per epoch.
+they consumed, gathered from all ranks. Each epoch's order and augmentation are fixed by (seed,
+epoch) (`tasks.transform.build_split`); a restart with any world size rebuilds the interrupted
+epoch without the consumed rows (`EpochShards`), so every row is trained on once per epoch and
+the rest come in the order they would have.
 """
 
 from __future__ import annotations
@@ -358,24 +360,41 @@ def report_mid_epoch(position: dict, model, optimizer, ema: AveragedModel | None
     report(metrics, model, optimizer, position["epoch"] - 1, ema, position)
 
 
-def remainder_shard(config: dict[str, Any], start: Position, rank: int, world_size: int):
-    """This rank's share of the rows an interrupted epoch has not trained on yet.
+class EpochShards:
+    """Each rank's share of an epoch's training rows, in the epoch's (seed, epoch) order.
 
-    Rank 0 builds the train pipeline without ``start.consumed`` and splits it across the current
-    world size (which may differ from the failed attempt's); the other ranks receive their
-    iterators from it, as Ray Train hands out `get_dataset_shard` iterators.
+    Rank 0 builds the epoch's train pipeline (`tasks.transform.build_split`), without the rows
+    ``start`` says an interrupted attempt already trained on when resuming that epoch, and
+    splits it across the current world size (which may differ from the failed attempt's); the
+    other ranks receive their iterators from it, as Ray Train hands out `get_dataset_shard`
+    iterators. Built per epoch, not once for the run, because the order depends on the epoch;
+    the next epoch's split is set up while this one trains (its coordinator actor takes seconds
+    to start). One worker iterates its pipeline directly, without a split.
     """
-    from tasks.transform import TransformSpec, build_split  # the Ray Data side, only needed on resume
 
-    splits: list[Any] = [None]
-    if rank == 0:
-        spec = TransformSpec.model_validate(config["transform"])
-        exclude = start.consumed.numpy() if start.consumed is not None else None
-        dataset = build_split(spec, "train", config["seed"], exclude=exclude)
-        splits = [dataset.streaming_split(world_size, equal=True)]
-    if world_size > 1:
+    def __init__(self, config: dict[str, Any], start: Position, rank: int, world_size: int):
+        self.config, self.start, self.rank, self.world_size = config, start, rank, world_size
+        self._ahead: dict[int, Any] = {}
+
+    def _build(self, epoch: int):
+        from tasks.transform import TransformSpec, build_split
+
+        spec = TransformSpec.model_validate(self.config["transform"])
+        resuming = epoch == self.start.epoch and self.start.consumed is not None
+        exclude = self.start.consumed.numpy() if resuming else None
+        dataset = build_split(spec, "train", self.config["seed"], epoch, exclude=exclude)
+        return dataset if self.world_size == 1 else dataset.streaming_split(self.world_size, equal=True)
+
+    def __call__(self, epoch: int):
+        splits: list[Any] = [None]
+        if self.rank == 0:
+            splits = [self._ahead.pop(epoch, None) or self._build(epoch)]
+            if epoch + 1 < self.config["epochs"]:
+                self._ahead[epoch + 1] = self._build(epoch + 1)
+            if self.world_size == 1:
+                return splits[0]
         dist.broadcast_object_list(splits, src=0)
-    return splits[0][rank]
+        return splits[0][self.rank]
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -399,12 +418,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     guard = StepGuard(rank, world_size, config.get("hang_timeout_s", 0), config.get("fault_dir"))
     row_log = RowLog(config["row_log_dir"], start, world_size, rank) if config.get("row_log_dir") else None
 
-    train_shard = ray.train.get_dataset_shard("train")
     val_shard = ray.train.get_dataset_shard("val")
+    epoch_shard = EpochShards(config, start, rank, world_size)
     for epoch in range(start.epoch, epochs):
         begin = time.perf_counter()
         resuming = epoch == start.epoch and start.step > 0
-        shard = remainder_shard(config, start, rank, world_size) if resuming else train_shard
+        shard = epoch_shard(epoch)
         metrics = {"epoch": epoch}
         metrics |= train_epoch(
             model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard,
