@@ -90,16 +90,10 @@ def plain_time_to_accuracy(config, target: float, threads: int) -> dict:
 
 def ours_time_to_accuracy(config, work: Path, target: float) -> dict:
     """Our training stage with ``config``; seconds from its start to the first epoch at ``target``."""
-    from tasks.common.storage import StorageLayout
-    from tasks.download import download
-    from tasks.to_parquet import to_parquet
+    from benchmarks.stages import stage_inputs
     from tasks.train import train
-    from tasks.transform import transform
 
-    layout = StorageLayout.create(str(work / "storage"), f"bench-accuracy-{time.time_ns()}")
-    raw = download.fn(config.download, layout)
-    dataset = to_parquet.fn(raw, config.parquet, layout)
-    spec = transform.fn(dataset, config.transform, layout)
+    spec, layout = stage_inputs(config, work, "bench-accuracy")
     start = time.time()
     trained = train.fn(spec, config.train, layout)
     stage_s = time.time() - start

@@ -158,20 +158,14 @@ def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed") -
 
     Returns its last epoch's images/s.
     """
+    from benchmarks.stages import stage_inputs
     from pipeline_config import PipelineConfig
-    from tasks.common.storage import StorageLayout
-    from tasks.download import download
-    from tasks.to_parquet import to_parquet
     from tasks.train import train
-    from tasks.transform import transform
 
     config = PipelineConfig.model_validate(
         {"download": {"source": "sample"}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": 1, "mode": mode}}
     )
-    layout = StorageLayout.create(str(work / "storage"), f"bench-{time.time_ns()}")
-    raw = download.fn(config.download, layout)
-    dataset = to_parquet.fn(raw, config.parquet, layout)
-    spec = transform.fn(dataset, config.transform, layout)
+    spec, layout = stage_inputs(config, work, "bench")
     start = time.perf_counter()
     trained = train.fn(spec, config.train, layout)
     last = trained.history[-1]

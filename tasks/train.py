@@ -242,7 +242,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
             callbacks=training_progress_callbacks(cfg.epochs, layout.run_name),
         ),
         # Validation only: the train rows are built per epoch inside the loop (their order and
-        # augmentation depend on the epoch; tasks.common.train_loop.epoch_shard).
+        # augmentation depend on the epoch; tasks.common.train_loop.EpochShards).
         datasets=build_datasets(spec, seed=cfg.seed, splits=("val",)),
     )
     result = trainer.fit()

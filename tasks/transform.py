@@ -2,9 +2,10 @@
 
 The transform is vectorized (one numpy expression per batch, no per-row PIL), and lazy: the
 training stage builds the same pipeline (`build_split`) so it streams into Ray Train, with each
-epoch's shuffle and augmentation fixed by (seed, epoch). This stage runs the pipeline once over every split
-before any training starts, checks what comes out (shape, dtype, finite values, label range, row
-counts) and publishes a manifest of it; training then consumes exactly what was checked.
+epoch's shuffle and augmentation fixed by (seed, epoch). This stage runs the pipeline once over
+every split before any training starts, checks what comes out (shape, dtype, finite values,
+label range, row counts) and publishes a manifest of it; training then consumes exactly what was
+checked.
 
 CPU split: training leaves ``train.data_cpus`` (at least one) logical CPUs free and every Ray
 Data task here reserves ``cpus_per_task`` (a fraction), so reads, shuffles and maps always find
