@@ -172,9 +172,9 @@ def build_split(
     return ds
 
 
-def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val"), epoch: int = 0) -> dict[str, ray.data.Dataset]:
-    """Lazy Ray Datasets for ``splits`` (see `build_split`)."""
-    return {split: build_split(spec, split, seed, epoch) for split in splits}
+def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
+    """Lazy Ray Datasets for ``splits`` (see `build_split`; train as in epoch 0)."""
+    return {split: build_split(spec, split, seed) for split in splits}
 
 
 def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:

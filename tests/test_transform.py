@@ -10,7 +10,7 @@ import pytest
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.download import RawData
 from tasks.to_parquet import to_parquet, to_table
-from tasks.transform import build_datasets, build_split, normalize, prepare_batch, random_affine, epoch_seed, row_draws, transform
+from tasks.transform import build_datasets, build_split, epoch_seed, normalize, prepare_batch, random_affine, row_draws, transform
 from tests.conftest import synthetic_digits, write_raw
 
 
