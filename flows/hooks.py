@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -28,7 +27,7 @@ WEBHOOK_TIMEOUT_S = 10.0
 # flow run id -> summary.json of that run. The hook runs in the flow's own process after the
 # flow function has written its summary, but only the flow knows the run name it picked (a new
 # timestamped one when none was given), so the flow leaves the path here for the hook.
-_SUMMARIES: dict[str, Path] = {}
+_SUMMARIES: dict[str, str] = {}  # a path or an s3:// URI
 
 
 def remember_run(layout: StorageLayout) -> None:

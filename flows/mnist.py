@@ -28,7 +28,16 @@ from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
 from tasks.common import reports
-from tasks.common.storage import RunInUseError, StorageLayout, atomic_write_json, lease_uses, run_lease, storage_writes
+from tasks.common.storage import (
+    RunInUseError,
+    StorageLayout,
+    atomic_write_json,
+    join,
+    lease_uses,
+    read_json,
+    run_lease,
+    storage_writes,
+)
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
@@ -91,7 +100,7 @@ class StageRecorder:
         return {
             "run_name": self.layout.run_name,
             "storage_root": self.layout.root,
-            "run_dir": str(self.layout.run_dir),
+            "run_dir": self.layout.run_dir,
             "data_source": raw.source if raw else None,
             "data": {
                 "raw_dir": raw.directory if raw else None,
@@ -119,14 +128,15 @@ class StageRecorder:
 
 
 def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
-    path = layout.evaluation_dir / "metrics.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    metrics = read_json(join(layout.evaluation_dir, "metrics.json"))
+    return metrics if isinstance(metrics, dict) else {}
 
 
 @flow(name="mnist-resnet18", log_prints=True, on_failure=[hooks.report_failure])
 def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
     layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name())
+    layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     with run_lease(layout), ray_task_runner(config.ray) as runner:  # refuses a live run of the same name
         hooks.remember_run(layout)
         stage = StageRecorder(runner, layout, config)
@@ -162,6 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     if config.run_name is None:
         config = config.model_copy(update={"run_name": default_run_name()})
     layout = StorageLayout.create(config.storage_root, config.run_name)
+    try:
+        layout.check_reachable()
+    except ValueError as exc:
+        print(f"invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
     failed = None
     with prefect_api():
         try:
@@ -169,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # the summary below still tells what happened
             failed = exc
     in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
-    summary = json.loads(layout.summary_path.read_text()) if layout.summary_path.is_file() and not in_use else {}
+    summary = (read_json(layout.summary_path) or {}) if not in_use else {}
     if summary:
         summary.pop("config", None)
         print(json.dumps(summary, indent=2))

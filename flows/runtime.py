@@ -23,6 +23,7 @@ from prefect_ray import RayTaskRunner
 
 from pipeline_config import RayConfig
 from tasks.common.faults import TEST_HOOK_ENVS
+from tasks.common.storage import S3_ENV_VARS
 
 
 def current_api_url() -> str | None:
@@ -83,7 +84,9 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
             "which starts a local Prefect server; Ray workers must report to the flow's API"
         )
     env_vars = {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
-    for name in TEST_HOOK_ENVS:  # test-only fault injection and row logging (tasks/common/faults.py)
+    # S3 storage root settings (endpoint, region, credentials) and the test-only fault injection
+    # and row logging switches (tasks/common/faults.py): a Ray worker does not see the driver's env.
+    for name in (*S3_ENV_VARS, *TEST_HOOK_ENVS):
         if os.environ.get(name):
             env_vars[name] = os.environ[name]
     init_kwargs: dict = {

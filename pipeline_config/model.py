@@ -25,6 +25,8 @@ MNIST_FILES = (
     "t10k-labels-idx1-ubyte.gz",
 )
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
+_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
 class _Section(BaseModel):
@@ -324,7 +326,11 @@ class PipelineConfig(_Section):
     )
     storage_root: str = Field(
         "storage",
-        description="Folder every Ray node can reach (local disk, NFS mount); every artifact lives below it.",
+        description=(
+            "Folder every Ray node can reach (local disk, NFS mount) or an S3 prefix s3://bucket/prefix "
+            "(endpoint, region and credentials from the AWS_* environment variables, never from here); "
+            "every artifact lives below it."
+        ),
     )
     download: DownloadConfig = Field(default_factory=DownloadConfig, description="Download stage.")
     parquet: ParquetConfig = Field(default_factory=ParquetConfig, description="Parquet conversion stage.")
@@ -348,8 +354,15 @@ class PipelineConfig(_Section):
     @field_validator("storage_root")
     @classmethod
     def _check_storage_root(cls, value: str) -> str:
+        if value.startswith("s3://"):
+            bucket, _, prefix = value[len("s3://") :].partition("/")
+            if not _S3_BUCKET.match(bucket):
+                raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name; use s3://bucket/prefix")
+            if ".." in prefix.split("/") or "//" in prefix.rstrip("/"):
+                raise ValueError(f"{value!r}: the prefix may not contain '..' or empty parts; use s3://bucket/prefix")
+            return value
         if "://" in value:
-            raise ValueError(f"{value!r}: only local or mounted paths are supported for now; give a folder path")
+            raise ValueError(f"{value!r}: use a folder path or s3://bucket/prefix (no other URL scheme is supported)")
         path = Path(value).expanduser().absolute()
         probe = path
         while not probe.exists():  # the nearest existing ancestor decides whether we may create it
@@ -375,6 +388,11 @@ class PipelineConfig(_Section):
         if self.train.strategy == "fsdp" and self.train.ema_decay > 0:
             raise ValueError(
                 "train.strategy=fsdp shards the weights, which the weight EMA cannot follow; set train.ema_decay=0 with fsdp"
+            )
+        if self.storage_root.startswith("s3://") and self.train.mode == "single":
+            raise ValueError(
+                "train.mode=single keeps its checkpoints in a local folder and cannot use an s3:// storage_root; "
+                "use train.mode=distributed or a local storage_root"
             )
         if self.transform.cpus_per_task > self.train.data_cpus:
             raise ValueError(

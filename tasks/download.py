@@ -38,7 +38,7 @@ from torchvision.datasets.utils import calculate_md5, download_url
 
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
 from tasks.common.logs import stage_logger
-from tasks.common.storage import STORAGE_ERRNOS, StorageLayout, sha256_file, storage_writes
+from tasks.common.storage import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file, storage_writes
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +107,10 @@ def resolve_source(cfg: DownloadConfig, layout: StorageLayout | None = None) -> 
         return _sample_plan()
 
     official_md5 = _prefixed("md5", {name: OFFICIAL_MD5[name] for name in MNIST_FILES})
-    if cfg.source == "auto" and layout is not None and verified_files(layout.raw_dir("official"), official_md5):
-        return SourcePlan("official", OFFICIAL_MIRRORS[0], official_md5)
+    if cfg.source == "auto" and layout is not None:
+        with local_copy(layout.raw_dir("official")) as official:
+            if verified_files(official, official_md5):
+                return SourcePlan("official", OFFICIAL_MIRRORS[0], official_md5)
 
     mirror, failures = _probe_mirrors(OFFICIAL_MIRRORS, cfg.connect_timeout_s)
     if mirror is not None:
@@ -412,11 +414,12 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
             "Set download.source=official to fail instead.",
             ", ".join(OFFICIAL_MIRRORS), cfg.connect_timeout_s,
         )
-    directory = layout.raw_dir(source_key(plan)).absolute()
-    with storage_writes("download"):
+    directory = layout.raw_dir(source_key(plan))
+    # On an S3 root the files are checked and fetched in a local folder, then uploaded.
+    with storage_writes("download"), local_copy(directory, write_back=True) as local:
         files, skipped = sync_files(
-            plan.base_url, directory, plan.expected, cfg.attempts, cfg.backoff_s, log, cfg.read_timeout_s
+            plan.base_url, local, plan.expected, cfg.attempts, cfg.backoff_s, log, cfg.read_timeout_s
         )
     state = "already present and verified, no download" if skipped else "verified"
     log.info("MNIST files %s in %s (source=%s, %s)", state, directory, plan.source, plan.base_url)
-    return RawData(source=plan.source, url=plan.base_url, directory=str(directory), files=files, skipped=skipped)
+    return RawData(source=plan.source, url=plan.base_url, directory=directory, files=files, skipped=skipped)

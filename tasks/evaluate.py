@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from pipeline_config import EvaluateConfig
 from tasks.common.model import load_model
 from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json, storage_writes
+from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
 from tasks.train import TrainedModel
 from tasks.transform import TransformSpec, build_datasets
 
@@ -69,7 +69,7 @@ class Predictor:
 
     def __init__(self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0):
         torch.set_num_threads(torch_threads)
-        self.model = load_model(checkpoint_dir)
+        self.model = load_model(checkpoint_dir)  # a folder or an s3:// URI
         self.tta, self.background = tta, background
 
     @torch.inference_mode()
@@ -147,18 +147,17 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
     scores = metrics_from_confusion(confusion)
     plain_accuracy = float((out["label"] == out["pred_plain"]).mean()) if len(out["label"]) else 0.0
     folder = layout.evaluation_dir
-    predictions_path = folder / "predictions.parquet"
+    predictions_path = join(folder, "predictions.parquet")
     buffer = pa.BufferOutputStream()
     pq.write_table(pa.table(out), buffer)
     with storage_writes("evaluate"):
-        folder.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(predictions_path, buffer.getvalue().to_pybytes())
     result = Evaluation(
         checkpoint=trained.best_checkpoint,
         confusion=confusion.tolist(),
         rows=int(confusion.sum()),
-        metrics_path=str(folder / "metrics.json"),
-        predictions_path=str(predictions_path),
+        metrics_path=join(folder, "metrics.json"),
+        predictions_path=predictions_path,
         passed_gate=scores["accuracy"] >= cfg.min_accuracy,
         tta=cfg.tta,
         accuracy_without_tta=plain_accuracy,

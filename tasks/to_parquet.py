@@ -16,8 +16,9 @@ The training file is split once more: every n-th train row (``validation_every``
 ``val/`` for per-epoch validation, so the test split is touched only by evaluation.
 
 Conversion streams one row group at a time (memory stays flat at any size) into a staging
-folder that is published with one rename together with ``_manifest.json``; a finished
-conversion with a verified manifest is skipped on re-run, and a half-written one is never read.
+folder that is published together with ``_manifest.json`` (one rename locally; on S3 an upload
+with the manifest last); a finished conversion with a verified manifest is skipped on re-run,
+and a half-written one is never read.
 """
 
 from __future__ import annotations
@@ -40,7 +41,12 @@ from tasks.common.storage import (
     StorageLayout,
     atomic_write_json,
     building,
+    exists,
     file_lock,
+    join,
+    list_files,
+    local_copy,
+    parent,
     publish_dir,
     read_json,
     sha256_file,
@@ -74,7 +80,7 @@ class ParquetDataset(BaseModel):
     skipped: bool = False
 
     def split_dir(self, split: str) -> str:
-        return str(Path(self.directory) / split)
+        return join(self.directory, split)
 
 
 def read_idx_header(handle, path: Path, expected_dims: int) -> tuple[int, ...]:
@@ -179,33 +185,34 @@ def convert(raw_dir: Path, out_dir: Path, cfg: ParquetConfig) -> dict[str, int]:
     return {split: writer.rows for split, writer in writers.items()}
 
 
-def build_manifest(directory: Path, fingerprint: str, inputs: dict[str, str], rows: dict[str, int]) -> dict:
+def build_manifest(directory: str | Path, fingerprint: str, inputs: dict[str, str], rows: dict[str, int]) -> dict:
     """Manifest of a dataset folder: inputs, row counts and the sha256 of every Parquet file."""
-    files = {str(p.relative_to(directory)): sha256_file(p) for p in sorted(directory.rglob("*.parquet"))}
+    files = {name: sha256_file(join(directory, name)) for name in list_files(directory, ".parquet")}
     return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs, "rows": rows, "files": files}
 
 
-def manifest_problem(directory: Path, fingerprint: str) -> str | None:
+def manifest_problem(directory: str, fingerprint: str) -> str | None:
     """Why the dataset in ``directory`` cannot be reused (naming the file), or None when it verifies."""
-    manifest = read_json(directory / MANIFEST)
+    manifest_path = join(directory, MANIFEST)
+    manifest = read_json(manifest_path)
     if not isinstance(manifest, dict):
-        return f"{directory / MANIFEST} is missing or unreadable"
+        return f"{manifest_path} is missing or unreadable"
     if manifest.get("fingerprint") != fingerprint:
-        return f"{directory / MANIFEST} describes another build ({manifest.get('fingerprint')!r})"
+        return f"{manifest_path} describes another build ({manifest.get('fingerprint')!r})"
     files = manifest.get("files") or {}
-    on_disk = {str(p.relative_to(directory)) for p in directory.rglob("*.parquet")}
+    on_disk = set(list_files(directory, ".parquet"))
     if not files or set(files) != on_disk:
         extra, missing = sorted(on_disk - set(files)), sorted(set(files) - on_disk)
         return f"{directory}: Parquet files do not match the manifest (missing {missing}, unexpected {extra})"
     for name, digest in files.items():
-        if sha256_file(directory / name) != digest:
-            return f"{directory / name}: sha256 does not match the manifest (truncated or modified)"
+        if sha256_file(join(directory, name)) != digest:
+            return f"{join(directory, name)}: sha256 does not match the manifest (truncated or modified)"
     return None
 
 
-def verify_manifest(directory: Path, fingerprint: str) -> dict | None:
+def verify_manifest(directory: str, fingerprint: str) -> dict | None:
     """The manifest of ``directory`` if it matches ``fingerprint`` and every file's sha256, else None."""
-    return None if manifest_problem(directory, fingerprint) else read_json(directory / MANIFEST)
+    return None if manifest_problem(directory, fingerprint) else read_json(join(directory, MANIFEST))
 
 
 def dataset_fingerprint(raw: RawData, cfg: ParquetConfig) -> str:
@@ -220,21 +227,23 @@ def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> Parqu
     fingerprint = dataset_fingerprint(raw, cfg)
     final = layout.dataset_dir(fingerprint)
     # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
-    with storage_writes("to-parquet", final.parent), file_lock(layout, f"dataset-{fingerprint}"):
+    with storage_writes("to-parquet", parent(final)), file_lock(layout, f"dataset-{fingerprint}"):
         return _build_or_reuse(raw, cfg, final, fingerprint, logger)
 
 
-def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: Path, fingerprint: str, logger) -> ParquetDataset:
-    problem = manifest_problem(final, fingerprint) if final.exists() else None
-    if final.exists() and problem is None:
-        manifest = read_json(final / MANIFEST)
+def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger) -> ParquetDataset:
+    found = exists(final)
+    problem = manifest_problem(final, fingerprint) if found else None
+    if found and problem is None:
+        manifest = read_json(join(final, MANIFEST))
         logger.info("Parquet dataset %s verified against its manifest; conversion skipped", final)
-        return ParquetDataset(directory=str(final), fingerprint=fingerprint, rows=manifest["rows"], skipped=True)
+        return ParquetDataset(directory=final, fingerprint=fingerprint, rows=manifest["rows"], skipped=True)
     if problem:
         logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
-    with building(final) as staging:  # removed again if the build fails half-way
-        rows = convert(Path(raw.directory), staging, cfg)
+    # A local staging folder, removed again if the build fails half-way (raw files copied from S3 first).
+    with building(final) as staging, local_copy(raw.directory) as raw_dir:
+        rows = convert(raw_dir, staging, cfg)
         atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows))
         publish_dir(staging, final)
     logger.info("Wrote Parquet dataset %s: %s", final, rows)
-    return ParquetDataset(directory=str(final), fingerprint=fingerprint, rows=rows)
+    return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows)

@@ -23,10 +23,8 @@ Total budget before a run fails: (max_failures + 1) x (stage_retries + 1) traini
 
 from __future__ import annotations
 
-import json
 import math
 import os
-from pathlib import Path
 
 import ray
 from prefect import task
@@ -39,7 +37,7 @@ from tasks.common.faults import ROW_LOG_ENV
 from tasks.common.logs import stage_logger
 from tasks.common.reports import training_progress_callbacks
 from tasks.common.single_process import fit_single
-from tasks.common.storage import StorageLayout
+from tasks.common.storage import S3_SCHEME, StorageLayout, filesystem, is_remote, join, parent, read_lines
 from tasks.common.train_loop import HISTORY_FILE, read_history, train_loop_per_worker
 from tasks.transform import TransformSpec, build_datasets
 
@@ -114,7 +112,7 @@ def loop_config(
     cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir: str | None = None, spec: TransformSpec | None = None
 ) -> dict:
     """The plain dict ``train_loop_per_worker`` unpacks."""
-    run_dir = Path(fault_dir).parent if fault_dir else None
+    run_dir = parent(fault_dir) if fault_dir else None
     return {
         "epochs": cfg.epochs,
         "global_batch_size": cfg.global_batch_size,
@@ -128,13 +126,13 @@ def loop_config(
         "torch_threads": torch_threads,
         "hang_timeout_s": cfg.hang_timeout_s,
         "fault_dir": fault_dir,  # where test-only fault injection records what fired (tasks.common.faults)
-        "attempts_log": str(run_dir / ATTEMPTS_LOG) if run_dir else None,
-        "history_path": str(run_dir / HISTORY_FILE) if run_dir else None,  # every epoch's metrics, from rank 0
+        "attempts_log": join(run_dir, ATTEMPTS_LOG) if run_dir else None,
+        "history_path": join(run_dir, HISTORY_FILE) if run_dir else None,  # every epoch's metrics, from rank 0
         "checkpoint_every_steps": cfg.checkpoint_every_steps,
         # Each epoch builds its train pipeline from it (a resumed one without the rows already trained on).
         "transform": spec.model_dump(mode="json") if spec is not None else None,
         # Test-only: every rank logs the row_ids it trains on (tasks.common.faults.ROW_LOG_ENV).
-        "row_log_dir": str(run_dir / "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
+        "row_log_dir": join(run_dir, "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
     }
 
 
@@ -174,13 +172,14 @@ def retry_infrastructure_failures(task, task_run, state) -> bool:
     return False
 
 
-def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score: str = "val_accuracy") -> TrainedModel:
-    """Turn a ``ray.train.Result`` into the manifest later stages read."""
+def summarize_result(result, run_dir: str, num_workers: int, cpus: float, score: str = "val_accuracy") -> TrainedModel:
+    """Turn a ``ray.train.Result`` into the manifest later stages read (checkpoint paths as ``s3://`` URIs on S3)."""
+    remote = is_remote(run_dir)
     if result.error:
         raise RuntimeError(f"Ray Train run {run_dir} failed: {result.error}") from result.error
     # Mid-epoch checkpoints are only there to resume from; they are never candidates.
     kept = [
-        CheckpointInfo(path=ckpt.path, epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
+        CheckpointInfo(path=S3_SCHEME + ckpt.path if remote else ckpt.path, epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
         for ckpt, m in (result.best_checkpoints or [])
         if not m.get("mid_epoch")
     ]
@@ -188,7 +187,7 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score
         raise RuntimeError(f"Ray Train run {run_dir} finished without a checkpoint")
     best = max(kept, key=lambda c: checkpoint_rank(c, score))
     # Every epoch from rank 0's history.jsonl; Result.metrics_dataframe only has the kept checkpoints.
-    history = read_history(run_dir / HISTORY_FILE)
+    history = read_history(join(run_dir, HISTORY_FILE))
     if not history and result.metrics_dataframe is not None:
         history = result.metrics_dataframe.to_dict(orient="records")
     return TrainedModel(
@@ -207,11 +206,9 @@ def summarize_result(result, run_dir: Path, num_workers: int, cpus: float, score
     )
 
 
-def read_attempts(path: Path) -> list[dict]:
+def read_attempts(path: str) -> list[dict]:
     """The training attempts recorded in ``train_attempts.jsonl`` (empty when there is none)."""
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_lines(path)
 
 
 @task(name="train")
@@ -221,16 +218,19 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
     resources = ray.cluster_resources()
     if cfg.mode == "single":
         return train_single(spec, cfg, layout, threads=max(1, int(resources.get("CPU", 1))))
+    # Ray Train writes checkpoints through a pyarrow filesystem: the local one, or S3 for an s3:// root.
+    storage_fs, storage_path = filesystem(layout.runs_dir)
     use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
     logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults"), spec),
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, join(layout.run_dir, "faults"), spec),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(
-            storage_path=str(layout.runs_dir),
+            storage_path=storage_path,
+            storage_filesystem=storage_fs if layout.remote else None,
             name=layout.run_name,
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(
@@ -247,7 +247,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
     )
     result = trainer.fit()
     trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)
-    attempts = read_attempts(layout.run_dir / ATTEMPTS_LOG)
+    attempts = read_attempts(join(layout.run_dir, ATTEMPTS_LOG))
     resumed = next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None)
     trained = trained.model_copy(update={"attempts": attempts, "resumed_from_epoch": resumed})
     if len(attempts) > 1:
@@ -260,17 +260,17 @@ def train_single(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, t
     """``train.mode: single``: the loop in this process with every CPU's threads (tasks.common.single_process)."""
     logger = stage_logger(__name__)
     logger.info("Training in one process without Ray Train (train.mode=single), %d torch threads", threads)
-    config = loop_config(cfg, spec.dataset.rows["train"], threads, str(layout.run_dir / "faults"), spec)
+    config = loop_config(cfg, spec.dataset.rows["train"], threads, join(layout.run_dir, "faults"), spec)
     found, history = fit_single(config, spec, layout.run_dir, cfg.num_to_keep, cfg.checkpoint_score)
     kept = [
         CheckpointInfo(path=str(path), epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
         for path, m in found
     ]
     best = max(kept, key=lambda c: checkpoint_rank(c, cfg.checkpoint_score))
-    attempts = read_attempts(layout.run_dir / ATTEMPTS_LOG)
+    attempts = read_attempts(join(layout.run_dir, ATTEMPTS_LOG))
     logger.info("Best checkpoint %s (val accuracy %.4f)", best.path, best.val_accuracy)
     return TrainedModel(
-        run_dir=str(layout.run_dir),
+        run_dir=layout.run_dir,
         best_checkpoint=best.path,
         best_val_accuracy=best.val_accuracy,
         checkpoints=kept,

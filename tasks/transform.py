@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from pipeline_config import TransformConfig
 from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, atomic_write_json
+from tasks.common.storage import StorageLayout, atomic_write_json, filesystem, join
 from tasks.to_parquet import ParquetDataset, images_from_column
 
 
@@ -155,7 +155,8 @@ def build_split(
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
-    ds = ray.data.read_parquet(spec.dataset.split_dir(split), **task_args)
+    fs, path = filesystem(spec.dataset.split_dir(split))  # a local folder or an S3 prefix
+    ds = ray.data.read_parquet(path, filesystem=fs, **task_args)
     augment = split == "train"
     if augment:
         ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
@@ -203,7 +204,7 @@ def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:
 def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayout) -> TransformSpec:
     """Run the Ray Data transform over every split once, check its output and record it."""
     logger = stage_logger(__name__)
-    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=str(layout.run_dir / "transform.json"))
+    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"))
     datasets = build_datasets(spec, splits=("train", "val", "test"))
     checks = {name: check_split(ds, dataset.rows[name], name) for name, ds in datasets.items()}
     spec = spec.model_copy(update={"checks": checks})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import uuid
 import struct
 from pathlib import Path
 
@@ -95,3 +96,48 @@ def real_digits_mirror(folder: Path, train_per_class: int, test_per_class: int) 
         (folder / name).write_bytes(_gzip.compress(idx_bytes(array), mtime=0))
         flags += [f"--download.mirror-sha256.{field}", sha256_file(folder / name)]
     return flags
+
+
+# --- S3-compatible object storage on loopback -------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's standalone S3 server on 127.0.0.1 (a real HTTP server speaking the S3 API); its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+S3_TEST_ENV = {"AWS_ACCESS_KEY_ID": "test-key", "AWS_SECRET_ACCESS_KEY": "test-secret", "AWS_REGION": "us-east-1"}
+
+
+def s3_bucket(endpoint: str, name: str) -> str:
+    """Create bucket ``name`` on the test server; return its ``s3://`` root."""
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id="test-key", aws_secret_access_key="test-secret")
+    client.create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture
+def s3_root(s3_server, monkeypatch, request) -> str:
+    """A fresh bucket on the loopback S3 server with the AWS_* environment pointing at it; its root URI."""
+    for key, value in S3_TEST_ENV.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    return s3_bucket(s3_server, unique_bucket_name(request)) + "/mnist"
+
+
+def unique_bucket_name(request) -> str:
+    """A valid S3 bucket name from the test's name, unique within the session."""
+    stem = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
+    return f"t-{stem}-{uuid.uuid4().hex[:8]}"

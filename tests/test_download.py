@@ -128,7 +128,7 @@ def mirror_cfg(url: str, **overrides) -> DownloadConfig:
 
 
 def mirror_dir(layout: StorageLayout, url: str) -> Path:
-    return layout.raw_dir("mirror-" + hashlib.sha256(url.encode()).hexdigest()[:12])
+    return Path(layout.raw_dir("mirror-" + hashlib.sha256(url.encode()).hexdigest()[:12]))
 
 
 def assert_sample_files(directory: Path) -> None:
@@ -320,7 +320,7 @@ def test_official_unreachable_fails_with_a_clear_error(layout, closed_port, monk
     assert "unreachable" in message and unreachable in message
     for hint in ("download.source=auto", "download.source=sample", "download.source=mirror"):
         assert hint in message
-    assert not layout.raw_dir("official").exists()
+    assert not Path(layout.raw_dir("official")).exists()
 
 
 def test_official_source_verifies_md5_and_records_sha256(mirror, layout, closed_port, monkeypatch):
@@ -353,7 +353,7 @@ def test_official_md5_mismatch_is_rejected(mirror, layout, monkeypatch):
 
     message = str(failure.value)
     assert f"expected md5 {'0' * 32}" in message and SAMPLE_MD5[name] in message and name in message
-    assert not (layout.raw_dir("official") / name).exists()
+    assert not (Path(layout.raw_dir("official")) / name).exists()
 
 
 @pytest.mark.parametrize(

@@ -97,7 +97,7 @@ def test_stage_publishes_skips_and_rebuilds_a_tampered_dataset(tmp_path, layout)
 
 def test_half_written_dataset_is_never_read(tmp_path, layout):
     raw = RawData(**write_raw(tmp_path / "raw"))
-    folder = layout.dataset_dir(dataset_fingerprint(raw, CFG))
+    folder = Path(layout.dataset_dir(dataset_fingerprint(raw, CFG)))
     (folder / "train").mkdir(parents=True)
     (folder / "train" / "part-00000.parquet").write_bytes(b"PAR1 half a file")  # no manifest
     result = to_parquet.fn(raw, CFG, layout)

@@ -6,7 +6,6 @@ lease); the slow test runs two real flows at once on one storage root.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,11 +19,15 @@ from tasks.cleanup import check_deletable, cleanup
 from tasks.common.storage import (
     RunInUseError,
     StorageLayout,
+    basename,
     file_lock,
+    join,
     lease_path,
     lease_uses,
+    list_files,
     live_leases,
     paths_in_use,
+    read_json,
     run_lease,
 )
 
@@ -86,14 +89,14 @@ def test_a_live_run_name_is_refused_and_a_dead_ones_lease_is_taken_over(tmp_path
         with pytest.raises(RunInUseError, match=f"run 'nightly' is already running on {storage} \\(pid {child.pid}"):
             with run_lease(layout):
                 pass
-        assert json.loads(lease_path(layout).read_text())["pid"] == child.pid  # the live lease is untouched
+        assert read_json(lease_path(layout))["pid"] == child.pid  # the live lease is untouched
     finally:
         child.kill()  # dies without removing its lease, like a crashed driver
         child.wait(timeout=30)
-    assert lease_path(layout).is_file()
+    assert Path(lease_path(layout)).is_file()
     with run_lease(layout) as path:  # the stale lease of a dead process is taken over
-        assert json.loads(path.read_text())["pid"] == os.getpid()
-    assert not lease_path(layout).exists()  # and removed when the run ends
+        assert read_json(path)["pid"] == os.getpid()
+    assert not Path(lease_path(layout)).exists()  # and removed when the run ends
 
 
 def test_cleanup_never_deletes_what_another_live_run_reads(run_tree):
@@ -108,7 +111,7 @@ def test_cleanup_never_deletes_what_another_live_run_reads(run_tree):
     )
     try:
         assert set(live_leases(layout)) == {"manual-run"}
-        assert paths_in_use(layout) == [Path(dataset.directory)]
+        assert paths_in_use(layout) == [dataset.directory]
         with pytest.raises(ValueError, match="another live run on this storage root reads"):
             check_deletable(Path(dataset.directory), layout, [], paths_in_use(layout))
         policy = CleanupConfig(delete_raw=True, delete_parquet=True)
@@ -119,7 +122,7 @@ def test_cleanup_never_deletes_what_another_live_run_reads(run_tree):
         assert Path(dataset.directory).exists() and Path(raw.directory).exists()  # nothing deleted
     finally:
         release(child)
-    assert not lease_path(other).exists()
+    assert not Path(lease_path(other)).exists()
     report = cleanup.fn(policy, raw, dataset, trained, evaluation, layout)  # the other run ended: allowed now
     assert set(report.paths) == {raw.directory, dataset.directory} and not Path(dataset.directory).exists()
 
@@ -129,23 +132,28 @@ def test_lease_records_the_folders_a_run_reads(tmp_path):
     with run_lease(layout) as path:
         lease_uses(layout, "/s/raw/x", "/s/datasets/y")
         lease_uses(layout, "/s/datasets/y")
-        assert json.loads(path.read_text())["uses"] == ["/s/datasets/y", "/s/raw/x"]
+        assert read_json(path)["uses"] == ["/s/datasets/y", "/s/raw/x"]
         other = StorageLayout.create(str(tmp_path / "storage"), "r2")
-        assert paths_in_use(other) == [Path("/s/datasets/y"), Path("/s/raw/x")]
+        assert paths_in_use(other) == ["/s/datasets/y", "/s/raw/x"]
         assert paths_in_use(layout) == []  # a run's own lease never blocks it
 
 
 @pytest.mark.slow
-def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_path):
-    """A scheduled run overlapping a manual one: same storage root, same data, started together."""
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_path, request, where):
+    """A scheduled run overlapping a manual one: same storage root, same data, started together.
+
+    ``s3``: the root is a bucket on moto's S3 server on 127.0.0.1 (tests/conftest.py), and the
+    build lock a conditional PUT instead of fcntl.
+    """
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     from tests.conftest import real_digits_mirror
 
-    storage = tmp_path / "storage"
+    storage = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "storage")
     flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
-    common = [*flags, "--storage-root", str(storage), "--train.epochs", "1", "--train.global-batch-size", "64",
+    common = [*flags, "--storage-root", storage, "--train.epochs", "1", "--train.global-batch-size", "64",
               "--evaluate.min-accuracy", "0"]
     # One Prefect server for both, as deployments have: two CLI runs without PREFECT_API_URL would
     # each start a temporary server on the same default SQLite database.
@@ -161,14 +169,17 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
         outputs = {name: proc.communicate(timeout=900)[0] for name, proc in runs.items()}
     for name, proc in runs.items():
         assert proc.returncode == 0, outputs[name][-4000:]
-    summaries = {name: json.loads((storage / "runs" / name / "summary.json").read_text()) for name in runs}
+    summaries = {name: read_json(join(storage, "runs", name, "summary.json")) for name in runs}
     assert all(s["status"] == "completed" for s in summaries.values())
     datasets = {s["data"]["dataset_dir"] for s in summaries.values()}
     assert len(datasets) == 1  # one shared dataset ...
     assert sorted(s["data"]["conversion_skipped"] for s in summaries.values()) == [False, True]  # ... built once
-    assert [p.name for p in (storage / "datasets").iterdir()] == [Path(datasets.pop()).name]  # no second copy, no staging
-    checkpoints = {name: {p.name for p in (storage / "runs" / name).glob("checkpoint_*")} for name in runs}
-    assert all(checkpoints.values())
-    assert summaries["scheduled"]["best_checkpoint"].startswith(str(storage / "runs" / "scheduled"))
-    assert summaries["manual"]["best_checkpoint"].startswith(str(storage / "runs" / "manual"))
-    assert not list((storage / "leases").glob("*.json"))  # both leases released
+    files = list_files(storage)
+    built = {f.split("/")[1] for f in files if f.startswith("datasets/")}
+    assert built == {basename(datasets.pop())}  # no second copy, no staging folder left
+    for name in runs:
+        assert any(f.startswith(f"runs/{name}/checkpoint_") for f in files), name
+        assert summaries[name]["best_checkpoint"].startswith(join(storage, "runs", name))
+    assert not [f for f in files if f.startswith("leases/")]  # both leases released
+    if where == "s3":  # the S3 build lock is an object, deleted on release (a local fcntl lock file stays)
+        assert not [f for f in files if f.startswith("locks/")]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -158,18 +160,18 @@ def run_tree(tmp_path):
     layout = StorageLayout.create(str(tmp_path / "root"), "run")
     ckpts = []
     for epoch, acc in enumerate([0.90, 0.97, 0.95]):
-        path = layout.run_dir / f"checkpoint_{epoch}"
+        path = Path(layout.run_dir) / f"checkpoint_{epoch}"
         path.mkdir(parents=True)
         (path / MODEL_FILE).write_bytes(b"x" * 10)
         ckpts.append(CheckpointInfo(path=str(path), epoch=epoch, val_accuracy=acc))
-    raw = layout.raw_dir("sample")
+    raw = Path(layout.raw_dir("sample"))
     raw.mkdir(parents=True)
     (raw / "f.gz").write_bytes(b"y" * 5)
-    data = layout.dataset_dir("abc")
+    data = Path(layout.dataset_dir("abc"))
     data.mkdir(parents=True)
     (data / "part.parquet").write_bytes(b"z" * 7)
     trained = TrainedModel(
-        run_dir=str(layout.run_dir), best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
+        run_dir=layout.run_dir, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
         checkpoints=ckpts, history=[], num_workers=1, cpus_per_worker=1.0,
     )
     evaluation = Evaluation(
@@ -188,10 +190,10 @@ def test_cleanup_keeps_the_best_and_the_evaluated_checkpoint(run_tree):
     assert all(__import__("os").path.exists(p) for p in dry.paths)  # a dry run deletes nothing
     real = cleanup.fn(cfg, raw, dataset, trained, evaluation, layout)
     assert real.paths == dry.paths and real.bytes == dry.bytes == 10 + 10 + 5  # dry run listed exactly this
-    remaining = sorted(p.name for p in layout.run_dir.iterdir() if p.name.startswith("checkpoint_"))
+    remaining = sorted(p.name for p in Path(layout.run_dir).iterdir() if p.name.startswith("checkpoint_"))
     assert remaining == ["checkpoint_1"]  # best (and evaluated) stays
-    assert not layout.raw_dir("sample").exists()
-    assert layout.dataset_dir("abc").exists()
+    assert not Path(layout.raw_dir("sample")).exists()
+    assert Path(layout.dataset_dir("abc")).exists()
 
 
 def test_cleanup_keep_zero_keeps_everything(run_tree):
@@ -206,17 +208,17 @@ def test_cleanup_refuses_paths_outside_the_root_and_symlinks(run_tree, tmp_path)
     with pytest.raises(ValueError, match="outside the storage root"):
         check_deletable(outside, layout, [])
     with pytest.raises(ValueError, match="outside the storage root"):
-        check_deletable(layout.root_path / ".." / "precious", layout, [])
-    link = layout.root_path / "link"
+        check_deletable(Path(layout.root) / ".." / "precious", layout, [])
+    link = Path(layout.root) / "link"
     link.symlink_to(outside)
     with pytest.raises(ValueError, match="symbolic link"):
         check_deletable(link, layout, [])
     with pytest.raises(ValueError, match="which the evaluation used"):
-        check_deletable(layout.run_dir, layout, [layout.run_dir / "checkpoint_1"])
+        check_deletable(layout.run_dir, layout, [str(Path(layout.run_dir) / "checkpoint_1")])
     escaping = raw.model_copy(update={"directory": str(outside)})
     with pytest.raises(ValueError, match="outside the storage root"):
         cleanup.fn(CleanupConfig(delete_raw=True, delete_parquet=True), escaping, dataset, trained, evaluation, layout)
-    assert outside.exists() and layout.dataset_dir("abc").exists()  # refused before deleting anything
+    assert outside.exists() and Path(layout.dataset_dir("abc")).exists()  # refused before deleting anything
 
 
 def test_ema_warms_up_then_tracks_the_weights_slowly():

@@ -21,7 +21,8 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+
+from tasks.common.storage import atomic_write_bytes, exists, join
 
 FAULT_ENV = "MNIST_FAULT_INJECT"
 # Test-only as well: when set (any non-empty value), every rank logs the row_ids it trains on
@@ -75,7 +76,7 @@ class FaultInjector:
         """``settle`` runs just before a fault fires: the training loop passes a wait until Ray Train
         has committed every report so far, so the test knows which checkpoint a restart resumes from."""
         self.faults = parse_faults(os.environ.get(FAULT_ENV) if spec is None else spec)
-        self.marker_dir, self.rank, self.settle = Path(marker_dir), rank, settle
+        self.marker_dir, self.rank, self.settle = str(marker_dir), rank, settle
 
     def __bool__(self) -> bool:
         return bool(self.faults)
@@ -83,13 +84,12 @@ class FaultInjector:
     def check(self, epoch: int, step: int) -> None:
         """Fire a matching fault that has not fired yet in this run."""
         for fault in self.faults:
-            marker = self.marker_dir / f"{fault.key}.fired"
-            if not fault.matches(self.rank, epoch, step) or marker.exists():
+            marker = join(self.marker_dir, f"{fault.key}.fired")
+            if not fault.matches(self.rank, epoch, step) or exists(marker):
                 continue
             if self.settle is not None:
                 self.settle()
-            self.marker_dir.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{fault} fired at epoch {epoch} step {step}, pid {os.getpid()}\n")
+            atomic_write_bytes(marker, f"{fault} fired at epoch {epoch} step {step}, pid {os.getpid()}\n".encode())
             print(f"[fault injection] {fault.action} rank {self.rank} at epoch {epoch} step {step}", flush=True)
             if fault.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torchvision.models import resnet18
 
-from tasks.common.storage import sha256_file
+from tasks.common.storage import join, local_copy, sha256_file
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -67,38 +67,51 @@ def save_checkpoint_files(
     return directory
 
 
-def verify_checkpoint_file(path: Path) -> None:
-    """Raise IntegrityError unless ``path`` matches its sha256 in the folder's _checksums.json."""
-    sums_path = path.parent / CHECKSUMS_FILE
+def verify_checkpoint_file(path: Path, origin: str | None = None) -> None:
+    """Raise IntegrityError unless ``path`` matches its sha256 in the folder's _checksums.json.
+
+    ``origin``: the checkpoint folder the messages name (an ``s3://`` URI whose files were
+    downloaded to ``path``'s folder); ``path``'s own folder when not given.
+    """
+    shown = origin or str(path.parent)
+    sums_path, path = join(shown, CHECKSUMS_FILE), Path(path)
+    local_sums = path.parent / CHECKSUMS_FILE
     try:
-        expected = json.loads(sums_path.read_text()).get(path.name)
+        expected = json.loads(local_sums.read_text()).get(path.name)
     except (OSError, ValueError, AttributeError):
         raise IntegrityError(
-            f"{sums_path} is missing or unreadable: the checkpoint cannot be verified, so {path} is not loaded"
+            f"{sums_path} is missing or unreadable: the checkpoint cannot be verified, so {join(shown, path.name)} is not loaded"
         ) from None
     if expected is None:
-        raise IntegrityError(f"{path.name} is not listed in {sums_path}; refusing to load {path}")
+        raise IntegrityError(f"{path.name} is not listed in {sums_path}; refusing to load {join(shown, path.name)}")
     if sha256_file(path) != expected:
-        raise IntegrityError(f"{path} does not match its sha256 in {sums_path} (modified or truncated); refusing to load it")
+        raise IntegrityError(
+            f"{join(shown, path.name)} does not match its sha256 in {sums_path} (modified or truncated); refusing to load it"
+        )
 
 
-def load_state(directory: str | os.PathLike[str], name: str) -> Any:
-    """Load one checkpoint file with ``weights_only=True``: tensors and plain containers only."""
+def load_state(directory: str | os.PathLike[str], name: str, origin: str | None = None) -> Any:
+    """Load one checkpoint file with ``weights_only=True``: tensors and plain containers only.
+
+    ``directory`` is a local folder; ``origin`` the checkpoint it was downloaded from, for messages.
+    """
     path = Path(directory) / name
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {path}")
-    verify_checkpoint_file(path)
+        raise FileNotFoundError(f"checkpoint file missing: {join(origin or str(directory), name)}")
+    verify_checkpoint_file(path, origin)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
 def load_model(directory: str | os.PathLike[str]) -> torch.nn.Module:
-    """A ResNet-18 in eval mode with the weights of the checkpoint in ``directory``."""
+    """A ResNet-18 in eval mode with the weights of the checkpoint in ``directory`` (a folder or ``s3://`` URI)."""
     model = build_resnet18()
-    state = load_state(directory, MODEL_FILE)
+    # From S3 only the weights and their checksums are downloaded, then verified like local files.
+    with local_copy(directory, names=(MODEL_FILE, CHECKSUMS_FILE)) as local:
+        state = load_state(local, MODEL_FILE, origin=str(directory))
     try:
         model.load_state_dict(state)
     except RuntimeError as exc:
         raise ValueError(
-            f"{Path(directory) / MODEL_FILE} does not hold a one-channel ResNet-18 with 10 classes: {exc}"
+            f"{join(directory, MODEL_FILE)} does not hold a one-channel ResNet-18 with 10 classes: {exc}"
         ) from exc
     return model.eval()

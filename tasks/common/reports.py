@@ -27,6 +27,7 @@ import numpy as np
 from ray.train import UserCallback
 
 from tasks.common.logs import stage_logger
+from tasks.common.storage import filesystem, list_files
 
 # Artifact keys: lowercase letters, digits and dashes (Prefect's rule); stable across runs.
 KEYS = {
@@ -301,7 +302,9 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
 
     from tasks.to_parquet import images_from_column
 
-    dataset = ds.dataset(sorted(str(p) for p in Path(split_dir).glob("*.parquet")), format="parquet")
+    fs, where = filesystem(split_dir)  # a local folder or an S3 prefix
+    files = [f"{where}/{name}" for name in list_files(split_dir, ".parquet") if "/" not in name]
+    dataset = ds.dataset(files, format="parquet", filesystem=fs)
     if row_ids is not None:
         table = dataset.to_table(filter=pc.field("row_id").isin(list(map(int, row_ids))))
         order = {rid: i for i, rid in enumerate(table.column("row_id").to_pylist())}
@@ -330,7 +333,8 @@ def predictions_markdown(predictions_path: str, test_dir: str) -> str:
     """The test-predictions report: digits with true and predicted labels (the seeds' last picture)."""
     import pyarrow.parquet as pq
 
-    table = pq.read_table(predictions_path, columns=["row_id", "label", "pred"])
+    fs, where = filesystem(predictions_path)
+    table = pq.read_table(where, columns=["row_id", "label", "pred"], filesystem=fs)
     row_ids, labels, preds = (table.column(name).to_numpy() for name in ("row_id", "label", "pred"))
     chosen = pick_predictions(labels, preds)
     _, images, _ = read_split_rows(test_dir, row_ids=row_ids[chosen].tolist())

@@ -58,14 +58,15 @@ def prune(folder: Path, num_to_keep: int, score: str) -> None:
         shutil.rmtree(trash)
 
 
-def fit_single(config: dict[str, Any], spec, run_dir: Path, num_to_keep: int, score: str) -> tuple[list[tuple[Path, dict]], list[dict]]:
+def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, score: str) -> tuple[list[tuple[Path, dict]], list[dict]]:
     """Train in this process; return the kept checkpoints with their metrics, and the per-epoch history.
 
     ``config`` is the dict of ``tasks.train.loop_config``; ``spec`` the transform's TransformSpec.
+    ``run_dir`` is a local folder: the config refuses ``train.mode: single`` on an S3 storage root.
     """
     from tasks.transform import build_split  # Ray Data; the stage runs inside the Ray cluster
 
-    folder = run_dir / SINGLE_DIR
+    folder = Path(run_dir) / SINGLE_DIR
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config["seed"])
     torch.set_num_threads(config["torch_threads"])

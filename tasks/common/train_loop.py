@@ -43,7 +43,7 @@ from tasks.common.model import (
     save_checkpoint_files,
     unwrap,
 )
-from tasks.common.storage import atomic_write_bytes
+from tasks.common.storage import append_line, atomic_write_bytes, join, read_lines
 
 
 def one_cycle_lr(progress: float, peak: float, warmup: float = 0.2, floor: float = 1e-3) -> float:
@@ -143,19 +143,18 @@ def checkpoint_extra(metrics: dict, model, epoch: int, ema: AveragedModel | None
 HISTORY_FILE = "history.jsonl"
 
 
-def read_history(path: str | Path) -> list[dict]:
+def read_history(path: str) -> list[dict]:
     """Every finished epoch's metrics from ``history.jsonl`` (empty when there is none)."""
-    path = Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    return read_lines(path)
 
 
-def record_epoch(path: str | Path, metrics: dict) -> list[dict]:
+def record_epoch(path: str, metrics: dict) -> list[dict]:
     """Add one epoch's metrics to ``history.jsonl``, replacing that epoch and any later one.
 
     The run's per-epoch record for the training curves and benchmarks. Ray Train V2's
     ``Result.metrics_dataframe`` holds only the kept checkpoints' metrics (num_to_keep of them),
     so it cannot be the history. An epoch rerun after a restart replaces what the failed attempt
-    wrote from that epoch on. Rewritten whole (atomic rename): one short line per epoch.
+    wrote from that epoch on. Rewritten whole (atomic rename, or one PUT on S3): one short line per epoch.
     """
     rows = [row for row in read_history(path) if row["epoch"] < metrics["epoch"]] + [metrics]
     atomic_write_bytes(path, "".join(json.dumps(row) + "\n" for row in rows).encode())
@@ -164,9 +163,7 @@ def record_epoch(path: str | Path, metrics: dict) -> list[dict]:
 
 def record_attempt(path: str, start: Position, world_size: int) -> None:
     """Append one line per training attempt (Ray Train restart or Prefect retry) to ``train_attempts.jsonl``."""
-    line = {"start_epoch": start.epoch, "start_step": start.step, "world_size": world_size, "time": time.time()}
-    with open(path, "a") as handle:  # one short line per attempt; appends are atomic enough for a log
-        handle.write(json.dumps(line) + "\n")
+    append_line(path, {"start_epoch": start.epoch, "start_step": start.step, "world_size": world_size, "time": time.time()})
 
 
 def wait_for_committed_reports() -> None:
@@ -223,12 +220,10 @@ class RowLog:
     """
 
     def __init__(self, directory: str, start: Position, world_size: int, rank: int):
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        self.path = Path(directory) / f"from-e{start.epoch}s{start.step}-w{world_size}-rank{rank}.jsonl"
+        self.path = join(directory, f"from-e{start.epoch}s{start.step}-w{world_size}-rank{rank}.jsonl")
 
     def write(self, epoch: int, step: int, row_ids: torch.Tensor) -> None:
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps({"epoch": epoch, "step": step, "rows": row_ids.tolist()}) + "\n")
+        append_line(self.path, {"epoch": epoch, "step": step, "rows": row_ids.tolist()})
 
 
 def gather_rows(local: list[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,314 @@
+"""An ``s3://`` storage root, against moto's S3 server started by the test on 127.0.0.1.
+
+Every stage that touches storage runs here on the bucket: the storage primitives, the build lock
+(a conditional PUT), the raw download, the Parquet conversion with its manifest (a truncated
+object is detected and rebuilt), checkpoints refused when tampered or of another architecture,
+cleanup with its refusals, and, in the slow test, the whole flow with Ray Train checkpointing
+through a pyarrow S3 filesystem and evaluation loading from S3.
+No test reaches the internet; nothing is mocked (moto is a real HTTP server speaking the S3 API).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import boto3
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
+from pipeline_config.settings import parse_cli
+from tasks.cleanup import check_deletable, cleanup
+from tasks.common.storage import (
+    MANIFEST,
+    StorageLayout,
+    atomic_write_bytes,
+    atomic_write_json,
+    exists,
+    file_lock,
+    filesystem,
+    join,
+    list_files,
+    read_json,
+    remove,
+    run_lease,
+    total_bytes,
+)
+from tasks.download import RawData, download
+from tasks.evaluate import Evaluation
+from tasks.to_parquet import ParquetDataset, to_parquet
+from tasks.train import CheckpointInfo, TrainedModel
+from tests.conftest import write_raw
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
+
+
+def objects(root: str) -> list[str]:
+    """Every object under ``root`` in the bucket, listed with boto3 (not through the code under test)."""
+    bucket, _, prefix = root.removeprefix("s3://").partition("/")
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
+    keys = (item["Key"] for page in pages for item in page.get("Contents", []))
+    return sorted(key[len(prefix) + 1 :] for key in keys if not key.endswith("/"))  # not pyarrow's folder markers
+
+
+def test_storage_primitives_on_s3(s3_root):
+    path = join(s3_root, "runs", "r", "summary.json")
+    assert path == f"{s3_root}/runs/r/summary.json"
+    atomic_write_json(path, {"status": "completed"})
+    assert read_json(path) == {"status": "completed"} and exists(path)
+    atomic_write_bytes(join(s3_root, "runs", "r", "deep", "x.bin"), b"12345")
+    assert list_files(join(s3_root, "runs")) == ["r/deep/x.bin", "r/summary.json"]
+    assert total_bytes(join(s3_root, "runs", "r")) == 5 + len(json.dumps({"status": "completed"}, indent=2)) + 1
+    assert read_json(join(s3_root, "missing.json")) is None
+    remove(join(s3_root, "runs", "r"))
+    assert objects(s3_root) == [] and not exists(path)
+
+
+def test_contains_refuses_dotdot_other_prefixes_and_local_paths(s3_root):
+    layout = StorageLayout.create(s3_root + "/", "r")
+    assert layout.root == s3_root and layout.run_dir == f"{s3_root}/runs/r"
+    assert layout.contains(f"{s3_root}/runs/r/checkpoint_000001")
+    assert not layout.contains(s3_root)  # the root itself is never a deletion target
+    assert not layout.contains(f"{s3_root}/runs/../../elsewhere")
+    assert not layout.contains(f"{s3_root}-other/runs/r")  # a sibling prefix that shares the name's start
+    assert not layout.contains("/tmp/runs/r")
+
+
+def test_build_lock_is_exclusive_across_processes_and_a_dead_holders_lock_is_broken(s3_root):
+    layout = StorageLayout.create(s3_root, "r")
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\nfrom tasks.common.storage import StorageLayout, file_lock\n"
+         f"lock = file_lock(StorageLayout.create({s3_root!r}, 'x'), 'dataset-abc'); lock.__enter__()\n"
+         "print('held', flush=True)\ntime.sleep(600)"],
+        cwd=ROOT, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert "locks/dataset-abc.lock" in objects(s3_root)
+        with pytest.raises(TimeoutError, match="dataset-abc.lock"):
+            with file_lock(layout, "dataset-abc", timeout_s=1.5):
+                pass
+    finally:
+        holder.kill()  # dies holding the lock, like a crashed run
+        holder.wait(timeout=30)
+    with file_lock(layout, "dataset-abc", timeout_s=10):  # taken over: its holder is dead
+        assert read_json(join(s3_root, "locks", "dataset-abc.lock"))["pid"] == os.getpid()
+    assert "locks/dataset-abc.lock" not in objects(s3_root)
+
+
+def test_threads_take_turns_on_the_s3_lock(s3_root):
+    layout = StorageLayout.create(s3_root, "r")
+    inside, overlaps = [], []
+
+    def work():
+        with file_lock(layout, "build", timeout_s=60):
+            inside.append(1)
+            overlaps.append(len(inside))
+            time.sleep(0.3)
+            inside.pop()
+
+    threads = [threading.Thread(target=work) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert overlaps == [1, 1, 1]
+
+
+def test_download_to_s3_then_reuse_without_uploading(s3_root):
+    layout = StorageLayout.create(s3_root, "r")
+    first = download.fn(DownloadConfig(source="sample"), layout)
+    assert first.directory == f"{s3_root}/raw/sample" and not first.skipped
+    assert objects(join(s3_root, "raw", "sample")) == sorted(first.files)
+    second = download.fn(DownloadConfig(source="sample"), layout)
+    assert second.skipped and second.files == first.files
+    # A tampered raw object is detected by its checksum and fetched again.
+    atomic_write_bytes(join(first.directory, "t10k-labels-idx1-ubyte.gz"), gzip.compress(b"tampered"))
+    third = download.fn(DownloadConfig(source="sample"), layout)
+    assert not third.skipped and third.files == first.files
+
+
+def test_parquet_conversion_on_s3_reuses_a_verified_build_and_rebuilds_a_truncated_one(tmp_path, s3_root, caplog):
+    local = RawData(**write_raw(tmp_path / "raw"))
+    layout = StorageLayout.create(s3_root, "r")
+    raw_dir = layout.raw_dir("mirror-test")
+    for name in local.files:
+        atomic_write_bytes(join(raw_dir, name), (tmp_path / "raw" / name).read_bytes())
+    raw = local.model_copy(update={"directory": raw_dir})
+
+    built = to_parquet.fn(raw, CFG, layout)
+    assert built.directory.startswith(f"{s3_root}/datasets/mnist-") and not built.skipped
+    keys = objects(built.directory)
+    assert MANIFEST in keys and "train/part-00000.parquet" in keys and not any("staging" in k for k in keys)
+    fs, where = filesystem(built.split_dir("train"))
+    assert pq.read_table(where, filesystem=fs).num_rows == built.rows["train"] == 90
+    assert to_parquet.fn(raw, CFG, layout).skipped
+
+    victim = join(built.directory, "train", "part-00001.parquet")
+    fs, where = filesystem(victim)
+    with fs.open_input_stream(where, compression=None) as handle:
+        data = handle.readall()
+    atomic_write_bytes(victim, data[: len(data) // 2])  # a truncated upload
+    rebuilt = to_parquet.fn(raw, CFG, layout)
+    assert not rebuilt.skipped and "part-00001.parquet: sha256 does not match" in caplog.text
+    assert pq.read_table(join(built.directory, "train").removeprefix("s3://"), filesystem=fs).num_rows == 90
+
+
+def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp_path, s3_root):
+    import torch
+    from torchvision.models import resnet18
+
+    from tasks.common.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, build_resnet18, load_model, save_checkpoint_files
+    from tasks.common.storage import upload_dir
+
+    model = build_resnet18()
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "other").mkdir()
+    save_checkpoint_files(tmp_path / "ours", model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    ours = join(s3_root, "runs", "r", "checkpoint_000000")
+    upload_dir(tmp_path / "ours", ours)
+    loaded = load_model(ours)  # intact: the same weights come back from the bucket
+    assert torch.equal(loaded.conv1.weight, model.conv1.weight)
+
+    original = (tmp_path / "ours" / MODEL_FILE).read_bytes()
+    tampered = bytearray(original)
+    tampered[len(tampered) // 2] ^= 0xFF  # one byte changed in the stored object
+    atomic_write_bytes(join(ours, MODEL_FILE), bytes(tampered))
+    with pytest.raises(IntegrityError, match=f"{ours}/{MODEL_FILE} does not match its sha256 in {ours}/{CHECKSUMS_FILE}"):
+        load_model(ours)
+    atomic_write_bytes(join(ours, MODEL_FILE), original)
+    remove(join(ours, CHECKSUMS_FILE))
+    with pytest.raises(IntegrityError, match=f"{ours}/{CHECKSUMS_FILE} is missing"):
+        load_model(ours)
+
+    other = resnet18(num_classes=10)  # a 3-channel stem: another architecture, intact checksums
+    save_checkpoint_files(tmp_path / "other", other, torch.optim.AdamW(other.parameters()), {"epoch": 0})
+    foreign = join(s3_root, "runs", "r", "checkpoint_000001")
+    upload_dir(tmp_path / "other", foreign)
+    with pytest.raises(ValueError, match=f"{foreign}/{MODEL_FILE} does not hold a one-channel ResNet-18"):
+        load_model(foreign)
+
+
+def _run_tree(s3_root: str):
+    layout = StorageLayout.create(s3_root, "run")
+    ckpts = []
+    for epoch, acc in enumerate([0.90, 0.97, 0.95]):
+        path = join(layout.run_dir, f"checkpoint_{epoch}")
+        atomic_write_bytes(join(path, "model.pt"), b"x" * 10)
+        ckpts.append(CheckpointInfo(path=path, epoch=epoch, val_accuracy=acc))
+    atomic_write_bytes(join(layout.raw_dir("sample"), "f.gz"), b"y" * 5)
+    atomic_write_bytes(join(layout.dataset_dir("abc"), "part.parquet"), b"z" * 7)
+    trained = TrainedModel(run_dir=layout.run_dir, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
+                           checkpoints=ckpts, history=[], num_workers=1, cpus_per_worker=1.0)
+    evaluation = Evaluation(checkpoint=ckpts[1].path, accuracy=0.9, precision=[], recall=[], confusion=[], rows=1,
+                            metrics_path="m", predictions_path="p", passed_gate=True)
+    raw = RawData(source="sample", url="file:///x/", directory=layout.raw_dir("sample"), files={}, skipped=False)
+    dataset = ParquetDataset(directory=layout.dataset_dir("abc"), fingerprint="abc", rows={})
+    return layout, raw, dataset, trained, evaluation
+
+
+def test_cleanup_on_s3_deletes_what_the_dry_run_lists_and_keeps_the_evaluated_checkpoint(s3_root):
+    layout, raw, dataset, trained, evaluation = _run_tree(s3_root)
+    cfg = CleanupConfig(keep_checkpoints=1, delete_raw=True)
+    before = objects(s3_root)
+    dry = cleanup.fn(cfg.model_copy(update={"dry_run": True}), raw, dataset, trained, evaluation, layout)
+    assert objects(s3_root) == before + ["runs/run/cleanup.json"]  # a dry run deletes nothing
+    real = cleanup.fn(cfg, raw, dataset, trained, evaluation, layout)
+    assert real.paths == dry.paths and real.bytes == dry.bytes == 10 + 10 + 5
+    assert objects(s3_root) == ["datasets/mnist-abc/part.parquet", "runs/run/checkpoint_1/model.pt", "runs/run/cleanup.json"]
+
+
+def test_cleanup_on_s3_refuses_dotdot_and_paths_outside_the_root(s3_root):
+    layout, raw, dataset, trained, evaluation = _run_tree(s3_root)
+    with pytest.raises(ValueError, match="outside the storage root"):
+        check_deletable(f"{s3_root}/runs/../../other", layout, [])
+    with pytest.raises(ValueError, match="which the evaluation used"):
+        check_deletable(layout.run_dir, layout, [trained.checkpoints[1].path])
+    escaping = raw.model_copy(update={"directory": f"{s3_root}/raw/../../elsewhere"})
+    precious = s3_root.rsplit("/", 1)[0] + "/elsewhere/keep.txt"  # beside the root, in the same bucket
+    atomic_write_bytes(precious, b"precious")
+    before = objects(s3_root)
+    with pytest.raises(ValueError, match="outside the storage root"):
+        cleanup.fn(CleanupConfig(delete_raw=True, delete_parquet=True), escaping, dataset, trained, evaluation, layout)
+    assert objects(s3_root) == before and exists(precious)  # refused before deleting anything
+
+
+def test_a_live_run_name_is_refused_on_s3(s3_root):
+    from tasks.common.storage import RunInUseError
+
+    layout = StorageLayout.create(s3_root, "nightly")
+    with run_lease(layout):
+        assert read_json(join(s3_root, "leases", "nightly.json"))["pid"] == os.getpid()
+        other = subprocess.run(
+            [sys.executable, "-c",
+             "from tasks.common.storage import StorageLayout, run_lease\n"
+             f"with run_lease(StorageLayout.create({s3_root!r}, 'nightly')): pass"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+        assert other.returncode != 0 and RunInUseError.__name__ in other.stderr
+    assert "leases/nightly.json" not in objects(s3_root)
+
+
+def test_bad_s3_roots_are_refused_before_any_work(s3_server, monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="not an S3 bucket name"):
+        parse_cli(["--storage-root", "s3://Bad_Bucket/x"]).pipeline_config()
+    with pytest.raises(ValueError, match="train.mode=single .* s3:// storage_root"):
+        parse_cli(["--storage-root", "s3://bucket/x", "--train.mode", "single"]).pipeline_config()
+    for key, value in {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_ENDPOINT_URL": s3_server}.items():
+        monkeypatch.setenv(key, value)
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", "s3://no-such-bucket/x"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=os.environ | {"PREFECT_API_URL": ""},
+    )
+    assert out.returncode == 2, out.stderr
+    assert "storage_root s3://no-such-bucket/x: bucket 'no-such-bucket' does not exist" in out.stderr
+
+
+@pytest.mark.slow
+def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
+    """Smoke preset, real local Ray and a real Prefect API, every artifact in the bucket.
+
+    A second flow reusing the bucket's verified data is the concurrent-runs test on S3
+    (tests/test_storage.py), where one of two runs skips the conversion.
+    """
+    from prefect.testing.utilities import prefect_test_harness
+
+    from flows.mnist import mnist_pipeline
+    from tasks.common.model import load_model
+
+    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory instead of the bucket
+    with prefect_test_harness(server_startup_timeout=120):
+        config = parse_cli(["--preset", "smoke", "--storage-root", s3_root, "--run-name", "s3-first"]).pipeline_config()
+        state = mnist_pipeline(config, return_state=True)
+        assert state.is_completed(), state.message
+    first = read_json(join(s3_root, "runs", "s3-first", "summary.json"))
+    assert first["status"] == "completed"
+    assert first["data"]["rows"] == {"train": 3800, "val": 200, "test": 1000}
+    assert first["data"]["raw_dir"] == f"{s3_root}/raw/sample"
+    assert first["data"]["dataset_dir"].startswith(f"{s3_root}/datasets/mnist-")
+
+    keys = objects(s3_root)
+    best = first["best_checkpoint"]
+    assert best.startswith(f"{s3_root}/runs/s3-first/checkpoint_")  # Ray Train wrote it through pyarrow's S3 filesystem
+    checkpoint_key = best.removeprefix(s3_root + "/")
+    assert {f"{checkpoint_key}/model.pt", f"{checkpoint_key}/optimizer.pt", f"{checkpoint_key}/extra_state.pt"} <= set(keys)
+    for name in ("summary.json", "history.jsonl", "train_attempts.jsonl", "transform.json",
+                 "evaluation/metrics.json", "evaluation/predictions.parquet"):
+        assert f"runs/s3-first/{name}" in keys, name
+    assert not any(key.startswith("leases/") or key.startswith("locks/") for key in keys)  # released at the end
+
+    metrics = read_json(join(s3_root, "runs", "s3-first", "evaluation", "metrics.json"))
+    assert first["test_accuracy"] == metrics["accuracy"] >= 0.5 and metrics["rows"] == 1000
+    model = load_model(best)  # downloaded from the bucket, checksums verified
+    assert sum(p.numel() for p in model.parameters()) > 11_000_000
+    assert list(tmp_path.iterdir()) == []
