@@ -12,8 +12,8 @@ Rows:
   vectorized ``map_batches``) against the seeds' approach (pandas lists of lists, ``from_pandas``,
   ``write_parquet``, per-row PIL ``ToTensor``/``Normalize`` through ``ds.map``);
 * conversion memory: peak RSS of our conversion of 1,000,000 rows, in a fresh process;
-* fixed overhead: imports, the temporary Prefect server, a local Ray and an empty Ray Train
-  worker group, in a fresh process (``benchmarks/overhead.py``);
+* fixed overhead: imports, the temporary Prefect server and a local Ray (started side by side,
+  as the CLI does) and an empty Ray Train worker group, in a fresh process (``benchmarks/overhead.py``);
 * training throughput: images/s of our training loop (Ray Train, 1 worker) against a plain
   single-process loop on in-memory tensors, same model, batch and threads; ``train.mode=single``
   (our loop and data pipeline without Ray Train) in between splits the gap into data and distribution;
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import platform
 import statistics
 import struct
@@ -188,7 +189,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG  # Ray as a run starts it
+    from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG, ray_train_env  # Ray as a run starts it
+
+    os.environ.update(ray_train_env())  # the training stage's fit() runs in this process here
 
     sizes = [(4000, 2)] if args.quick else [(4000, 3), (60_000, 1)]  # (training rows, repetitions)
     rss_rows = 50_000 if args.quick else 1_000_000
@@ -239,8 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     result = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_1m_at_end": round(__import__("os").getloadavg()[0], 2)},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
         "mode": "quick" if args.quick else "full",
         "rows": rows_out,
     }
@@ -262,7 +265,8 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"| conversion peak RSS | {r['rows']:,} rows | | {r['peak_rss_mb']} MB, {r['rows_per_s']:,} rows/s | | {r['goal']} |")
         elif r["benchmark"] == "fixed overhead":
             parts = ", ".join(f"{k[:-2].replace('_', ' ')} {v} s" for k, v in r.items() if k.endswith("_s") and k != "total_s")
-            lines.append(f"| fixed overhead | | | {r['total_s']} s ({parts}) | | {r['goal']} |")
+            group = ", ".join(f"{k[:-2].replace('_', ' ')} {v} s" for k, v in (r.get("worker_group_parts") or {}).items())
+            lines.append(f"| fixed overhead | | | {r['total_s']} s ({parts}; worker group: {group}) | | {r['goal']} |")
         elif r["benchmark"] == "time to accuracy":
             def reached(seconds, epoch, history):
                 return f"{seconds} s (epoch {epoch + 1})" if seconds is not None else f"not reached (best {max(history):.4f})"

@@ -23,7 +23,7 @@ from prefect_ray.context import remote_options
 from pydantic import ValidationError
 
 from flows import hooks
-from flows.runtime import prefect_api, ray_task_runner
+from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     failed = None
-    with prefect_api():
+    with cli_runtime(config.ray):  # the Prefect API and a local Ray, started side by side
         try:
             mnist_pipeline(config)
         except Exception as exc:  # the summary below still tells what happened

@@ -10,7 +10,8 @@ hands that URL to every Ray worker through the job's runtime environment.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from prefect.settings import (
@@ -38,21 +39,42 @@ def current_api_url() -> str | None:
 
 
 @contextmanager
-def prefect_api() -> Iterator[str]:
+def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]:
     """Use the configured PREFECT_API_URL, or start a local Prefect server on 127.0.0.1 for this process.
 
     Starting it explicitly (rather than letting Prefect start one lazily) gives the run a
-    URL that Ray workers can be told about.
+    URL that Ray workers can be told about. ``alongside(url)`` runs in this thread while the
+    server starts in another (its port is picked first, so the URL is known); the block is
+    entered once both are done. The URL yielded is the server's final one.
     """
     url = current_api_url()
     if url:
+        if alongside is not None:
+            alongside(url)
         yield url
         return
     from prefect.server.api.server import SubprocessASGIServer
 
     server = SubprocessASGIServer()
-    with temporary_settings(updates={PREFECT_SERVER_ANALYTICS_ENABLED: False}):
-        server.start()
+    server.port = server.find_available_port()
+    failures: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            with temporary_settings(updates={PREFECT_SERVER_ANALYTICS_ENABLED: False}):
+                server.start()
+        except BaseException as exc:  # raised again in the calling thread
+            failures.append(exc)
+
+    starter = threading.Thread(target=start, name="prefect-server-start", daemon=True)
+    starter.start()
+    try:
+        if alongside is not None:
+            alongside(server.api_url)
+    finally:
+        starter.join()
+    if failures:
+        raise failures[0]
     previous = os.environ.get("PREFECT_API_URL")
     os.environ["PREFECT_API_URL"] = server.api_url  # inherited by a local Ray started later
     try:
@@ -65,6 +87,38 @@ def prefect_api() -> Iterator[str]:
             os.environ["PREFECT_API_URL"] = previous
 
 
+@contextmanager
+def cli_runtime(cfg: RayConfig) -> Iterator[str]:
+    """The Prefect API and, for a local Ray, Ray itself, for a run of ``python -m flows.mnist``.
+
+    When both must be started (no PREFECT_API_URL, no ``ray.address``), Ray starts in this thread
+    while the temporary Prefect server comes up in another, with the server's URL already in the
+    workers' environment; the flow's RayTaskRunner then finds Ray running and uses it, and Ray is
+    shut down when the block ends. Otherwise the flow's RayTaskRunner starts or joins Ray itself.
+    """
+    if cfg.address is not None:
+        with prefect_api() as url:
+            yield url
+        return
+    import ray
+
+    given: list[str] = []
+
+    def start_ray(url: str) -> None:
+        address, kwargs = ray_init_args(cfg, url)
+        ray.init(address, **kwargs)
+        given.append(url)
+
+    with prefect_api(alongside=start_ray) as url:
+        try:
+            if given != [url]:  # the server had to move to another port while starting
+                ray.shutdown()
+                start_ray(url)
+            yield url
+        finally:
+            ray.shutdown()
+
+
 # Keep idle workers alive between epochs. By default Ray kills idle task workers one second after
 # they go idle once more workers exist than CPUs (and the Ray Data and Ray Train actors alone
 # exceed that), so every epoch's shuffle and map tasks paid for fresh Python processes importing
@@ -75,15 +129,21 @@ def prefect_api() -> Iterator[str]:
 LOCAL_RAY_SYSTEM_CONFIG = {"num_workers_soft_limit": 16, "idle_worker_killing_time_threshold_ms": 600_000}
 
 
-def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
-    """A RayTaskRunner for ``cfg``: a fresh local Ray when no address is set, else that cluster."""
-    api_url = current_api_url()
-    if not api_url:
-        raise RuntimeError(
-            "no Prefect API URL: set PREFECT_API_URL or start the flow with `python -m flows.mnist`, "
-            "which starts a local Prefect server; Ray workers must report to the flow's API"
-        )
-    env_vars = {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1"}
+# Ray Train's controller polls its workers every 2 s by default, so it notices a finished run (and
+# every report) up to 2 s late. Measured on the empty worker group (benchmarks/overhead.py): 5.0 s
+# from the training function's start to fit() returning with 2 s, 2.0 s with 0.5 s. Set for the
+# processes that call fit() (Ray Train hands it on to its controller); a value in the environment wins.
+RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
+
+
+def ray_train_env() -> dict[str, str]:
+    """`RAY_TRAIN_ENV`, with any of its variables already set in this process's environment kept."""
+    return {name: os.environ.get(name, value) for name, value in RAY_TRAIN_ENV.items()}
+
+
+def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
+    """(address, ``ray.init`` keyword arguments) for ``cfg``, handing ``api_url`` to every Ray worker."""
+    env_vars = {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1", **ray_train_env()}
     # S3 storage root settings (endpoint, region, credentials) and the test-only fault injection
     # and row logging switches (tasks/common/faults.py): a Ray worker does not see the driver's env.
     for name in (*S3_ENV_VARS, *TEST_HOOK_ENVS):
@@ -104,4 +164,19 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
     else:
         address = cfg.address
         init_kwargs.pop("include_dashboard")
+    return address, init_kwargs
+
+
+def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
+    """A RayTaskRunner for ``cfg``: a fresh local Ray when no address is set, else that cluster.
+
+    When this process already runs Ray (`cli_runtime` started it), the runner uses that one.
+    """
+    api_url = current_api_url()
+    if not api_url:
+        raise RuntimeError(
+            "no Prefect API URL: set PREFECT_API_URL or start the flow with `python -m flows.mnist`, "
+            "which starts a local Prefect server; Ray workers must report to the flow's API"
+        )
+    address, init_kwargs = ray_init_args(cfg, api_url)
     return RayTaskRunner(address=address, init_kwargs=init_kwargs)

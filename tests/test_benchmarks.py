@@ -30,8 +30,11 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     rss = result["rows"][1]
     assert rss["peak_rss_mb"] >= rss["rss_before_mb"] > 0 and rss["rows_per_s"] > 0
     overhead = result["rows"][2]
-    assert overhead["benchmark"] == "fixed overhead" and overhead["prefect_server_s"] > 0 and overhead["ray_start_s"] > 0
+    assert overhead["benchmark"] == "fixed overhead" and overhead["prefect_server_and_ray_s"] > 0
     assert overhead["total_s"] >= overhead["ray_train_worker_group_s"] > 0
+    parts = overhead["worker_group_parts"]  # the worker group split at the worker's start and the function's start
+    assert set(parts) == {"to_worker_process_s", "worker_process_to_train_fn_s", "train_fn_to_fit_return_s"}
+    assert all(v > 0 for v in parts.values()), parts  # in order: fit, worker process start, function start, return
     single, train = result["rows"][3], result["rows"][4]
     assert "single" in single["benchmark"] and single["ours_images_per_s"] > 0 and single["ratio"] > 0
     assert train["baseline_images_per_s"] > 0 and train["ours_images_per_s"] > 0 and train["ratio"] > 0

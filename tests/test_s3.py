@@ -243,6 +243,25 @@ def test_cleanup_on_s3_refuses_dotdot_and_paths_outside_the_root(s3_root):
     assert objects(s3_root) == before and exists(precious)  # refused before deleting anything
 
 
+def test_cleanup_on_s3_leaves_what_another_live_run_reads(s3_root):
+    from tasks.common.storage import lease_uses, paths_in_use
+
+    layout, raw, dataset, trained, evaluation = _run_tree(s3_root)
+    other = StorageLayout.create(s3_root, "manual-run")  # a live run reading the same dataset
+    policy = CleanupConfig(delete_raw=True, delete_parquet=True)
+    with run_lease(other):
+        lease_uses(other, dataset.directory)
+        assert paths_in_use(layout) == [dataset.directory]
+        before = objects(s3_root)
+        for dry_run in (True, False):  # the dry run refuses exactly like the real one
+            with pytest.raises(ValueError, match=f"refusing to delete {dataset.directory}: another live run"):
+                cleanup.fn(policy.model_copy(update={"dry_run": dry_run}), raw, dataset, trained, evaluation, layout)
+        assert objects(s3_root) == before  # nothing deleted
+    report = cleanup.fn(policy, raw, dataset, trained, evaluation, layout)  # that run ended: allowed now
+    assert set(report.paths) == {raw.directory, dataset.directory}
+    assert not any(key.startswith(("raw/", "datasets/")) for key in objects(s3_root))
+
+
 def test_a_live_run_name_is_refused_on_s3(s3_root):
     from tasks.common.storage import RunInUseError
 

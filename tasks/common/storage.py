@@ -68,13 +68,13 @@ class S3Settings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore")
 
     endpoint_url: str | None = Field(None, validation_alias=AliasChoices("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"))
-    region: str = Field("us-east-1", validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION"))
+    region: str | None = Field(None, validation_alias=AliasChoices("AWS_REGION", "AWS_DEFAULT_REGION"))
     access_key_id: str | None = Field(None, validation_alias="AWS_ACCESS_KEY_ID")
     secret_access_key: SecretStr | None = Field(None, validation_alias="AWS_SECRET_ACCESS_KEY")
     session_token: SecretStr | None = Field(None, validation_alias="AWS_SESSION_TOKEN")
 
     def pyarrow_kwargs(self) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"region": self.region}
+        kwargs: dict[str, Any] = {"region": self.region} if self.region else {}  # unset: the SDK's chain
         if self.endpoint_url:
             scheme, _, host = self.endpoint_url.partition("://")
             kwargs |= {"endpoint_override": host.rstrip("/"), "scheme": scheme} if host else {"endpoint_override": scheme}
