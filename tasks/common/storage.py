@@ -258,8 +258,10 @@ def local_copy(
     with tempfile.TemporaryDirectory(prefix="mnist-s3-") as tmp:
         if names is not None:
             for name in names:
-                if is_file(join(path, name)):
+                try:  # one GET per file; a missing one is simply not there locally either
                     Path(tmp, name).write_bytes(read_bytes(join(path, name)))
+                except FileNotFoundError:
+                    pass
         elif is_dir(path):
             pafs.copy_files(where, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
         before = _snapshot(Path(tmp))
