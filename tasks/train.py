@@ -39,7 +39,7 @@ from tasks.common.reports import training_progress_callbacks
 from tasks.common.single_process import fit_single
 from tasks.common.storage import S3_SCHEME, StorageLayout, filesystem, is_remote, join, parent, read_lines
 from tasks.common.train_loop import HISTORY_FILE, read_history, train_loop_per_worker
-from tasks.transform import TransformSpec, build_datasets
+from tasks.transform import TransformSpec
 
 # One JSON line per training attempt in the run folder: the epoch it started from and its world size.
 ATTEMPTS_LOG = "train_attempts.jsonl"
@@ -241,9 +241,9 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
             # Live progress in the Prefect UI: the callback runs in the Train controller process.
             callbacks=training_progress_callbacks(cfg.epochs, layout.run_name),
         ),
-        # Validation only: the train rows are built per epoch inside the loop (their order and
-        # augmentation depend on the epoch; tasks.common.train_loop.EpochShards).
-        datasets=build_datasets(spec, seed=cfg.seed, splits=("val",)),
+        # No datasets= here: every worker builds its Ray Data pipelines inside the loop, the train
+        # rows per epoch (their order and augmentation depend on it; train_loop.EpochShards) and
+        # its share of the validation rows once (train_loop.train_loop_per_worker).
     )
     result = trainer.fit()
     trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)

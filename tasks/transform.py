@@ -150,12 +150,21 @@ def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
     return batch.filter(keep)
 
 
-def read_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
-    """One split's Parquet rows as a Ray Dataset, in file order (before any shuffle or map).
+def keep_part(batch: pa.Table, part: int, parts: int) -> pa.Table:
+    """The rows of ``batch`` in part ``part`` of ``parts``: by a hash of row_id, so the parts are
+    disjoint, together hold every row, and are about equal whatever the row_ids' spacing."""
+    in_part = row_hash(batch.column("row_id").to_numpy(), 0, 0, stream=5) % np.uint64(parts) == np.uint64(part)
+    return batch.filter(pa.array(in_part))
 
-    Up to ``in_memory_mb`` of Parquet: pyarrow reads the files here (threaded, one listing) and
-    Ray Data gets blocks of ``block_rows`` rows (`ray.data.from_arrow`). Larger: streamed by
-    ``ray.data.read_parquet``, so memory stays bounded whatever the dataset's size.
+
+def read_split(spec: TransformSpec, split: str, shuffle_seed: int | None = None) -> ray.data.Dataset:
+    """One split's Parquet rows as a Ray Dataset: in file order, or shuffled by ``shuffle_seed``.
+
+    Up to ``in_memory_mb`` of Parquet: pyarrow reads the files here (threaded, one listing), the
+    shuffle is one permutation of the table, and Ray Data gets blocks of ``block_rows`` rows
+    (`ray.data.from_arrow`). Larger: streamed by ``ray.data.read_parquet`` and shuffled by Ray
+    Data's ``random_shuffle``, so memory stays bounded whatever the dataset's size. Either way the
+    order is fixed by ``shuffle_seed`` for a given dataset and configuration.
     """
     cfg = spec.config
     fs, path = filesystem(spec.dataset.split_dir(split))  # a local folder or an S3 prefix
@@ -163,32 +172,44 @@ def read_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
     if not infos:
         raise FileNotFoundError(f"{spec.dataset.split_dir(split)}: no Parquet files")
     if sum(i.size or 0 for i in infos) > cfg.in_memory_mb * 2**20:
-        return ray.data.read_parquet(path, filesystem=fs, num_cpus=cfg.cpus_per_task)
+        ds = ray.data.read_parquet(path, filesystem=fs, num_cpus=cfg.cpus_per_task)
+        if shuffle_seed is None:
+            return ds
+        return ds.random_shuffle(seed=RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=False), num_cpus=cfg.cpus_per_task)
     table = pads.dataset(sorted(i.path for i in infos), format="parquet", filesystem=fs).to_table()
+    if shuffle_seed is not None:
+        table = table.take(np.random.default_rng(shuffle_seed).permutation(len(table)))
     step = cfg.block_rows
     return ray.data.from_arrow([table.slice(start, step) for start in range(0, max(len(table), 1), step)])
 
 
 def build_split(
-    spec: TransformSpec, split: str, seed: int = 0, epoch: int = 0, exclude: np.ndarray | None = None
+    spec: TransformSpec,
+    split: str,
+    seed: int = 0,
+    epoch: int = 0,
+    exclude: np.ndarray | None = None,
+    part: tuple[int, int] | None = None,
 ) -> ray.data.Dataset:
     """One split as a lazy Ray Dataset; train is shuffled and augmented by (seed, epoch).
 
-    Training rows go through Ray Data's shuffle seeded by `epoch_seed`, with each row's
+    Training rows are shuffled by `epoch_seed` (`read_split`), with each row's
     augmentation drawn from (seed, epoch, row_id), and the order is kept through the pipeline
     (``preserve_order``): an epoch is the same sequence every time it is built, whichever
     process builds it. ``exclude``: row_ids to leave out after the shuffle (the part of an
     interrupted epoch that a checkpoint already covers), so a resumed epoch trains on exactly
     the rows the interrupted attempt had not reached, in the order they would have come.
+    ``part=(i, n)``: only part i of n (`keep_part`), e.g. a training worker's share of the
+    validation rows, without a coordinator actor to split the dataset.
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
-    ds = read_split(spec, split)
     augment = split == "train"
-    if augment:
-        ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
+    ds = read_split(spec, split, shuffle_seed=epoch_seed(seed, epoch) if augment else None)
     if exclude is not None and len(exclude):
         ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
+    if part is not None and part[1] > 1:
+        ds = ds.map_batches(keep_part, batch_format="pyarrow", batch_size=None, fn_args=part, **task_args)
     ds = ds.map_batches(
         prepare_batch,
         batch_format="pyarrow",
