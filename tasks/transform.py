@@ -8,11 +8,11 @@ label range, row counts) and publishes a manifest of it; training then consumes 
 checked.
 
 Reading: a split up to ``transform.in_memory_mb`` of Parquet is read with pyarrow in the calling
-process and handed to Ray Data as in-memory blocks (`read_split`); a larger one streams through
-``ray.data.read_parquet``. Measured on 2 cores with Ray 2.60 (60,000 rows in 60 files): one
-epoch's read + shuffle + augment takes 1.6 s from in-memory blocks and 5.1 s through
-``read_parquet``, whose file-listing and read operators cost about a second before the first row
-even for ten rows.
+process, shuffled by one permutation and handed to Ray Data as in-memory blocks (`split_table`,
+`read_split`); a larger one streams through ``ray.data.read_parquet`` and Ray Data's
+``random_shuffle``. Measured on 2 cores with Ray 2.60 (60,000 rows in 60 files, `build_split`
+for three epochs): an epoch's read + shuffle + augment + batching takes 1.3-1.5 s in memory and
+5.7-6.5 s streamed; Ray 2.60's Parquet read alone costs about a second even for ten rows.
 
 CPU split: training leaves ``train.data_cpus`` (at least one) logical CPUs free and every Ray
 Data task here reserves ``cpus_per_task`` (a fraction), so reads, shuffles and maps always find
@@ -151,35 +151,42 @@ def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
 
 
 def keep_part(batch: pa.Table, part: int, parts: int) -> pa.Table:
-    """The rows of ``batch`` in part ``part`` of ``parts``: by a hash of row_id, so the parts are
-    disjoint, together hold every row, and are about equal whatever the row_ids' spacing."""
+    """The rows of ``batch`` in part ``part`` of ``parts`` by a hash of row_id: disjoint, together
+    every row, about equal in size whatever the row_ids' spacing (not exactly equal)."""
     in_part = row_hash(batch.column("row_id").to_numpy(), 0, 0, stream=5) % np.uint64(parts) == np.uint64(part)
     return batch.filter(pa.array(in_part))
 
 
-def read_split(spec: TransformSpec, split: str, shuffle_seed: int | None = None) -> ray.data.Dataset:
-    """One split's Parquet rows as a Ray Dataset: in file order, or shuffled by ``shuffle_seed``.
-
-    Up to ``in_memory_mb`` of Parquet: pyarrow reads the files here (threaded, one listing), the
-    shuffle is one permutation of the table, and Ray Data gets blocks of ``block_rows`` rows
-    (`ray.data.from_arrow`). Larger: streamed by ``ray.data.read_parquet`` and shuffled by Ray
-    Data's ``random_shuffle``, so memory stays bounded whatever the dataset's size. Either way the
-    order is fixed by ``shuffle_seed`` for a given dataset and configuration.
-    """
-    cfg = spec.config
+def _parquet_files(spec: TransformSpec, split: str) -> list[pafs.FileInfo]:
     fs, path = filesystem(spec.dataset.split_dir(split))  # a local folder or an S3 prefix
     infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.path.endswith(".parquet")]
     if not infos:
         raise FileNotFoundError(f"{spec.dataset.split_dir(split)}: no Parquet files")
-    if sum(i.size or 0 for i in infos) > cfg.in_memory_mb * 2**20:
-        ds = ray.data.read_parquet(path, filesystem=fs, num_cpus=cfg.cpus_per_task)
-        if shuffle_seed is None:
-            return ds
-        return ds.random_shuffle(seed=RandomSeedConfig(seed=shuffle_seed, reseed_after_execution=False), num_cpus=cfg.cpus_per_task)
-    table = pads.dataset(sorted(i.path for i in infos), format="parquet", filesystem=fs).to_table()
-    if shuffle_seed is not None:
-        table = table.take(np.random.default_rng(shuffle_seed).permutation(len(table)))
-    step = cfg.block_rows
+    return sorted(infos, key=lambda info: info.path)
+
+
+def fits_in_memory(spec: TransformSpec, split: str) -> bool:
+    """Whether the split's Parquet files add up to at most ``transform.in_memory_mb``."""
+    return sum(i.size or 0 for i in _parquet_files(spec, split)) <= spec.config.in_memory_mb * 2**20
+
+
+def split_table(spec: TransformSpec, split: str) -> pa.Table | None:
+    """The split's rows in file order, read with pyarrow here (threaded), or None when it does not
+    `fits_in_memory` and must stream through ``ray.data.read_parquet``."""
+    if not fits_in_memory(spec, split):
+        return None
+    fs, _ = filesystem(spec.dataset.split_dir(split))
+    return pads.dataset([i.path for i in _parquet_files(spec, split)], format="parquet", filesystem=fs).to_table()
+
+
+def read_split(spec: TransformSpec, split: str, table: pa.Table | None = None) -> ray.data.Dataset:
+    """One split's rows as a Ray Dataset: ``table`` (default: `split_table`) as in-memory blocks of
+    ``block_rows`` rows (`ray.data.from_arrow`), or streamed by ``ray.data.read_parquet``."""
+    table = split_table(spec, split) if table is None else table
+    if table is None:
+        fs, path = filesystem(spec.dataset.split_dir(split))
+        return ray.data.read_parquet(path, filesystem=fs, num_cpus=spec.config.cpus_per_task)
+    step = spec.config.block_rows
     return ray.data.from_arrow([table.slice(start, step) for start in range(0, max(len(table), 1), step)])
 
 
@@ -193,23 +200,45 @@ def build_split(
 ) -> ray.data.Dataset:
     """One split as a lazy Ray Dataset; train is shuffled and augmented by (seed, epoch).
 
-    Training rows are shuffled by `epoch_seed` (`read_split`), with each row's
-    augmentation drawn from (seed, epoch, row_id), and the order is kept through the pipeline
-    (``preserve_order``): an epoch is the same sequence every time it is built, whichever
-    process builds it. ``exclude``: row_ids to leave out after the shuffle (the part of an
-    interrupted epoch that a checkpoint already covers), so a resumed epoch trains on exactly
-    the rows the interrupted attempt had not reached, in the order they would have come.
-    ``part=(i, n)``: only part i of n (`keep_part`), e.g. a training worker's share of the
-    validation rows, without a coordinator actor to split the dataset.
+    Training rows are shuffled by `epoch_seed` (one permutation of the in-memory table, or Ray
+    Data's ``random_shuffle`` when streamed), each row's augmentation is drawn from (seed, epoch,
+    row_id), and the order is kept through the pipeline (``preserve_order``): an epoch is the same
+    sequence every time it is built, whichever process builds it. ``exclude``: row_ids to leave
+    out after the shuffle (the part of an interrupted epoch a checkpoint already covers), so a
+    resumed epoch trains on exactly the rows the interrupted attempt had not reached, in the
+    order they would have come.
+
+    ``part=(i, n)``: only part i of n, for one of n training workers, without a coordinator actor.
+    In memory: every n-th row of the (shuffled, excluded) order from the i-th; on the training
+    split every part gets the same count (DDP ranks must take the same number of steps), which
+    leaves out up to n - 1 rows per epoch, as ``streaming_split(equal=True)`` does. Streamed: by
+    a hash of row_id (`keep_part`), not equal-sized: for validation, not for training
+    (`tasks.common.train_loop.EpochShards` splits streamed training rows with ``streaming_split``).
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
     augment = split == "train"
-    ds = read_split(spec, split, shuffle_seed=epoch_seed(seed, epoch) if augment else None)
-    if exclude is not None and len(exclude):
-        ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
-    if part is not None and part[1] > 1:
-        ds = ds.map_batches(keep_part, batch_format="pyarrow", batch_size=None, fn_args=part, **task_args)
+    parts = part is not None and part[1] > 1
+    table = split_table(spec, split)
+    if table is not None:
+        if augment:
+            table = table.take(np.random.default_rng(epoch_seed(seed, epoch)).permutation(len(table)))
+        if exclude is not None and len(exclude):
+            table = drop_rows(table, exclude)
+        if parts:
+            index, count = part
+            table = table.take(np.arange(index, len(table) // count * count if augment else len(table), count))
+        ds = read_split(spec, split, table)
+    else:
+        if augment and parts:
+            raise ValueError(f"{split}: a streamed training split is split across workers with streaming_split, not part=")
+        ds = read_split(spec, split)
+        if augment:
+            ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
+        if exclude is not None and len(exclude):
+            ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
+        if parts:
+            ds = ds.map_batches(keep_part, batch_format="pyarrow", batch_size=None, fn_args=part, **task_args)
     ds = ds.map_batches(
         prepare_batch,
         batch_format="pyarrow",

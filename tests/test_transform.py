@@ -167,3 +167,25 @@ def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path
     spec = TransformSpec(dataset=empty, config=TransformConfig(), checks={}, manifest="")
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "val")):
         read_split(spec, "val")
+
+
+def test_parts_split_an_epoch_between_workers_without_a_coordinator(local_ray, spec_inputs):
+    """part=(i, n): in memory, every n-th row of the epoch's order; equal counts on the training split."""
+    dataset, layout = spec_inputs
+    spec = transform.fn(dataset, TransformConfig(block_rows=64), layout)
+    whole = _run(build_split(spec, "train", 4, 2))[0]
+    done = whole[:37]  # resumed after 37 rows: the parts split the 123 rows that are left
+    parts = [_run(build_split(spec, "train", 4, 2, exclude=done, part=(i, 3)))[0] for i in range(3)]
+    assert [len(p) for p in parts] == [41, 41, 41]
+    np.testing.assert_array_equal(np.stack(parts, 1).reshape(-1), whole[37:])  # interleaved, in the epoch's order
+    uneven = [len(_run(build_split(spec, "train", 4, 2, exclude=whole[:36], part=(i, 3)))[0]) for i in range(3)]
+    assert uneven == [41, 41, 41]  # 124 rows left: equal steps for every rank, one row waits for the next epoch
+    for streamed in (False, True):  # validation: disjoint parts that together hold every row
+        cfg = TransformConfig(in_memory_mb=0 if streamed else 512)
+        val_spec = spec.model_copy(update={"config": cfg})
+        val = [_run(build_split(val_spec, "val", part=(i, 2)))[0] for i in range(2)]
+        assert sorted(np.concatenate(val).tolist()) == sorted(_run(build_split(val_spec, "val"))[0].tolist())
+        assert len(val[0]) and len(val[1]) and len(np.concatenate(val)) == dataset.rows["val"]
+    streamed_spec = spec.model_copy(update={"config": TransformConfig(in_memory_mb=0)})
+    with pytest.raises(ValueError, match="streaming_split"):
+        build_split(streamed_spec, "train", part=(0, 2))

@@ -358,36 +358,44 @@ def report_mid_epoch(position: dict, model, optimizer, ema: AveragedModel | None
 class EpochShards:
     """Each rank's share of an epoch's training rows, in the epoch's (seed, epoch) order.
 
-    Rank 0 builds the epoch's train pipeline (`tasks.transform.build_split`), without the rows
-    ``start`` says an interrupted attempt already trained on when resuming that epoch, and
-    splits it across the current world size (which may differ from the failed attempt's); the
-    other ranks receive their iterators from it, as Ray Train hands out `get_dataset_shard`
-    iterators. Built per epoch, not once for the run, because the order depends on the epoch;
-    the next epoch's split is set up while this one trains (its coordinator actor takes seconds
-    to start). One worker iterates its pipeline directly, without a split.
+    Built per epoch, not once for the run, because the order depends on the epoch, without the
+    rows ``start`` says an interrupted attempt already trained on when resuming that epoch, and
+    split across the current world size (which may differ from the failed attempt's). A training
+    split held in memory (`tasks.transform.fits_in_memory`) is cut by every rank itself
+    (`build_split(part=...)`): no coordinator, nothing sent between ranks. A streamed one is built
+    by rank 0 and split with ``streaming_split``, whose coordinator actor takes seconds to start,
+    so the next epoch's split is set up while this one trains; the other ranks receive their
+    iterators from it, as Ray Train hands out `get_dataset_shard` iterators. One worker iterates
+    its pipeline directly.
     """
 
     def __init__(self, config: dict[str, Any], start: Position, rank: int, world_size: int):
+        from tasks.transform import TransformSpec, fits_in_memory
+
         self.config, self.start, self.rank, self.world_size = config, start, rank, world_size
+        self.spec = TransformSpec.model_validate(config["transform"])
+        self.per_rank = world_size == 1 or fits_in_memory(self.spec, "train")
         self._ahead: dict[int, Any] = {}
 
     def _build(self, epoch: int):
-        from tasks.transform import TransformSpec, build_split
+        from tasks.transform import build_split
 
-        spec = TransformSpec.model_validate(self.config["transform"])
         resuming = epoch == self.start.epoch and self.start.consumed is not None
         exclude = self.start.consumed.numpy() if resuming else None
-        dataset = build_split(spec, "train", self.config["seed"], epoch, exclude=exclude)
-        return dataset if self.world_size == 1 else dataset.streaming_split(self.world_size, equal=True)
+        if self.per_rank:
+            part = (self.rank, self.world_size) if self.world_size > 1 else None
+            return build_split(self.spec, "train", self.config["seed"], epoch, exclude=exclude, part=part)
+        dataset = build_split(self.spec, "train", self.config["seed"], epoch, exclude=exclude)
+        return dataset.streaming_split(self.world_size, equal=True)
 
     def __call__(self, epoch: int):
+        if self.per_rank:
+            return self._build(epoch)
         splits: list[Any] = [None]
         if self.rank == 0:
             splits = [self._ahead.pop(epoch, None) or self._build(epoch)]
             if epoch + 1 < self.config["epochs"]:
                 self._ahead[epoch + 1] = self._build(epoch + 1)
-            if self.world_size == 1:
-                return splits[0]
         dist.broadcast_object_list(splits, src=0)
         return splits[0][self.rank]
 
