@@ -39,7 +39,9 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert "single" in single["benchmark"] and single["ours_images_per_s"] > 0 and single["ratio"] > 0
     assert train["baseline_images_per_s"] > 0 and train["ours_images_per_s"] > 0 and train["ratio"] > 0
     assert train["ratio_to_single_mode"] > 0
-    reach = result["rows"][5]
+    two = result["rows"][5]
+    assert "2 workers" in two["benchmark"] and two["ours_images_per_s"] > 0 and two["ratio"] > 0
+    reach = result["rows"][6]
     assert reach["epochs"] == 1 and len(reach["baseline_history"]) >= 1 and len(reach["ours_history"]) == 1
     assert 0 <= reach["ours_history"][0] <= 1 and reach["ours_stage_s"] > 0
     # Either side reaches the (quick) target or says it did not; a ratio only when both did.
