@@ -165,18 +165,23 @@ def _parquet_files(spec: TransformSpec, split: str) -> list[pafs.FileInfo]:
     return sorted(infos, key=lambda info: info.path)
 
 
+def _fits(infos: list[pafs.FileInfo], cfg: TransformConfig) -> bool:
+    return sum(i.size or 0 for i in infos) <= cfg.in_memory_mb * 2**20
+
+
 def fits_in_memory(spec: TransformSpec, split: str) -> bool:
     """Whether the split's Parquet files add up to at most ``transform.in_memory_mb``."""
-    return sum(i.size or 0 for i in _parquet_files(spec, split)) <= spec.config.in_memory_mb * 2**20
+    return _fits(_parquet_files(spec, split), spec.config)
 
 
 def split_table(spec: TransformSpec, split: str) -> pa.Table | None:
     """The split's rows in file order, read with pyarrow here (threaded), or None when it does not
-    `fits_in_memory` and must stream through ``ray.data.read_parquet``."""
-    if not fits_in_memory(spec, split):
+    `fits_in_memory` and must stream through ``ray.data.read_parquet``. One listing of the files."""
+    infos = _parquet_files(spec, split)
+    if not _fits(infos, spec.config):
         return None
     fs, _ = filesystem(spec.dataset.split_dir(split))
-    return pads.dataset([i.path for i in _parquet_files(spec, split)], format="parquet", filesystem=fs).to_table()
+    return pads.dataset([i.path for i in infos], format="parquet", filesystem=fs).to_table()
 
 
 def stream_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
