@@ -4,16 +4,32 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Every package, with the test tools, at the versions in requirements.lock (Python 3.11, Linux),
+# so `make run`, `make test` and CI get the same environment on any machine. pip itself is pinned
+# here; the project is installed last, editable and without touching the locked set.
+LOCK := requirements.lock
+PIP_VERSION := 26.3
+PIP_TOOLS_VERSION := 7.6.2
 
-.PHONY: install run smoke test test-fast bench clean
+.PHONY: install lock run smoke test test-fast bench clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
+	$(PY) -m pip install --quiet -r $(LOCK)
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
+
+# Re-resolve requirements.lock from pyproject.toml's ranges (and the test extra) with pip-tools,
+# which resolves through pip and so sees this machine's pip configuration (local wheels, the
+# torch cap). Then `make install` (a changed lock reinstalls) and `make test`.
+lock:
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet pip==$(PIP_VERSION) pip-tools==$(PIP_TOOLS_VERSION)
+	.lock-venv/bin/pip-compile --quiet --upgrade --extra test --strip-extras --allow-unsafe \
+		--no-emit-index-url --no-emit-find-links --output-file $(LOCK) pyproject.toml
 
 run: install
 	$(PY) -m flows.mnist $(ARGS)
@@ -31,4 +47,4 @@ bench: install
 	$(PY) -m benchmarks.run $(ARGS)
 
 clean:
-	rm -rf $(VENV) storage .pytest_cache
+	rm -rf $(VENV) .lock-venv storage .pytest_cache

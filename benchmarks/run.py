@@ -27,7 +27,6 @@ import argparse
 import gzip
 import json
 import os
-import platform
 import statistics
 import struct
 import subprocess
@@ -39,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import accuracy
+from tasks.common import environment
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
     result = {
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "environment": environment.describe(),
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
         "mode": "quick" if args.quick else "full",
         "rows": rows_out,
     }

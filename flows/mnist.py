@@ -27,7 +27,7 @@ from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
-from tasks.common import reports
+from tasks.common import environment, reports
 from tasks.common.storage import (
     RunInUseError,
     StorageLayout,
@@ -67,8 +67,8 @@ def default_run_name() -> str:
 class StageRecorder:
     """Runs stages on the task runner and records their status and seconds for summary.json."""
 
-    def __init__(self, runner, layout: StorageLayout, config: PipelineConfig):
-        self.runner, self.layout, self.config = runner, layout, config
+    def __init__(self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any]):
+        self.runner, self.layout, self.config, self.env = runner, layout, config, env
         self.stages: dict[str, dict[str, Any]] = {}
         self.outputs: dict[str, Any] = {}
 
@@ -118,6 +118,7 @@ class StageRecorder:
             "test_accuracy": metrics.get("accuracy"),
             "evaluation": metrics,
             "config": self.config.model_dump(mode="json"),
+            "environment": self.env,
         }
 
     def write_summary(self) -> dict[str, Any]:
@@ -139,7 +140,9 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     with run_lease(layout), ray_task_runner(config.ray) as runner:  # refuses a live run of the same name
         hooks.remember_run(layout)
-        stage = StageRecorder(runner, layout, config)
+        env = environment.describe()
+        reports.publish_environment_report(env)
+        stage = StageRecorder(runner, layout, config, env)
         try:
             raw = stage(download, cfg=config.download, layout=layout)
             dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)

@@ -38,6 +38,7 @@ KEYS = {
     "predictions": "mnist-test-predictions",
     "metrics": "mnist-test-metrics",
     "checkpoint": "mnist-checkpoint",
+    "environment": "mnist-run-environment",
 }
 GRID = 3  # the seeds' 3x3 pictures
 IMAGE_SIDE = 28
@@ -364,6 +365,17 @@ def _best_effort(fn: Callable[..., _T]) -> Callable[..., _T | None]:
             return None
 
     return wrapper
+
+
+@_best_effort
+def publish_environment_report(env: dict[str, Any]) -> list:
+    """Publish what the run runs on (``tasks.common.environment.describe()``) as a table; returns the artifact ids."""
+    from prefect.artifacts import create_table_artifact
+
+    from tasks.common.environment import environment_rows
+
+    description = f"Python {env.get('python')}, torch {env.get('packages', {}).get('torch')}, commit {env.get('git_commit')}"
+    return [create_table_artifact(environment_rows(env), key=KEYS["environment"], description=description)]
 
 
 @_best_effort

@@ -1,0 +1,118 @@
+"""What a result was measured on: library versions, the machine, the code version.
+
+Every result the project writes (a run's ``summary.json``, the run's environment report in the
+Prefect UI, ``benchmarks/results/latest.json``) carries ``describe()``, so a reported number
+can be reproduced and a bug report names its environment. Reading it is cheap (package
+metadata, ``/proc/cpuinfo``, one ``git`` call) and never fails: what cannot be read is ``None``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+PROJECT_DIR = Path(__file__).resolve().parents[2]
+LOCK_FILE = PROJECT_DIR / "requirements.lock"
+# The libraries whose versions move results (kernels, data handling, orchestration).
+PACKAGES = ("torch", "torchvision", "ray", "prefect", "numpy", "pyarrow", "pandas", "pydantic")
+
+
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]:
+    """Installed version of each distribution in ``names`` (None when it is not installed)."""
+    versions: dict[str, str | None] = {}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name from /proc/cpuinfo (Linux), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def usable_cores() -> int | None:
+    """Cores this process may run on (the affinity mask: what a container or taskset allows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count()
+
+
+def gpus() -> list[str]:
+    """Names of the CUDA devices torch sees (empty on a CPU machine or without torch)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return []
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # a broken driver must not fail a run's summary
+        return []
+
+
+def git_commit(directory: Path = PROJECT_DIR) -> str | None:
+    """The checked-out commit of the project, with ``-dirty`` when tracked files changed; None outside git."""
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(directory), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(directory), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return f"{head}-dirty" if dirty else head or None
+
+
+def lock_sha256(path: Path = LOCK_FILE) -> str | None:
+    """sha256 of the lock file the environment was installed from (None when there is none)."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def describe() -> dict[str, Any]:
+    """The environment of this process: Python, key library versions, CPU, cores, GPUs, git commit."""
+    return {
+        "python": platform.python_version(),
+        "packages": package_versions(),
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": usable_cores(),
+        "gpus": gpus(),
+        "git_commit": git_commit(),
+        "requirements_lock_sha256": lock_sha256(),
+    }
+
+
+def environment_rows(env: dict[str, Any]) -> list[dict[str, str]]:
+    """``describe()`` as two-column table rows (what / value) for a Prefect table artifact."""
+    rows = [{"what": "python", "value": env.get("python") or "?"}]
+    rows += [{"what": name, "value": version or "not installed"} for name, version in (env.get("packages") or {}).items()]
+    rows += [
+        {"what": "cpu", "value": f"{env.get('cpu_model') or '?'} ({env.get('cpu_cores') or '?'} cores)"},
+        {"what": "gpus", "value": ", ".join(env.get("gpus") or []) or "none"},
+        {"what": "platform", "value": env.get("platform") or "?"},
+        {"what": "git commit", "value": env.get("git_commit") or "unknown (not a git checkout)"},
+        {"what": "requirements.lock sha256", "value": env.get("requirements_lock_sha256") or "no lock file"},
+    ]
+    return rows
