@@ -14,6 +14,7 @@ import json
 import sys
 import time
 import uuid
+from contextlib import nullcontext
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -22,12 +23,13 @@ from prefect import Task, flow
 from prefect_ray.context import remote_options
 from pydantic import ValidationError
 
-from flows import hooks
+from flows import console, hooks
 from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
 from tasks.cleanup import cleanup
 from tasks.common import environment, reports
+from tasks.common.train_loop import HISTORY_FILE
 from tasks.common.storage import (
     RunInUseError,
     StorageLayout,
@@ -74,12 +76,17 @@ class StageRecorder:
 
     def __call__(self, stage: Task, **parameters: Any) -> Any:
         name = stage.name
+        number = f"[{list(STAGE_CPUS).index(name) + 1}/{len(STAGE_CPUS)}] {name}"
         self.stages[name] = {"status": "running", "seconds": None}
+        console.say("%s ...", number)
         start = time.perf_counter()
+        # Training says one line per epoch, read from the run's history on storage by this driver.
+        watch = console.EpochWatcher(join(self.layout.run_dir, HISTORY_FILE), self.config.train.epochs) if name == "train" else nullcontext()
         try:
             with remote_options(num_cpus=STAGE_CPUS[name]):
                 future = self.runner.submit(stage, parameters=parameters)
-            result = future.result()
+            with watch:
+                result = future.result()
         except BaseException as exc:
             self.stages[name] |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
             raise
@@ -87,6 +94,7 @@ class StageRecorder:
             self.stages[name]["seconds"] = round(time.perf_counter() - start, 2)
         self.stages[name]["status"] = "completed"
         self.outputs[name] = result
+        console.say("%s done in %s%s", number, console.duration(self.stages[name]["seconds"]), _stage_detail(name, result, self.config))
         return result
 
     def completed(self) -> bool:
@@ -128,6 +136,24 @@ class StageRecorder:
         return summary
 
 
+def _stage_detail(name: str, result: Any, config: PipelineConfig) -> str:
+    """What a finished stage produced, in a few words for its terminal line (empty when nothing to say)."""
+    reused = " (verified on storage, reused)" if getattr(result, "skipped", False) else ""
+    if name == "download":
+        return f": {result.source} data{reused}"
+    if name == "to-parquet":
+        rows = result.rows
+        return f": {rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows{reused}"
+    if name == "train":
+        return f": best validation accuracy {result.best_val_accuracy:.2%}"
+    if name == "evaluate":
+        return f": test accuracy {result.accuracy:.2%} (gate {config.evaluate.min_accuracy:.2%} passed)"
+    if name == "cleanup":
+        verb = "would delete" if result.dry_run else "deleted"
+        return f": {verb} {len(result.paths)} item(s)"
+    return ""
+
+
 def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
     metrics = read_json(join(layout.evaluation_dir, "metrics.json"))
     return metrics if isinstance(metrics, dict) else {}
@@ -165,7 +191,7 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry point: parse settings, run the flow against a Prefect API, print the summary."""
+    """CLI entry point: parse settings, run the flow against a Prefect API, print a short summary."""
     try:
         settings = parse_cli(argv)
         config = settings.pipeline_config()
@@ -180,23 +206,32 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    failed = None
-    with cli_runtime(config.ray):  # the Prefect API and a local Ray, started side by side
+    started = time.perf_counter()
+    print(f"MNIST pipeline: run {config.run_name} -> {layout.run_dir}", flush=True)
+    failed, runtime = None, None
+    # The Prefect API and a local Ray, started side by side; the terminal shows stage and epoch
+    # lines and warnings unless --verbose (the Prefect UI gets every log line either way).
+    with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray) as runtime:
+        if runtime.dashboard_url:
+            print(f"Ray: local cluster, dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)", flush=True)
+        elif config.ray.address:
+            print(f"Ray: the cluster at {config.ray.address}", flush=True)
         try:
             mnist_pipeline(config)
         except Exception as exc:  # the summary below still tells what happened
             failed = exc
     in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
     summary = (read_json(layout.summary_path) or {}) if not in_use else {}
-    if summary:
-        summary.pop("config", None)
+    summary.pop("config", None)
+    if summary and settings.summary_out:
+        atomic_write_json(Path(settings.summary_out), summary)
+    if settings.print_json and summary:
         print(json.dumps(summary, indent=2))
-        if settings.summary_out:
-            atomic_write_json(Path(settings.summary_out), summary)
-    if failed is not None:
-        print(f"pipeline failed: {type(failed).__name__}: {failed}", file=sys.stderr)
-        return 1
-    return 0
+    api_url = runtime.api_url if runtime else None
+    temporary = bool(runtime and runtime.temporary_server)
+    lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, time.perf_counter() - started, api_url, temporary)
+    print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
+    return 1 if failed is not None else 0
 
 
 if __name__ == "__main__":

@@ -9,10 +9,12 @@ hands that URL to every Ray worker through the job's runtime environment.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 from prefect.settings import (
     PREFECT_API_URL,
@@ -85,10 +87,26 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
             os.environ.pop("PREFECT_API_URL", None)
         else:
             os.environ["PREFECT_API_URL"] = previous
+        # Now, not at interpreter exit (Prefect's atexit hook): the run is over. Its last log
+        # lines are sent first, or they would meet a closed port.
+        from prefect.logging.handlers import APILogHandler
+
+        try:
+            APILogHandler().flush()  # blocks until the queued log lines are sent (at most 5 s)
+        finally:
+            server.stop()
+
+
+class Runtime(NamedTuple):
+    """What ``cli_runtime`` started or joined, for the CLI to tell the person at the terminal."""
+
+    api_url: str
+    temporary_server: bool  # the CLI started the Prefect server: runs vanish when it stops
+    dashboard_url: str | None  # the local Ray's dashboard, while the run lasts
 
 
 @contextmanager
-def cli_runtime(cfg: RayConfig) -> Iterator[str]:
+def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
     """The Prefect API and, for a local Ray, Ray itself, for a run of ``python -m flows.mnist``.
 
     With no ``ray.address`` the local Ray is started here, with the API's URL in the workers'
@@ -97,17 +115,20 @@ def cli_runtime(cfg: RayConfig) -> Iterator[str]:
     at once otherwise. The flow's RayTaskRunner finds Ray running and uses it, and Ray is shut
     down when the block ends. With ``ray.address`` the flow's RayTaskRunner joins that cluster.
     """
+    temporary = current_api_url() is None
     if cfg.address is not None:
         with prefect_api() as url:
-            yield url
+            yield Runtime(url, temporary, None)
         return
     import ray
 
     given: list[str] = []
+    dashboard: list[str | None] = [None]
 
     def start_ray(url: str) -> None:
         address, kwargs = ray_init_args(cfg, url)
-        ray.init(address, **kwargs)
+        context = ray.init(address, **kwargs)
+        dashboard[0] = f"http://{context.dashboard_url}" if context.dashboard_url else None
         given.append(url)
 
     with prefect_api(alongside=start_ray) as url:
@@ -115,7 +136,7 @@ def cli_runtime(cfg: RayConfig) -> Iterator[str]:
             if given != [url]:  # the server had to move to another port while starting
                 ray.shutdown()
                 start_ray(url)
-            yield url
+            yield Runtime(url, temporary, dashboard[0])
         finally:
             ray.shutdown()
 
@@ -152,8 +173,16 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
             env_vars[name] = os.environ[name]
     init_kwargs: dict = {
         "runtime_env": {"env_vars": env_vars},
-        "include_dashboard": False,
-        "log_to_driver": True,
+        # The dashboard is what Ray's State API answers from: without it Ray Train's placement
+        # group cleaner logged "Failed to query Ray Train Controller actor state" every 2-4 s
+        # (200 lines of one default run). It binds to 127.0.0.1 and costs ~1.5 s at start.
+        "include_dashboard": True,
+        # Ray Data's per-epoch execution plans, Ray Train's and the stage tasks' logs are mirrored
+        # into this terminal only when asked (ray.log_to_driver, the CLI's --verbose); the stage
+        # logs reach the Prefect UI either way, and Ray keeps every worker's log in its session folder.
+        "log_to_driver": cfg.log_to_driver,
+        # Ray's own INFO lines in this process ("Started a local Ray instance ...") go with them.
+        "logging_level": logging.INFO if cfg.log_to_driver else logging.WARNING,
     }
     if cfg.address is None:
         # "local" forces a new Ray for this run; a bare ray.init() would silently join any

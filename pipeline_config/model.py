@@ -309,6 +309,14 @@ class RayConfig(_Section):
     num_cpus: int | None = Field(
         None, ge=1, le=4096, description="CPUs of the local Ray started when address is unset (default: all)."
     )
+    log_to_driver: bool = Field(
+        False,
+        description=(
+            "Mirror every Ray worker's output (Ray Data execution plans, Ray Train, the stages' own logs) into the "
+            "terminal of the process running the flow. Off: that terminal shows stage and epoch lines and warnings; "
+            "the Prefect UI has every stage log either way. The CLI's --verbose turns it on."
+        ),
+    )
 
     @field_validator("address")
     @classmethod

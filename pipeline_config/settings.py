@@ -12,14 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, model_validator
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from pipeline_config.model import PipelineConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("default", "smoke", "nightly")
-_CLI_ONLY = {"preset", "config_file", "summary_out"}
+_CLI_ONLY = {"preset", "config_file", "summary_out", "verbose", "print_json"}
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -75,6 +75,16 @@ class PipelineSettings(BaseSettings, PipelineConfig):
         None, description="YAML file with any of the fields; env vars and flags override it, it overrides the preset."
     )
     summary_out: Path | None = Field(None, description="Also write the run summary JSON to this path.")
+    verbose: bool = Field(
+        False,
+        description="Show everything in the terminal: Prefect's engine messages, and Ray's and Ray Data's logs (sets ray.log_to_driver).",
+    )
+    # Named print_json (a field called json would shadow BaseModel.json); the flag is --json.
+    print_json: bool = Field(
+        False,
+        validation_alias=AliasChoices("json", "print_json"),
+        description="Print the whole run summary as JSON at the end instead of the short summary.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -87,8 +97,11 @@ class PipelineSettings(BaseSettings, PipelineConfig):
         return _deep_merge(layered, data)
 
     def pipeline_config(self) -> PipelineConfig:
-        """The flow parameters, without the CLI-only fields."""
-        return PipelineConfig.model_validate(self.model_dump(exclude=_CLI_ONLY))
+        """The flow parameters, without the CLI-only fields (``--verbose`` turns on ``ray.log_to_driver``)."""
+        values = self.model_dump(exclude=_CLI_ONLY)
+        if self.verbose:
+            values["ray"]["log_to_driver"] = True
+        return PipelineConfig.model_validate(values)
 
 
 def parse_cli(argv: list[str] | None = None) -> PipelineSettings:

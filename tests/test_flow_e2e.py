@@ -92,7 +92,7 @@ def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smok
     out = subprocess.run(
         [
             sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage),
-            "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out),
+            "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out), "--json",
         ],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
@@ -142,13 +142,13 @@ def test_flow_connects_to_an_existing_ray_cluster(ray_cluster, tmp_path):
     address, env = ray_cluster
     out = subprocess.run(
         [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(tmp_path / "storage"),
-         "--run-name", "on-cluster", "--ray.address", address],
+         "--run-name", "on-cluster", "--ray.address", address, "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
     assert summary["status"] == "completed" and summary["test_accuracy"] >= 0.5
-    assert f"Connecting to an existing Ray instance at {address}" in out.stderr + out.stdout
+    assert f"Ray: the cluster at {address}" in out.stdout
     probe = subprocess.run(
         [sys.executable, "-c", f"import ray; ray.init(address='{address}'); print(ray.cluster_resources()['CPU'])"],
         env=env, capture_output=True, text=True, timeout=120,

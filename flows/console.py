@@ -1,0 +1,211 @@
+"""What a person reads while a run goes: stage lines, one line per epoch, a short summary at the end.
+
+Lines the pipeline says for people (``say``) go to the flow run's log, so the Prefect UI and a
+served deployment's terminal show them like any other log line; they carry a marker that
+``quiet_terminal`` lets through the terminal while it holds back Prefect's engine messages
+(task created, submitted, finished) below WARNING. The CLI is quiet unless ``--verbose``.
+
+Epoch lines come from the driver, not from the training workers: ``EpochWatcher`` reads the
+run's ``history.jsonl`` (written by rank 0 after every epoch) from storage while the training
+stage runs, so they work the same for a local Ray, a remote cluster and an ``s3://`` root.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+CONSOLE_FLAG = "mnist_console"  # set on LogRecords meant for the terminal
+Logger = logging.Logger | logging.LoggerAdapter
+
+
+def run_logger() -> Logger:
+    """The current Prefect run's logger (its lines reach the UI), or a plain INFO logger outside a run."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        logger = logging.getLogger("flows.console")
+        logger.setLevel(logging.INFO)
+        return logger
+
+
+def say(message: str, *args: Any, logger: Logger | None = None) -> None:
+    """Log a line for people to ``logger`` (default: the current run's), marked to pass a quiet terminal.
+
+    A thread of its own has no Prefect run context: hand it the logger taken in the run's thread.
+    """
+    (logger or run_logger()).info(message, *args, extra={CONSOLE_FLAG: True})
+
+
+def _for_people(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING or bool(getattr(record, CONSOLE_FLAG, False))
+
+
+@contextmanager
+def quiet_terminal(enabled: bool = True) -> Iterator[None]:
+    """While active, the terminal shows warnings, errors and ``say`` lines only (the Prefect UI keeps everything).
+
+    Filters Prefect's console handler on the root logger and prints errors without their
+    traceback (the UI and --verbose keep it); restored on exit. Ray's own driver lines follow
+    ``ray.log_to_driver`` (``flows.runtime.ray_init_args``).
+    """
+    if not enabled:
+        yield
+        return
+    from prefect.logging.configuration import setup_logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    setup_logging()  # no-op when Prefect already configured this process
+    handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    formatters = [h.formatter for h in handlers]
+    for handler in handlers:
+        handler.addFilter(_for_people)
+        handler.setFormatter(_WithoutTraceback(handler.formatter))
+    try:
+        yield
+    finally:
+        for handler, formatter in zip(handlers, formatters):
+            handler.removeFilter(_for_people)
+            handler.setFormatter(formatter)
+
+
+class _WithoutTraceback(logging.Formatter):
+    """Formats like ``inner`` but without the traceback: an error is one line in a quiet terminal.
+
+    The record itself is left alone (the Prefect UI's handler sees the same record), a copy is formatted.
+    """
+
+    def __init__(self, inner: logging.Formatter | None):
+        super().__init__()
+        self.inner = inner or logging.Formatter()
+
+    def format(self, record: logging.LogRecord) -> str:
+        plain = copy.copy(record)
+        plain.exc_info, plain.exc_text, plain.stack_info = None, None, None
+        return self.inner.format(plain)
+
+
+def duration(seconds: float) -> str:
+    """``75.2`` -> ``1m15s``; ``3725`` -> ``1h02m05s``; under a minute ``12.3s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def epoch_line(row: dict[str, Any], epochs: int, elapsed_s: float, epochs_done_here: int) -> str:
+    """``epoch 3/30  loss 0.412  val acc 98.50%  512 img/s  2m10s elapsed, ~19m left``.
+
+    The estimate is the mean seconds of the epochs this attempt finished, times the epochs left
+    (a resumed run starts counting at its first epoch).
+    """
+    epoch = int(row["epoch"]) + 1
+    parts = [f"epoch {epoch}/{epochs}"]
+    if "train_loss" in row:
+        parts.append(f"loss {row['train_loss']:.3f}")
+    if "val_accuracy" in row:
+        parts.append(f"val acc {row['val_accuracy']:.2%}")
+    if "images_per_s" in row:
+        parts.append(f"{row['images_per_s']:.0f} img/s")
+    left = epochs - epoch
+    timing = f"{duration(elapsed_s)} elapsed"
+    if epochs_done_here > 0 and left > 0:
+        per_epoch = elapsed_s / epochs_done_here
+        timing += f", ~{duration(per_epoch * left)} left"
+    return "  ".join(parts) + "  " + timing
+
+
+class EpochWatcher:
+    """Says one line per finished epoch while the training stage runs, by polling ``history.jsonl``.
+
+    Use as a context manager around the stage. Epochs already in the history when it starts
+    (a resumed run) are not repeated. Reading storage never fails the run: an unreadable
+    history just means no line this round.
+    """
+
+    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0):
+        self.history_path, self.epochs, self.poll_s = history_path, epochs, poll_s
+        self.logger = run_logger()  # taken here, in the run's thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="epoch-watcher", daemon=True)
+        self._said: set[int] = set()
+        self._start = time.monotonic()
+        self._first: int | None = None
+
+    def _rows(self) -> list[dict]:
+        from tasks.common.train_loop import read_history
+
+        try:
+            return read_history(self.history_path)
+        except Exception:  # a half-written object, a storage hiccup: try again next round
+            return []
+
+    def _say_new(self) -> None:
+        for row in sorted(self._rows(), key=lambda r: r["epoch"]):
+            epoch = int(row["epoch"])
+            if epoch in self._said or row.get("mid_epoch"):
+                continue
+            self._said.add(epoch)
+            if self._first is None:
+                self._first = epoch
+            done_here = epoch - self._first + 1
+            say(epoch_line(row, self.epochs, time.monotonic() - self._start, done_here), logger=self.logger)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._say_new()
+
+    def __enter__(self) -> EpochWatcher:
+        self._said = {int(row["epoch"]) for row in self._rows()}  # a resumed run's earlier epochs
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if exc_info[0] is None:
+            self._say_new()  # the last epoch, when the stage finished between two polls
+
+
+def summary_lines(
+    summary: dict[str, Any], error: BaseException | None, wall_s: float, api_url: str | None, temporary_server: bool
+) -> list[str]:
+    """The short summary the CLI ends with: status, test accuracy against the gate, where things are, what next."""
+    run = summary.get("run_name") or "?"
+    evaluation = summary.get("evaluation") or {}
+    lines = []
+    if error is None:
+        lines.append(f"Run {run} completed in {duration(wall_s)}.")
+    else:
+        stage = next((name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "failed"), None)
+        where = f" in stage {stage}" if stage else ""
+        lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {error}")
+    accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
+    if accuracy is not None and gate is not None:
+        verdict = "passed" if accuracy >= gate else "FAILED"
+        lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
+    if summary.get("run_dir"):
+        lines.append(f"  run folder     {summary['run_dir']}")
+        lines.append(f"  summary        {summary['run_dir'].rstrip('/')}/summary.json (--json prints it here)")
+    if api_url:
+        ui = api_url.removesuffix("/api")
+        where = "temporary Prefect server, stopped now; set PREFECT_API_URL to keep runs" if temporary_server else "Prefect UI"
+        lines.append(f"  Prefect        {ui} ({where})")
+    if error is not None and summary.get("run_name"):
+        root = summary.get("storage_root")
+        lines.append(
+            f"  to resume      python -m flows.mnist --run-name {run}" + (f" --storage-root {root}" if root else "")
+            + " (verified stages are skipped, training goes on from its latest checkpoint)"
+        )
+    return lines
