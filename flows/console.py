@@ -103,12 +103,8 @@ def duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
 
 
-def epoch_line(row: dict[str, Any], epochs: int, elapsed_s: float, epochs_done_here: int) -> str:
-    """``epoch 3/30  loss 0.412  val acc 98.50%  512 img/s  2m10s elapsed, ~19m left``.
-
-    The estimate is the mean seconds of the epochs this attempt finished, times the epochs left
-    (a resumed run starts counting at its first epoch).
-    """
+def epoch_line(row: dict[str, Any], epochs: int, elapsed_s: float, seconds_per_epoch: float | None) -> str:
+    """``epoch 3/30  loss 0.412  val acc 98.50%  512 img/s  2m10s elapsed, ~19m left``."""
     epoch = int(row["epoch"]) + 1
     parts = [f"epoch {epoch}/{epochs}"]
     if "train_loss" in row:
@@ -117,11 +113,9 @@ def epoch_line(row: dict[str, Any], epochs: int, elapsed_s: float, epochs_done_h
         parts.append(f"val acc {row['val_accuracy']:.2%}")
     if "images_per_s" in row:
         parts.append(f"{row['images_per_s']:.0f} img/s")
-    left = epochs - epoch
     timing = f"{duration(elapsed_s)} elapsed"
-    if epochs_done_here > 0 and left > 0:
-        per_epoch = elapsed_s / epochs_done_here
-        timing += f", ~{duration(per_epoch * left)} left"
+    if seconds_per_epoch is not None and epochs > epoch:
+        timing += f", ~{duration(seconds_per_epoch * (epochs - epoch))} left"
     return "  ".join(parts) + "  " + timing
 
 
@@ -139,8 +133,8 @@ class EpochWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="epoch-watcher", daemon=True)
         self._said: set[int] = set()
+        self._finished: list[float] = []  # when each epoch was seen finished (monotonic seconds)
         self._start = time.monotonic()
-        self._first: int | None = None
 
     def _rows(self) -> list[dict]:
         from tasks.common.train_loop import read_history
@@ -150,16 +144,22 @@ class EpochWatcher:
         except Exception:  # a half-written object, a storage hiccup: try again next round
             return []
 
+    def _seconds_per_epoch(self) -> float | None:
+        """Mean time between the epochs seen finishing (the first one also carries the worker group's start)."""
+        seen = self._finished
+        if len(seen) >= 2:
+            return (seen[-1] - seen[0]) / (len(seen) - 1)
+        return seen[0] - self._start if seen else None
+
     def _say_new(self) -> None:
         for row in sorted(self._rows(), key=lambda r: r["epoch"]):
             epoch = int(row["epoch"])
             if epoch in self._said or row.get("mid_epoch"):
                 continue
             self._said.add(epoch)
-            if self._first is None:
-                self._first = epoch
-            done_here = epoch - self._first + 1
-            say(epoch_line(row, self.epochs, time.monotonic() - self._start, done_here), logger=self.logger)
+            self._finished.append(time.monotonic())
+            line = epoch_line(row, self.epochs, self._finished[-1] - self._start, self._seconds_per_epoch())
+            say(line, logger=self.logger)
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -200,8 +200,12 @@ def summary_lines(
         lines.append(f"  summary        {summary['run_dir'].rstrip('/')}/summary.json (--json prints it here)")
     if api_url:
         ui = api_url.removesuffix("/api")
-        where = "temporary Prefect server, stopped now; set PREFECT_API_URL to keep runs" if temporary_server else "Prefect UI"
-        lines.append(f"  Prefect        {ui} ({where})")
+        if temporary_server:
+            lines.append(f"  Prefect        {ui} (a temporary server, stopped now; set PREFECT_API_URL to keep runs and see them in the UI)")
+        elif summary.get("flow_run_id"):
+            lines.append(f"  Prefect UI     {ui}/runs/flow-run/{summary['flow_run_id']}")
+        else:
+            lines.append(f"  Prefect UI     {ui}")
     if error is not None and summary.get("run_name"):
         root = summary.get("storage_root")
         lines.append(

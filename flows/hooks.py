@@ -86,7 +86,8 @@ def failure_summary(
         resume = "Nothing was written yet: fix the cause (the named parameter) and start a new run."
     completed = [name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "completed"]
     done = f" Stages completed before it: {', '.join(completed)}." if completed else ""
-    text = f"MNIST pipeline run {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done} {resume}"
+    evidence = gate_evidence(summary) if stage == "evaluate" else ""
+    text = f"MNIST pipeline run {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done}{evidence} {resume}"
     return {
         "text": text,
         "stage": stage,
@@ -95,6 +96,18 @@ def failure_summary(
         "storage_root": storage_root,
         "run_dir": run_dir,
     }
+
+
+def gate_evidence(summary: dict[str, Any]) -> str:
+    """For a run that reached its gate: the test accuracy against the gate and the artifacts that show why."""
+    from tasks.common.reports import KEYS, gate_verdict
+
+    evaluation = summary.get("evaluation") or {}
+    accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
+    if accuracy is None or gate is None:
+        return ""
+    keys = ", ".join(KEYS[name] for name in ("confusion", "predictions", "metrics", "checkpoint"))
+    return f" Test accuracy {accuracy:.2%} on {evaluation.get('rows', '?')} images, {gate_verdict(accuracy, gate)}; the evidence is in this run's artifacts {keys}."
 
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = WEBHOOK_TIMEOUT_S) -> int:

@@ -78,10 +78,10 @@ class StageRecorder:
         name = stage.name
         number = f"[{list(STAGE_CPUS).index(name) + 1}/{len(STAGE_CPUS)}] {name}"
         self.stages[name] = {"status": "running", "seconds": None}
-        console.say("%s ...", number)
+        console.say("%s ...%s", number, f" {self.epochs()} epoch(s)" if name == "train" else "")
         start = time.perf_counter()
         # Training says one line per epoch, read from the run's history on storage by this driver.
-        watch = console.EpochWatcher(join(self.layout.run_dir, HISTORY_FILE), self.config.train.epochs) if name == "train" else nullcontext()
+        watch = console.EpochWatcher(join(self.layout.run_dir, HISTORY_FILE), self.epochs()) if name == "train" else nullcontext()
         try:
             with remote_options(num_cpus=STAGE_CPUS[name]):
                 future = self.runner.submit(stage, parameters=parameters)
@@ -97,6 +97,11 @@ class StageRecorder:
         console.say("%s done in %s%s", number, console.duration(self.stages[name]["seconds"]), _stage_detail(name, result, self.config))
         return result
 
+    def epochs(self) -> int | None:
+        """The epochs training makes on this run's data (train.epochs capped by train.max_images), once it is known."""
+        dataset = self.outputs.get("to-parquet")
+        return self.config.train.epochs_for(dataset.rows["train"]) if dataset else None
+
     def completed(self) -> bool:
         """True when every stage ran and completed."""
         return len(self.stages) == len(STAGE_CPUS) and all(s["status"] == "completed" for s in self.stages.values())
@@ -105,8 +110,11 @@ class StageRecorder:
         """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
         raw, dataset, trained = (self.outputs.get(name) for name in ("download", "to-parquet", "train"))
         metrics = _read_metrics(self.layout)
+        from prefect.runtime import flow_run
+
         return {
             "run_name": self.layout.run_name,
+            "flow_run_id": str(flow_run.id) if flow_run.id else None,
             "storage_root": self.layout.root,
             "run_dir": self.layout.run_dir,
             "data_source": raw.source if raw else None,
@@ -119,6 +127,7 @@ class StageRecorder:
             },
             "status": "completed" if self.completed() else "failed",
             "stages": self.stages,
+            "epochs": self.epochs(),
             "best_checkpoint": trained.best_checkpoint if trained else None,
             "best_val_accuracy": trained.best_val_accuracy if trained else None,
             "training_attempts": trained.attempts if trained else None,
@@ -177,8 +186,8 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
             spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
             trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
             reports.publish_training_report(trained)
+            # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
             evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
-            reports.publish_evaluation_report(evaluation, dataset, trained)
             stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
         except BaseException:
             try:

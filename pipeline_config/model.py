@@ -7,6 +7,7 @@ runs before any stage, names the field, says how to fix it, and creates or delet
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -197,7 +198,17 @@ class TrainConfig(_Section):
             "waiting for it. The global batch stays the same: each worker takes global_batch_size / workers. Unset: fixed."
         ),
     )
-    epochs: int = Field(30, ge=1, le=1000, description="Passes over the training split.")
+    epochs: int = Field(30, ge=1, le=1000, description="Passes over the training split (at most; see max_images).")
+    max_images: int = Field(
+        150_000,
+        ge=0,
+        le=10**10,
+        description=(
+            "Caps the epochs by data size: a run trains on about this many images at most, "
+            "epochs = min(epochs, ceil(max_images / training rows)). The defaults give 30 epochs on the bundled "
+            "3,800-image sample and 3 on full MNIST's 57,000. 0: no cap."
+        ),
+    )
     global_batch_size: int = Field(
         128, ge=1, le=65536, description="Images per optimizer step across all workers; each worker takes global ÷ workers."
     )
@@ -267,11 +278,27 @@ class TrainConfig(_Section):
     )
 
 
+    def epochs_for(self, train_rows: int) -> int:
+        """The epochs a run over ``train_rows`` training rows makes: ``epochs``, capped by ``max_images``."""
+        if self.max_images == 0 or train_rows <= 0:
+            return self.epochs
+        return max(1, min(self.epochs, math.ceil(self.max_images / train_rows)))
+
+
 class EvaluateConfig(_Section):
     """Batch inference on the test split and the quality gate."""
 
+    # The default recipe on the bundled sample scored 98.4-99.2% over seeds 0-4 (docs/performance.md);
+    # 97.5% sits 0.9 points (about 2.4 binomial standard deviations on 1,000 test images) below the
+    # worst, and a broken pipeline (every training label shuffled) still fails it (tests/test_default_recipe.py).
     min_accuracy: float = Field(
-        0.985, ge=0, le=1, description="Gate: the flow fails (keeping every artifact) below this test accuracy."
+        0.975,
+        ge=0,
+        le=1,
+        description=(
+            "Gate: the flow fails (keeping every artifact) below this test accuracy. The default recipe scored "
+            "98.4-99.2% on the bundled sample over five seeds; raise it for full MNIST if you want a stricter gate."
+        ),
     )
     num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")

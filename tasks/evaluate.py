@@ -2,7 +2,9 @@
 
 The seeds' ``ModelWorker`` idea, batched: Ray Data streams normalized test batches through
 ``num_actors`` actors that each load the best checkpoint once. Results land in
-``<run>/evaluation/`` before the gate is checked, so a failed gate keeps every artifact.
+``<run>/evaluation/`` and the reports (confusion matrix, predictions, metrics, checkpoint) are
+published to the Prefect UI before the gate decides, so a failed gate keeps every artifact and
+shows its evidence.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from pipeline_config import EvaluateConfig
+from tasks.common import reports
 from tasks.common.model import load_model
 from tasks.common.logs import stage_logger
 from tasks.common.storage import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
@@ -42,6 +45,7 @@ class Evaluation(BaseModel):
     metrics_path: str
     predictions_path: str
     passed_gate: bool
+    min_accuracy: float = 0.0  # the gate it was held to
     tta: bool = False
     accuracy_without_tta: float | None = None
 
@@ -159,16 +163,19 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
         metrics_path=join(folder, "metrics.json"),
         predictions_path=predictions_path,
         passed_gate=scores["accuracy"] >= cfg.min_accuracy,
+        min_accuracy=cfg.min_accuracy,
         tta=cfg.tta,
         accuracy_without_tta=plain_accuracy,
         **scores,
     )
     with storage_writes("evaluate"):
-        atomic_write_json(result.metrics_path, result.model_dump() | {"min_accuracy": cfg.min_accuracy})
+        atomic_write_json(result.metrics_path, result.model_dump())
     logger.info(
-        "Test accuracy %.4f on %d images (without test-time augmentation %.4f; gate %.4f)",
-        result.accuracy, result.rows, plain_accuracy, cfg.min_accuracy,
+        "Test accuracy %.4f on %d images (without test-time augmentation %.4f; %s)",
+        result.accuracy, result.rows, plain_accuracy, reports.gate_verdict(result.accuracy, cfg.min_accuracy),
     )
+    # The evidence first, the verdict second: a failed gate's run page shows why it failed.
+    reports.publish_evaluation_report(result, spec.dataset, trained)
     if not result.passed_gate:
         raise QualityGateError(
             f"test accuracy {result.accuracy:.4f} is below evaluate.min_accuracy {cfg.min_accuracy:.4f}; "

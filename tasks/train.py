@@ -114,7 +114,7 @@ def loop_config(
     """The plain dict ``train_loop_per_worker`` unpacks."""
     run_dir = parent(fault_dir) if fault_dir else None
     return {
-        "epochs": cfg.epochs,
+        "epochs": cfg.epochs_for(train_rows),  # train.epochs, capped by train.max_images
         "global_batch_size": cfg.global_batch_size,
         "learning_rate": cfg.learning_rate,
         "weight_decay": cfg.weight_decay,
@@ -239,7 +239,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
                 checkpoint_score_order=SCORE_ORDER[cfg.checkpoint_score],
             ),
             # Live progress in the Prefect UI: the callback runs in the Train controller process.
-            callbacks=training_progress_callbacks(cfg.epochs, layout.run_name),
+            callbacks=training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name),
         ),
         # No datasets= here: every worker builds its Ray Data pipelines inside the loop, the train
         # rows per epoch (their order and augmentation depend on it; train_loop.EpochShards) and

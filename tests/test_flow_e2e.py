@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from prefect.settings import get_current_settings
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config.settings import parse_cli
+from tasks.common.reports import KEYS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,20 +87,29 @@ def test_ray_train_run_and_checkpoints_keep_the_seeds_contract(smoke_run, storag
     assert torch.load(best / "extra_state.pt", weights_only=True)["epoch"] == 0
 
 
-def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smoke_run, storage, tmp_path):
-    """Second run on the same root: download and conversion are skipped; an unreachable gate fails it."""
+def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smoke_run, storage, tmp_path):
+    """Second run on the same root, from the CLI into a real Prefect API: download and conversion are
+    skipped; an unreachable gate fails the run, keeps every artifact and publishes the evaluation
+    reports marked as failed, and the failure paragraph names accuracy, gate and artifact keys."""
     summary_out = tmp_path / "summary-copy.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    out = subprocess.run(
-        [
-            sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage),
-            "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out), "--json",
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
+    with prefect_test_harness(server_startup_timeout=120):
+        api_url = get_current_settings().api.url
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")} | {"PREFECT_API_URL": api_url}
+        out = subprocess.run(
+            [
+                sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage),
+                "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out), "--json",
+            ],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )
+        printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
+        with get_client(sync_client=True) as client:
+            flow_run = client.read_flow_run(printed["flow_run_id"])
+            runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+            artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=runs)}
+            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
     assert out.returncode == 1, out.stderr[-3000:]
     assert "below evaluate.min_accuracy 1.0000" in out.stderr
-    printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
     assert json.loads(summary_out.read_text()) == printed
     assert printed["status"] == "failed"
     assert printed["data"]["download_skipped"] is True and printed["data"]["conversion_skipped"] is True
@@ -106,6 +117,17 @@ def test_cli_rerun_skips_finished_data_and_the_gate_fails_keeping_artifacts(smok
     run_dir = storage / "runs" / "gate"
     assert (run_dir / "evaluation" / "metrics.json").is_file()  # the failed gate kept every artifact
     assert Path(printed["best_checkpoint"]).is_dir()
+
+    assert flow_run.state.is_failed()
+    verdict = f"gate FAILED: {printed['test_accuracy']:.2%} < 100.00%"
+    for key in (KEYS["confusion"], KEYS["predictions"], KEYS["checkpoint"]):
+        assert verdict in artifacts[key].data.split("\n", 1)[0], key  # in the report's title
+        assert verdict in artifacts[key].description
+    metrics = artifacts[KEYS["metrics"]]
+    rows = json.loads(metrics.data) if isinstance(metrics.data, str) else metrics.data
+    assert rows[0]["class"] == "all" and rows[0]["gate"] == verdict and verdict in metrics.description
+    paragraph = next(log.message for log in logs if "failed in stage 'evaluate'" in log.message)
+    assert verdict in paragraph and KEYS["confusion"] in paragraph and KEYS["metrics"] in paragraph
 
 
 def _ray_env(temp: str) -> dict[str, str]:

@@ -111,9 +111,18 @@ def test_metrics_rows_per_class_and_overall():
     precision[5] = 0.9
     recall = [1.0] * 10
     recall[3] = 0.9
-    rows = reports.metrics_rows(confusion.tolist(), precision, recall)
-    assert len(rows) == 11 and rows[4] == {"class": "3", "support": 10, "correct": 9, "precision": 1.0, "recall": 0.9, "accuracy": None}
+    gate = reports.gate_verdict(90 / 91, 0.995)
+    rows = reports.metrics_rows(confusion.tolist(), precision, recall, gate)
+    assert len(rows) == 11
+    assert rows[4] == {"class": "3", "support": 10, "correct": 9, "precision": 1.0, "recall": 0.9, "accuracy": None, "gate": None}
     assert rows[0]["class"] == "all" and rows[0]["support"] == 91 and rows[0]["accuracy"] == round(90 / 91, 4)
+    assert rows[0]["gate"] == "gate FAILED: 98.90% < 99.50%"
+
+
+def test_gate_verdict_says_passed_or_failed_with_both_numbers():
+    assert reports.gate_verdict(0.989, 0.985) == "gate passed: 98.90% >= 98.50%"
+    assert reports.gate_verdict(0.985, 0.985) == "gate passed: 98.50% >= 98.50%"
+    assert reports.gate_verdict(0.984, 0.985) == "gate FAILED: 98.40% < 98.50%"
 
 
 def test_checkpoint_markdown_names_the_evaluated_checkpoint():
@@ -121,7 +130,8 @@ def test_checkpoint_markdown_names_the_evaluated_checkpoint():
         {"path": "/s/runs/r/checkpoint_000000", "epoch": 0, "val_accuracy": 0.9},
         {"path": "/s/runs/r/checkpoint_000001", "epoch": 1, "val_accuracy": 0.95},
     ]
-    markdown = reports.checkpoint_markdown(kept[1]["path"], kept, "/s/runs/r", 0.9612)
+    markdown = reports.checkpoint_markdown(kept[1]["path"], kept, "/s/runs/r", 0.9612, "gate FAILED: 96.12% < 98.50%")
+    assert markdown.startswith("## Checkpoint used for evaluation (gate FAILED: 96.12% < 98.50%)\n")
     assert "`/s/runs/r/checkpoint_000001`" in markdown and "0.9612" in markdown
     assert "| `checkpoint_000001` (evaluated) | 2 | 0.9500 |" in markdown
 
@@ -203,6 +213,18 @@ def test_failure_summary_names_stage_cause_and_resume_command():
     assert "--run-name nightly-7 --storage-root /data/mnist" in text
     assert "config.run_name = nightly-7" in text and "/data/mnist/runs/nightly-7" in text
     assert "\n" not in text  # one paragraph
+
+
+def test_failure_summary_of_a_failed_gate_names_accuracy_gate_and_artifacts():
+    summary = SUMMARY | {
+        "stages": {**SUMMARY["stages"], "train": {"status": "completed"}, "evaluate": {"status": "failed", "error": "QualityGateError: below"}},
+        "evaluation": {"accuracy": 0.984, "min_accuracy": 0.985, "rows": 1000},
+    }
+    text = hooks.failure_summary("witty-fox", None, summary)["text"]
+    assert "failed in stage 'evaluate': QualityGateError: below." in text
+    assert "Test accuracy 98.40% on 1000 images, gate FAILED: 98.40% < 98.50%" in text
+    assert all(key in text for key in ("mnist-confusion-matrix", "mnist-test-predictions", "mnist-test-metrics", "mnist-checkpoint"))
+    assert "\n" not in text
 
 
 def test_failure_summary_before_any_stage_uses_the_state_message():

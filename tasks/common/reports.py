@@ -179,17 +179,27 @@ def image_markdown(title: str, png: bytes, caption: str = "") -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float], recall: Sequence[float]) -> list[dict]:
+def gate_verdict(accuracy: float, min_accuracy: float) -> str:
+    """``gate passed: 98.90% >= 98.50%`` or ``gate FAILED: 98.40% < 98.50%``."""
+    if accuracy >= min_accuracy:
+        return f"gate passed: {accuracy:.2%} >= {min_accuracy:.2%}"
+    return f"gate FAILED: {accuracy:.2%} < {min_accuracy:.2%}"
+
+
+def metrics_rows(
+    confusion: Sequence[Sequence[int]], precision: Sequence[float], recall: Sequence[float], gate: str | None = None
+) -> list[dict]:
     """An ``all`` row, then one row per digit (support, correct, precision, recall).
 
     Args:
         confusion: ``confusion[true][pred]`` counts.
         precision: Per-class precision.
         recall: Per-class recall.
+        gate: The gate's verdict (``gate_verdict``), shown in the ``all`` row's ``gate`` column.
 
     Returns:
         Rows for a Prefect table artifact; the ``all`` row has macro-averaged precision and
-        recall and the overall ``accuracy`` (empty on the per-class rows).
+        recall, the overall ``accuracy`` and the ``gate`` verdict (empty on the per-class rows).
     """
     matrix = np.asarray(confusion, dtype=np.int64)
     support, correct = matrix.sum(1), np.diag(matrix)
@@ -201,6 +211,7 @@ def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float],
             "precision": round(float(precision[digit]), 4),
             "recall": round(float(recall[digit]), 4),
             "accuracy": None,
+            "gate": None,
         }
         for digit in range(len(matrix))
     ]
@@ -212,11 +223,14 @@ def metrics_rows(confusion: Sequence[Sequence[int]], precision: Sequence[float],
         "precision": round(float(np.mean(precision)), 4),
         "recall": round(float(np.mean(recall)), 4),
         "accuracy": round(float(correct.sum() / max(total, 1)), 4),
+        "gate": gate,
     }
     return [overall, *per_class]  # overall first: the UI pages tables ten rows at a time
 
 
-def checkpoint_markdown(checkpoint: str, checkpoints: Sequence[dict], run_dir: str, accuracy: float | None) -> str:
+def checkpoint_markdown(
+    checkpoint: str, checkpoints: Sequence[dict], run_dir: str, accuracy: float | None, gate: str | None = None
+) -> str:
     """Where the evaluated checkpoint lives, what it scored, and how to load it.
 
     Args:
@@ -224,12 +238,13 @@ def checkpoint_markdown(checkpoint: str, checkpoints: Sequence[dict], run_dir: s
         checkpoints: Kept checkpoints as dicts with ``path``, ``epoch`` and ``val_accuracy``.
         run_dir: The run folder.
         accuracy: Test accuracy of ``checkpoint`` (None when unknown).
+        gate: The gate's verdict (``gate_verdict``), added to the title.
 
     Returns:
         The markdown document.
     """
     lines = [
-        "## Checkpoint used for evaluation",
+        "## Checkpoint used for evaluation" + (f" ({gate})" if gate else ""),
         "",
         f"`{checkpoint}`",
         "",
@@ -330,7 +345,7 @@ def sample_digits_markdown(train_dir: str, train_rows: int) -> str:
     return image_markdown("Sample training digits", png, caption)
 
 
-def predictions_markdown(predictions_path: str, test_dir: str) -> str:
+def predictions_markdown(predictions_path: str, test_dir: str, gate: str | None = None) -> str:
     """The test-predictions report: digits with true and predicted labels (the seeds' last picture)."""
     import pyarrow.parquet as pq
 
@@ -347,7 +362,7 @@ def predictions_markdown(predictions_path: str, test_dir: str) -> str:
         f"{len(chosen)} test digits with true and predicted labels (red: misclassified). "
         f"{errors} of {len(labels)} test images are misclassified in total."
     )
-    return image_markdown("Test predictions", png, caption)
+    return image_markdown("Test predictions" + (f" ({gate})" if gate else ""), png, caption)
 
 
 # --------------------------------------------------------------------------- publishing
@@ -399,32 +414,36 @@ def publish_training_report(trained) -> list:
 
 @_best_effort
 def publish_evaluation_report(evaluation, dataset, trained) -> list:
-    """Publish confusion matrix, test predictions, metrics table and checkpoint; returns the artifact ids."""
+    """Publish confusion matrix, test predictions, metrics table and checkpoint; returns the artifact ids.
+
+    Called by the evaluation stage before its gate decides, so every report says whether the
+    gate passed (in its title, the metrics table's ``gate`` column and the descriptions).
+    """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-    gate = "passed" if evaluation.passed_gate else "failed"
+    gate = gate_verdict(evaluation.accuracy, evaluation.min_accuracy)
     confusion = image_markdown(
-        "Confusion matrix",
+        f"Confusion matrix ({gate})",
         confusion_matrix_png(evaluation.confusion),
-        f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images (gate {gate}).",
+        f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images; {gate}.",
     )
     checkpoints = [c.model_dump() for c in trained.checkpoints]
     return [
-        create_markdown_artifact(confusion, key=KEYS["confusion"], description="True vs predicted digit counts"),
+        create_markdown_artifact(confusion, key=KEYS["confusion"], description=f"True vs predicted digit counts; {gate}"),
         create_markdown_artifact(
-            predictions_markdown(evaluation.predictions_path, dataset.split_dir("test")),
+            predictions_markdown(evaluation.predictions_path, dataset.split_dir("test"), gate),
             key=KEYS["predictions"],
-            description="Test digits with true and predicted labels",
+            description=f"Test digits with true and predicted labels; {gate}",
         ),
         create_table_artifact(
-            metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall),
+            metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall, gate),
             key=KEYS["metrics"],
-            description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}",
+            description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}; {gate}",
         ),
         create_markdown_artifact(
-            checkpoint_markdown(evaluation.checkpoint, checkpoints, trained.run_dir, evaluation.accuracy),
+            checkpoint_markdown(evaluation.checkpoint, checkpoints, trained.run_dir, evaluation.accuracy, gate),
             key=KEYS["checkpoint"],
-            description="Path of the checkpoint evaluation used",
+            description=f"Path of the checkpoint evaluation used; {gate}",
         ),
     ]
 
