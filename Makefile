@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # Every package, with the test tools, at the versions in requirements.lock (Python 3.11, Linux),
 # so `make run`, `make test` and CI get the same environment on any machine. pip itself is pinned
-# here; the project is installed last, editable and without touching the locked set.
+# here; the project is installed last, editable and without touching the locked set. A changed
+# lock rebuilds .venv from empty (--clear), so nothing an older lock installed stays behind.
 LOCK := requirements.lock
 PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.6.2
@@ -16,7 +17,7 @@ PIP_TOOLS_VERSION := 7.6.2
 install: $(STAMP)
 
 $(STAMP): pyproject.toml $(LOCK)
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
 	$(PY) -m pip install --quiet -r $(LOCK)
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .

@@ -81,7 +81,8 @@ class StageRecorder:
         console.say("%s ...%s", number, f" {self.epochs()} epoch(s)" if name == "train" else "")
         start = time.perf_counter()
         # Training says one line per epoch, read from the run's history on storage by this driver.
-        watch = console.EpochWatcher(join(self.layout.run_dir, HISTORY_FILE), self.epochs()) if name == "train" else nullcontext()
+        history = join(self.layout.run_dir, HISTORY_FILE)
+        watch = console.EpochWatcher(history, self.epochs()) if name == "train" else nullcontext()
         try:
             with remote_options(num_cpus=STAGE_CPUS[name]):
                 future = self.runner.submit(stage, parameters=parameters)
@@ -94,7 +95,8 @@ class StageRecorder:
             self.stages[name]["seconds"] = round(time.perf_counter() - start, 2)
         self.stages[name]["status"] = "completed"
         self.outputs[name] = result
-        console.say("%s done in %s%s", number, console.duration(self.stages[name]["seconds"]), _stage_detail(name, result, self.config))
+        seconds = console.duration(self.stages[name]["seconds"])
+        console.say("%s done in %s%s", number, seconds, _stage_detail(name, result, self.config))
         return result
 
     def epochs(self) -> int | None:
@@ -222,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     # lines and warnings unless --verbose (the Prefect UI gets every log line either way).
     with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray) as runtime:
         if runtime.dashboard_url:
-            print(f"Ray: local cluster, dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)", flush=True)
+            dashboard = f"dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)"
+            print(f"Ray: local cluster, {dashboard}", flush=True)
         elif config.ray.address:
             print(f"Ray: the cluster at {config.ray.address}", flush=True)
         try:
@@ -238,7 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(summary, indent=2))
     api_url = runtime.api_url if runtime else None
     temporary = bool(runtime and runtime.temporary_server)
-    lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, time.perf_counter() - started, api_url, temporary)
+    wall = time.perf_counter() - started
+    lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary)
     print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
     return 1 if failed is not None else 0
 

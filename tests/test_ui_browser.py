@@ -5,7 +5,7 @@ deployments.serve`` executing runs on a local Ray, and Debian's Chromium driven 
 (``executable_path``; browser downloads do not work here). Screenshots go to the test's tmp
 folder and are copied to ``test-output/ui/`` (git-ignored) for a person to look at.
 
-The pages are the UI that Prefect 3.8.8 opens by default (V2, under ``/v2``).
+The pages are the UI that Prefect opens by default (V2, under ``/v2``; 3.8.8 and the pinned 3.9.1).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ CHROMIUM_ARGS = [
 ]
 PICTURES = {"samples": "Sample training digits", "curves": "Training curves", "confusion": "Confusion matrix", "predictions": "Test predictions"}
 FORM_FIELDS = {  # label -> its description, as the schema gives them
-    "Epochs (Optional)": "Passes over the training split.",
+    "Epochs (Optional)": "Passes over the training split (at most; see max_images).",
     "Num Workers (Optional)": "Ray Train workers (data-parallel ranks).",
     "Seed (Optional)": "Seed for weights, shuffling and augmentation.",
     "Source (Optional)": "auto: try the official MNIST mirrors",
@@ -200,5 +200,7 @@ def test_progress_and_metrics_show_in_the_browser(page, server, form_run, shots)
     page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[KEYS['metrics']]['id']}", wait_until="networkidle")
     table = page.get_by_role("table")
     table.get_by_role("cell", name="all", exact=True).wait_for()
-    assert [h.strip() for h in table.locator("th").all_inner_texts()] == ["class", "support", "correct", "precision", "recall", "accuracy"]
+    headers = [h.strip() for h in table.locator("th").all_inner_texts()]
+    assert headers == ["class", "support", "correct", "precision", "recall", "accuracy", "gate"]
+    assert table.get_by_text("gate passed: ").count() == 1  # the verdict on the "all" row (smoke gate 50%)
     page.screenshot(path=shots / "artifact-metrics.png")

@@ -6,7 +6,7 @@ artifact per report under a stable key (``KEYS``), so every key versions across 
 UI's Artifacts page, and a report that fails logs a warning instead of failing the run.
 
 Why pictures are inline ``data:image/png;base64`` URIs inside markdown artifacts: the Prefect
-server stores artifacts but serves no files, and the UI that Prefect 3.8.8 opens by default
+server stores artifacts but serves no files, and the UI that Prefect (3.8.8, 3.9.1) opens by default
 (V2, React) renders markdown with react-markdown + rehype-sanitize and a URL transform that
 explicitly keeps ``data:image/`` sources on ``<img>`` (the browser test checks the pictures load
 with a non-zero natural width). So a report needs no file server, works offline and lives in
