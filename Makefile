@@ -20,7 +20,8 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
 	$(PY) -m pip install --quiet -r $(LOCK)
-	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	# PYTHONWARNINGS: setuptools' generic warning about editable installs is not for our users.
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 # Re-resolve requirements.lock from pyproject.toml's ranges (and the test extra) with pip-tools,

@@ -145,11 +145,9 @@ class EpochWatcher:
             return []
 
     def _seconds_per_epoch(self) -> float | None:
-        """Mean time between the epochs seen finishing (the first one also carries the worker group's start)."""
+        """Mean time between the epochs seen finishing; None before two (the first carries the worker group's start)."""
         seen = self._finished
-        if len(seen) >= 2:
-            return (seen[-1] - seen[0]) / (len(seen) - 1)
-        return seen[0] - self._start if seen else None
+        return (seen[-1] - seen[0]) / (len(seen) - 1) if len(seen) >= 2 else None
 
     def _say_new(self) -> None:
         for row in sorted(self._rows(), key=lambda r: r["epoch"]):

@@ -44,16 +44,17 @@ def test_epoch_watcher_says_each_new_epoch_once_and_skips_a_resumed_runs_earlier
     collected = _Records()
     logging.getLogger("flows.console").addHandler(collected)  # the watcher's logger outside a Prefect run
     try:
-        with console.EpochWatcher(history, epochs=3, poll_s=0.05):
-            for epoch in (1, 2):
+        with console.EpochWatcher(history, epochs=4, poll_s=0.05):
+            for epoch in (1, 2, 3):
                 time.sleep(0.2)
                 record_epoch(history, {"epoch": epoch, "train_loss": 0.5, "val_accuracy": 0.9, "images_per_s": 200.0})
             time.sleep(0.3)
     finally:
         logging.getLogger("flows.console").removeHandler(collected)
     lines = [r.getMessage() for r in collected.records if getattr(r, console.CONSOLE_FLAG, False)]
-    assert [line.split("  ")[0] for line in lines] == ["epoch 2/3", "epoch 3/3"]
-    assert "left" in lines[0] and "left" not in lines[1]
+    assert [line.split("  ")[0] for line in lines] == ["epoch 2/4", "epoch 3/4", "epoch 4/4"]
+    # No estimate from the first epoch seen (it carries the start-up), one from the second on, none at the end.
+    assert ["left" in line for line in lines] == [False, True, False]
 
 
 def _console_handler() -> PrefectConsoleHandler:
