@@ -277,7 +277,6 @@ class TrainConfig(_Section):
         ),
     )
 
-
     def epochs_for(self, train_rows: int) -> int:
         """The epochs a run over ``train_rows`` training rows makes: ``epochs``, capped by ``max_images``."""
         if self.max_images == 0 or train_rows <= 0:
