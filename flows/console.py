@@ -60,11 +60,10 @@ def quiet_terminal(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from prefect.logging.configuration import setup_logging
-
+    from prefect.logging.configuration import ensure_logging_setup
     from prefect.logging.handlers import PrefectConsoleHandler
 
-    setup_logging()  # no-op when Prefect already configured this process
+    ensure_logging_setup()  # Prefect's handlers exist (importing prefect normally made them)
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
     formatters = [h.formatter for h in handlers]
     for handler in handlers:

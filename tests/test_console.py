@@ -58,9 +58,9 @@ def test_epoch_watcher_says_each_new_epoch_once_and_skips_a_resumed_runs_earlier
 
 
 def _console_handler() -> PrefectConsoleHandler:
-    from prefect.logging.configuration import setup_logging
+    from prefect.logging.configuration import ensure_logging_setup
 
-    setup_logging()
+    ensure_logging_setup()
     return next(h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler))
 
 
