@@ -210,3 +210,26 @@ def summary_lines(
             + " (verified stages are skipped, training goes on from its latest checkpoint)"
         )
     return lines
+
+
+def stopped_lines(summary: dict[str, Any], reason: str | None, wall_s: float) -> list[str]:
+    """What the CLI says when a run was stopped on request: where it stopped, what it kept, how to resume."""
+    run = summary.get("run_name") or "?"
+    stopped = summary.get("stopped") or {}
+    where = f" in stage {stopped['stage']}" if stopped.get("stage") else " before its first stage"
+    lines = [f"Run {run} {reason or 'stopped'}{where} after {duration(wall_s)}; Ray and the Prefect server are stopped."]
+    kept = stopped.get("checkpoint_kept")
+    if kept:
+        at = f"epoch {kept['epoch'] + 1} of {summary.get('epochs') or '?'} done" if not kept.get("mid_epoch") else (
+            f"in epoch {kept['epoch'] + 1} of {summary.get('epochs') or '?'}, step {kept.get('step')}")
+        lines.append(f"  checkpoint kept  {kept['path']} ({at})")
+    elif summary.get("stages"):
+        lines.append("  checkpoint kept  none yet (training had not written one); finished stages are kept")
+    if summary.get("run_dir"):
+        lines.append(f"  summary          {summary['run_dir'].rstrip('/')}/summary.json")
+    root = summary.get("storage_root")
+    lines.append(
+        f"  to resume        python -m flows.mnist --run-name {run}" + (f" --storage-root {root}" if root else "")
+        + " (verified stages are skipped, training goes on from its latest checkpoint)"
+    )
+    return lines

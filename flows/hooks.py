@@ -28,6 +28,8 @@ WEBHOOK_TIMEOUT_S = 10.0
 # flow function has written its summary, but only the flow knows the run name it picked (a new
 # timestamped one when none was given), so the flow leaves the path here for the hook.
 _SUMMARIES: dict[str, str] = {}  # a path or an s3:// URI
+# flow run id -> the summary the flow last built, for when it could not be written (a full disk).
+_LATEST: dict[str, dict[str, Any]] = {}
 
 
 def remember_run(layout: StorageLayout) -> None:
@@ -36,6 +38,14 @@ def remember_run(layout: StorageLayout) -> None:
 
     if flow_run.id:
         _SUMMARIES[str(flow_run.id)] = layout.summary_path
+
+
+def remember_summary(summary: dict[str, Any]) -> None:
+    """Keep the run's latest summary for the failure hook, whether or not it reaches storage."""
+    from prefect.runtime import flow_run
+
+    if flow_run.id:
+        _LATEST[str(flow_run.id)] = summary
 
 
 def failed_stage(summary: dict[str, Any]) -> tuple[str | None, str | None]:
@@ -74,7 +84,13 @@ def failure_summary(
     run_name = summary.get("run_name") or config.get("run_name")
     storage_root = summary.get("storage_root") or config.get("storage_root")
     run_dir = summary.get("run_dir")
-    where = f"in stage '{stage}'" if stage else "before any stage started (parameters or setup)"
+    started = list(summary.get("stages") or {})
+    if stage:
+        where = f"in stage '{stage}'"
+    elif started:  # between stages (a report, the summary itself)
+        where = f"after stage '{started[-1]}'"
+    else:
+        where = "before any stage started (parameters or setup)"
     if summary.get("run_name"):  # the run folder exists: resuming it makes sense
         resume = (
             f"To resume, fix the cause and start the run again with the same run name and storage root: "
@@ -123,7 +139,9 @@ def report_failure(flow, flow_run, state) -> None:
 
     logger = flow_run_logger(flow_run=flow_run, flow=flow)
     summary_path = _SUMMARIES.pop(str(flow_run.id), None)
-    summary = read_json(summary_path) if summary_path else None
+    latest = _LATEST.pop(str(flow_run.id), None)
+    # The summary the flow built last: the one on storage is older when writing it failed.
+    summary = latest or (read_json(summary_path) if summary_path else None)
     report = failure_summary(flow_run.name, state.message, summary, flow_run.parameters)
     logger.error(report["text"])
     url = os.environ.get(WEBHOOK_ENV, "").strip()

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import Task, flow
+from prefect.states import Cancelled
 from prefect_ray.context import remote_options
 from pydantic import ValidationError
 
-from flows import console, hooks
+from flows import console, hooks, stopping
 from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
@@ -43,7 +44,7 @@ from tasks.common.storage import (
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
-from tasks.train import retry_infrastructure_failures, train
+from tasks.train import plan_resources, retry_infrastructure_failures, train
 from tasks.transform import transform
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
@@ -73,6 +74,7 @@ class StageRecorder:
         self.runner, self.layout, self.config, self.env = runner, layout, config, env
         self.stages: dict[str, dict[str, Any]] = {}
         self.outputs: dict[str, Any] = {}
+        self.stopped: dict[str, Any] | None = None  # how an interrupted or cancelled run stopped
 
     def __call__(self, stage: Task, **parameters: Any) -> Any:
         name = stage.name
@@ -87,9 +89,17 @@ class StageRecorder:
             with remote_options(num_cpus=STAGE_CPUS[name]):
                 future = self.runner.submit(stage, parameters=parameters)
             with watch:
-                result = future.result()
+                result = stopping.wait_for_stage(future, name)
+        except stopping.RunStopped as stop:
+            self.stages[name]["status"] = "interrupted"
+            self.record_stop("interrupted", name, stop.reason)
+            raise
         except BaseException as exc:
-            self.stages[name] |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            if stopping.prefect_is_cancelling():  # Cancel in the Prefect UI: Prefect's engine ends the run
+                self.stages[name]["status"] = "cancelled"
+                self.record_stop("cancelled", name, "cancelled from Prefect")
+            else:
+                self.stages[name] |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
             raise
         finally:
             self.stages[name]["seconds"] = round(time.perf_counter() - start, 2)
@@ -103,6 +113,16 @@ class StageRecorder:
         """The epochs training makes on this run's data (train.epochs capped by train.max_images), once it is known."""
         dataset = self.outputs.get("to-parquet")
         return self.config.train.epochs_for(dataset.rows["train"]) if dataset else None
+
+    def record_stop(self, status: str, stage: str, reason: str) -> None:
+        """Remember that the run stopped on request in ``stage``, and the checkpoint it keeps."""
+        self.stopped = {"status": status, "stage": stage, "reason": reason, "checkpoint_kept": stopping.kept_checkpoint(self.layout.run_dir)}
+
+    def status(self) -> str:
+        """completed, failed, interrupted (Ctrl-C, SIGTERM) or cancelled (from Prefect)."""
+        if self.stopped:
+            return self.stopped["status"]
+        return "completed" if self.completed() else "failed"
 
     def completed(self) -> bool:
         """True when every stage ran and completed."""
@@ -127,7 +147,8 @@ class StageRecorder:
                 "conversion_skipped": dataset.skipped if dataset else None,
                 "rows": dataset.rows if dataset else None,
             },
-            "status": "completed" if self.completed() else "failed",
+            "status": self.status(),
+            "stopped": self.stopped,
             "stages": self.stages,
             "epochs": self.epochs(),
             "best_checkpoint": trained.best_checkpoint if trained else None,
@@ -142,6 +163,7 @@ class StageRecorder:
 
     def write_summary(self) -> dict[str, Any]:
         summary = self.summary()
+        hooks.remember_summary(summary)  # the failure hook's account, even when the write below fails
         with storage_writes("summary", self.layout.run_dir):
             atomic_write_json(self.layout.summary_path, summary)
         return summary
@@ -175,30 +197,61 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
     layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name())
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
-    with run_lease(layout), ray_task_runner(config.ray) as runner:  # refuses a live run of the same name
-        hooks.remember_run(layout)
-        env = environment.describe()
-        reports.publish_environment_report(env)
-        stage = StageRecorder(runner, layout, config, env)
-        try:
-            raw = stage(download, cfg=config.download, layout=layout)
-            dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
-            lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
-            reports.publish_dataset_report(dataset)
-            spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
-            trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
-            reports.publish_training_report(trained)
-            # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
-            evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
-            stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
-        except BaseException:
-            try:
-                stage.write_summary()
-            except OSError as exc:  # e.g. the storage root is full: keep the stage's own error
-                print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
-            raise
+    try:
+        with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
+            check_cluster_fits(config)  # before anything is written
+            with run_lease(layout):  # refuses a live run of the same name
+                return run_stages(runner, layout, config)
+    finally:
+        stopping.FLOW_BODY_DONE.set()
+
+
+def run_stages(runner, layout: StorageLayout, config: PipelineConfig) -> dict[str, Any] | Cancelled:
+    """The stage list; on a stop request (Ctrl-C, SIGTERM) the summary says interrupted and the flow run ends Cancelled."""
+    hooks.remember_run(layout)
+    env = environment.describe()
+    reports.publish_environment_report(env)
+    stage = StageRecorder(runner, layout, config, env)
+    try:
+        raw = stage(download, cfg=config.download, layout=layout)
+        dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+        lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
+        reports.publish_dataset_report(dataset)
+        spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
+        trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
+        reports.publish_training_report(trained)
+        # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
+        evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
+        stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+    except stopping.RunStopped as stop:
         summary = stage.write_summary()
+        return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}")
+    except BaseException:
+        try:
+            stage.write_summary()
+        except OSError as exc:  # e.g. the storage root is full: keep the stage's own error
+            print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
+        raise
+    summary = stage.write_summary()
     return summary
+
+
+def check_cluster_fits(config: PipelineConfig) -> None:
+    """Refuse training workers the cluster cannot hold (ValueError naming the field) before any work starts."""
+    import ray
+
+    if config.train.mode == "single":
+        return
+    resources = ray.cluster_resources()
+    plan_resources(config.train, resources.get("CPU", 0), resources.get("GPU", 0))
+
+
+def resume_hint(summary: dict[str, Any]) -> str:
+    """Where the stopped run can go on from, and the command that does it."""
+    kept = (summary.get("stopped") or {}).get("checkpoint_kept")
+    where = f"its checkpoint {kept['path']} is kept" if kept else "no training checkpoint was written yet"
+    root = summary.get("storage_root")
+    return f"{where}; resume with: python -m flows.mnist --run-name {summary.get('run_name')}" + (f" --storage-root {root}" if root else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,32 +273,40 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     print(f"MNIST pipeline: run {config.run_name} -> {layout.run_dir}", flush=True)
     failed, runtime = None, None
-    # The Prefect API and a local Ray, started side by side; the terminal shows stage and epoch
-    # lines and warnings unless --verbose (the Prefect UI gets every log line either way).
-    with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray) as runtime:
-        if runtime.dashboard_url:
-            dashboard = f"dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)"
-            print(f"Ray: local cluster, {dashboard}", flush=True)
-        elif config.ray.address:
-            print(f"Ray: the cluster at {config.ray.address}", flush=True)
-        try:
-            mnist_pipeline(config)
-        except Exception as exc:  # the summary below still tells what happened
-            failed = exc
-    in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
-    summary = (read_json(layout.summary_path) or {}) if not in_use else {}
-    summary.pop("config", None)
-    if summary and settings.summary_out:
-        atomic_write_json(Path(settings.summary_out), summary)
-    if settings.print_json and summary:
-        print(json.dumps(summary, indent=2))
-    api_url = runtime.api_url if runtime else None
-    temporary = bool(runtime and runtime.temporary_server)
-    wall = time.perf_counter() - started
-    lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary)
-    print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
-    return 1 if failed is not None else 0
-
+    # Ctrl-C and SIGTERM ask the run to stop (flows/stopping.py). The Prefect API and a local Ray
+    # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose
+    # (the Prefect UI gets every log line either way).
+    with stopping.signals_stop_the_run() as stop:
+        with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray) as runtime:
+            if runtime.dashboard_url:
+                dashboard = f"dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)"
+                print(f"Ray: local cluster, {dashboard}", flush=True)
+            elif config.ray.address:
+                print(f"Ray: the cluster at {config.ray.address}", flush=True)
+            try:
+                if stop.requested:  # while Ray and the server were starting
+                    raise stopping.RunStopped(None, stop.reason or "stopped")
+                with stopping.ApiWatch(runtime.api_url, settings.lost_api_wait_s, layout.summary_path):
+                    mnist_pipeline(config)
+            except Exception as exc:  # the summary below still tells what happened
+                failed = exc
+        in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
+        summary = (read_json(layout.summary_path) or {}) if not in_use else {}
+        summary.pop("config", None)
+        if summary and settings.summary_out:
+            atomic_write_json(Path(settings.summary_out), summary)
+        if settings.print_json and summary:
+            print(json.dumps(summary, indent=2))
+        api_url = runtime.api_url if runtime else None
+        temporary = bool(runtime and runtime.temporary_server)
+        wall = time.perf_counter() - started
+        if stop.requested and summary.get("status") != "completed":
+            lines = console.stopped_lines(summary or {"run_name": config.run_name, "storage_root": config.storage_root}, stop.reason, wall)
+            print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
+            return stop.exit_code() or 1
+        lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary)
+        print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
+        return 1 if failed is not None else 0
 
 if __name__ == "__main__":
     sys.exit(main())

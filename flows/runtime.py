@@ -24,6 +24,7 @@ from prefect.settings import (
 )
 from prefect_ray import RayTaskRunner
 
+from flows.server_process import owned_server_class
 from pipeline_config import RayConfig
 from tasks.common.faults import TEST_HOOK_ENVS
 from tasks.common.storage import S3_ENV_VARS
@@ -55,9 +56,7 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
             alongside(url)
         yield url
         return
-    from prefect.server.api.server import SubprocessASGIServer
-
-    server = SubprocessASGIServer()
+    server = owned_server_class()()  # its own session, stops when this process is gone (flows.server_process)
     server.port = server.find_available_port()
     failures: list[BaseException] = []
 

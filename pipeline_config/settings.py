@@ -19,7 +19,7 @@ from pipeline_config.model import PipelineConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("default", "smoke", "nightly")
-_CLI_ONLY = {"preset", "config_file", "summary_out", "verbose", "print_json"}
+_CLI_ONLY = {"preset", "config_file", "summary_out", "verbose", "print_json", "lost_api_wait_s"}
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -84,6 +84,16 @@ class PipelineSettings(BaseSettings, PipelineConfig):
         False,
         validation_alias=AliasChoices("json", "print_json"),
         description="Print the whole run summary as JSON at the end instead of the short summary.",
+    )
+
+    lost_api_wait_s: float = Field(
+        180.0,
+        ge=5,
+        le=86_400,
+        description=(
+            "Seconds the run waits for a Prefect API that stopped answering; then it ends with the outcome it "
+            "reached (summary.json) and says the orchestrator could not be told."
+        ),
     )
 
     @model_validator(mode="before")

@@ -1,0 +1,247 @@
+"""How a run stops before its end: Ctrl-C, SIGTERM, a cancel from Prefect, a Prefect API that is gone.
+
+The CLI owns SIGINT and SIGTERM while a run lasts (``signals_stop_the_run``). A signal never
+raises into the flow: it only records a stop request (``STOP``). The flow notices it while it
+waits for a stage (``wait_for_stage``), cancels that stage's Ray task (in the training stage Ray
+Train aborts its run: the workers stop, the checkpoints already written stay), writes the run's
+summary as ``interrupted`` and ends the flow run Cancelled. Then the local Ray and the temporary
+Prefect server stop, the server last, and the CLI exits 130 (SIGINT) or 143 (SIGTERM). A second
+Ctrl-C exits at once.
+
+Why not let Python raise KeyboardInterrupt: the stage runs in a Ray task, so an exception in the
+CLI's main thread leaves training running to its end (measured: minutes), and Prefect's own
+SIGTERM bridge raised from inside Ray's C code, which surfaced as a ``SystemError``.
+
+A served deployment's run is cancelled by Prefect's runner (Cancel in the UI): Prefect's own
+SIGTERM bridge stays in charge there, and the summary records the run as ``cancelled``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
+SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
+
+# How long a cancelled stage may take to wind down (Ray Train's abort measured 0.7 s) before the
+# flow records the stop anyway; well inside Prefect's 30 s cancellation grace period.
+STAGE_STOP_WAIT_S = 15.0
+POLL_S = 0.5
+
+
+class StopRequest:
+    """A process-wide request to stop the run, set from a signal handler or a watchdog thread."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.reason: str | None = None  # what the summary and the terminal say
+        self._event = threading.Event()
+
+    @property
+    def requested(self) -> bool:
+        return self._event.is_set()
+
+    def request(self, reason: str, signum: int | None = None) -> bool:
+        """Ask the run to stop; False when a stop was already asked for."""
+        if self._event.is_set():
+            return False
+        self.signum, self.reason = signum, reason
+        self._event.set()
+        return True
+
+    def exit_code(self) -> int | None:
+        """130 after SIGINT, 143 after SIGTERM, None when no signal stopped the run."""
+        return EXIT_CODES.get(self.signum) if self.signum is not None else None
+
+    def reset(self) -> None:
+        self.signum = self.reason = None
+        self._event.clear()
+
+
+STOP = StopRequest()
+_cli_owns_signals = False
+# Set when the flow function has returned or raised (its summary is on storage); Prefect's engine
+# then still reports the final state to the API, which is where a lost server made runs hang.
+FLOW_BODY_DONE = threading.Event()
+
+
+class RunStopped(Exception):
+    """The run stopped on request in ``stage`` (raised in the flow's own thread, never from a signal handler)."""
+
+    def __init__(self, stage: str | None, reason: str):
+        super().__init__(f"{reason}{f' during stage {stage}' if stage else ''}")
+        self.stage, self.reason = stage, reason
+
+
+def _tell(text: str) -> None:
+    """Write to the terminal directly: inside the flow ``print`` is Prefect's (log_prints) and goes to the log."""
+    sys.__stderr__.write(text)
+    sys.__stderr__.flush()
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if STOP.request(f"stopped by {SIGNAL_NAMES[signum]}", signum):
+        again = "; press Ctrl-C again to exit at once" if signum == signal.SIGINT else ""
+        _tell(f"\n{SIGNAL_NAMES[signum]}: stopping the run, keeping its checkpoints{again} ...\n")
+    elif signum == signal.SIGINT:
+        # Second Ctrl-C: leave now. Ray (started by this process) and the temporary Prefect
+        # server (flows.server_process) watch this process and exit after it.
+        _tell("\nsecond Ctrl-C: exiting now; the run folder keeps its last checkpoint\n")
+        os._exit(EXIT_CODES[signal.SIGINT])
+
+
+@contextmanager
+def signals_stop_the_run() -> Iterator[StopRequest]:
+    """While active (the CLI, main thread), SIGINT and SIGTERM ask the run to stop instead of raising."""
+    global _cli_owns_signals
+    STOP.reset()
+    previous = {signum: signal.signal(signum, _on_signal) for signum in EXIT_CODES}
+    _cli_owns_signals = True
+    try:
+        yield STOP
+    finally:
+        _cli_owns_signals = False
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+@contextmanager
+def keep_sigterm() -> Iterator[None]:
+    """Inside the flow: put the CLI's SIGTERM handler back over the one Prefect's engine installs.
+
+    Prefect's bridge raises ``TerminationSignal`` wherever the main thread is (inside Ray's C
+    code here). Only when the CLI owns the signals; a served run keeps Prefect's bridge, which
+    is how the runner cancels it.
+    """
+    if not _cli_owns_signals or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def wait_for_stage(future: Any, stage: str) -> Any:
+    """The stage's result; when a stop is requested meanwhile, cancel its Ray task and raise `RunStopped`.
+
+    ``ray.cancel`` raises KeyboardInterrupt in the task; in the training stage Ray Train's own
+    handler turns that into an abort of its run (workers and controller stop; checkpoints that
+    were reported stay on storage).
+    """
+    import ray
+
+    if STOP.requested:
+        raise RunStopped(stage, STOP.reason or "stopped")
+    ref = getattr(future, "wrapped_future", None)
+    if not isinstance(ref, ray.ObjectRef):
+        return future.result()
+    while not ray.wait([ref], timeout=POLL_S)[0]:
+        if STOP.requested:
+            ray.cancel(ref, recursive=True)
+            deadline = time.monotonic() + STAGE_STOP_WAIT_S
+            while time.monotonic() < deadline and not ray.wait([ref], timeout=POLL_S)[0]:
+                pass
+            raise RunStopped(stage, STOP.reason or "stopped")
+    return future.result()
+
+
+def prefect_is_cancelling() -> bool:
+    """True when Prefect's runner is cancelling this flow run (Cancel in the UI or API).
+
+    Prefect's engine learns it from the runner's control channel before the SIGTERM arrives;
+    that channel's intent is only exposed by a private module, so any failure reads as False.
+    """
+    try:
+        from prefect._internal import control_listener
+
+        return control_listener.get_intent() == "cancel"
+    except Exception:  # noqa: BLE001 - a private API: absent or changed means "not known"
+        return False
+
+
+def kept_checkpoint(run_dir: str) -> dict[str, Any] | None:
+    """The latest checkpoint Ray Train recorded for the run in ``run_dir``: path, epoch, mid-epoch or not.
+
+    Read from Ray Train's own ``checkpoint_manager_snapshot.json``: a resumed run starts from it.
+    """
+    from tasks.common.storage import join, read_json
+
+    snapshot = read_json(join(run_dir, "checkpoint_manager_snapshot.json"))
+    latest = (snapshot or {}).get("latest_checkpoint_result") if isinstance(snapshot, dict) else None
+    if not latest or not latest.get("checkpoint_dir_name"):
+        return None
+    metrics = latest.get("metrics") or {}
+    return {
+        "path": join(run_dir, latest["checkpoint_dir_name"]),
+        "epoch": metrics.get("epoch"),
+        "mid_epoch": bool(metrics.get("mid_epoch")),
+        "step": metrics.get("step"),
+    }
+
+
+class ApiWatch:
+    """Ends a CLI run whose Prefect API stopped answering for longer than ``wait_s``.
+
+    Prefect's client retries a lost server with growing pauses, so a run whose server is gone
+    for good finished its stages and then hung while reporting its last states (measured: still
+    running 2 minutes after its summary said completed). After ``wait_s`` without an answer
+    this watch asks a run still in a stage to stop (its checkpoints stay), gives it
+    ``STAGE_STOP_WAIT_S`` to write its summary, says that the orchestrator could not be told,
+    and exits with the outcome on storage: 0 when the summary says completed, else 1. A server
+    back within ``wait_s`` changes nothing (measured: 27 s and 77 s outages, the run completed).
+    """
+
+    def __init__(self, api_url: str, wait_s: float, summary_path: str, poll_s: float = 2.0):
+        self.api_url, self.wait_s, self.summary_path, self.poll_s = api_url, wait_s, summary_path, poll_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="prefect-api-watch", daemon=True)
+
+    def _answers(self) -> bool:
+        import httpx
+
+        try:
+            return httpx.get(f"{self.api_url.rstrip('/')}/health", timeout=min(5.0, self.poll_s * 2)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _run(self) -> None:
+        down_since = None
+        while not self._stop.wait(self.poll_s):
+            if self._answers():
+                down_since = None
+                continue
+            down_since = down_since or time.monotonic()
+            if time.monotonic() - down_since >= self.wait_s:
+                self._give_up(time.monotonic() - down_since)
+
+    def _give_up(self, silent_s: float) -> None:
+        from tasks.common.storage import read_json
+
+        if not FLOW_BODY_DONE.is_set():
+            STOP.request(f"stopped: the Prefect API did not answer for {silent_s:.0f} s")
+            FLOW_BODY_DONE.wait(STAGE_STOP_WAIT_S + 10)
+        summary = read_json(self.summary_path)
+        status = summary.get("status") if isinstance(summary, dict) else None
+        _tell(
+            f"\nThe Prefect API at {self.api_url} has not answered for {silent_s:.0f} s (--lost-api-wait-s {self.wait_s:g}): "
+            f"the orchestrator could not be told how this run ended. The run's outcome is '{status or 'unknown'}', "
+            f"in {self.summary_path}. Exiting.\n"
+        )
+        os._exit(0 if status == "completed" else 1)
+
+    def __enter__(self) -> ApiWatch:
+        FLOW_BODY_DONE.clear()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stop.set()

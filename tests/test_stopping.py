@@ -1,0 +1,220 @@
+"""Stopping a CLI run from outside, the way a person or an operator does, against the real processes.
+
+Each test starts ``python -m flows.mnist`` in a session of its own (as a terminal does), waits
+for a line of its output, sends a signal (Ctrl-C goes to the whole process group, like the
+terminal's), and checks the exit code, the time it took, the run's summary.json and that no
+process of the run is left: the CLI's descendants (local Ray, its workers) and the temporary
+Prefect server, which runs in a session of its own (flows/server_process.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flows import console, hooks
+from flows.stopping import EXIT_CODES, StopRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+STOP_BUDGET_S = 30  # the issue's bound, and Prefect's cancellation grace period
+
+
+class CliRun:
+    """One ``python -m flows.mnist`` run in its own session, its output in a file."""
+
+    def __init__(self, tmp_path: Path, run_name: str, *args: str, env: dict[str, str] | None = None):
+        self.root, self.run_name = tmp_path / "storage", run_name
+        self.log = tmp_path / f"{run_name}-{time.monotonic_ns()}.log"
+        command = [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(self.root),
+                   "--run-name", run_name, *args]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for_line(self, text: str, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in self.output():
+            if self.proc.poll() is not None:
+                pytest.fail(f"the run exited ({self.proc.returncode}) before printing {text!r}:\n{self.output()[-3000:]}")
+            if time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"no {text!r} within {timeout_s}s:\n{self.output()[-3000:]}")
+            time.sleep(0.2)
+
+    def processes(self) -> set[int]:
+        """The CLI, its descendants, and the temporary Prefect server it started (its own session)."""
+        parents: dict[int, int] = {}
+        commands: dict[int, str] = {}
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = (entry / "stat").read_text()
+                commands[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+        found = {self.proc.pid}
+        found |= {pid for pid, command in commands.items() if f"flows.server_process {self.proc.pid} " in command}
+        grew = True
+        while grew:
+            children = {pid for pid, ppid in parents.items() if ppid in found} - found
+            found |= children
+            grew = bool(children)
+        return found
+
+    def finish(self, timeout_s: float) -> tuple[int, float]:
+        """(exit code, seconds it took)."""
+        start = time.monotonic()
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"the run was still going {timeout_s}s later:\n{self.output()[-3000:]}")
+        return code, time.monotonic() - start
+
+    def kill(self) -> None:
+        for pid in self.processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def summary(self) -> dict:
+        return json.loads((self.root / "runs" / self.run_name / "summary.json").read_text())
+
+
+def alive(pids: set[int]) -> set[int]:
+    """The pids still running (a zombie waiting for its reaper counts as gone)."""
+    running = set()
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            running.add(pid)
+    return running
+
+
+def wait_gone(pids: set[int], timeout_s: float) -> set[int]:
+    deadline = time.monotonic() + timeout_s
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return alive(pids)
+
+
+# --------------------------------------------------------------------------- fast
+
+
+def test_stop_request_keeps_the_first_reason_and_maps_signals_to_shell_exit_codes():
+    stop = StopRequest()
+    assert not stop.requested and stop.exit_code() is None
+    assert stop.request("stopped by Ctrl-C (SIGINT)", signal.SIGINT)
+    assert not stop.request("stopped by SIGTERM", signal.SIGTERM)  # the first one wins
+    assert stop.requested and stop.reason == "stopped by Ctrl-C (SIGINT)" and stop.exit_code() == 130
+    assert EXIT_CODES[signal.SIGTERM] == 143
+
+
+def test_stopped_lines_name_the_stage_the_checkpoint_and_the_resume_command():
+    summary = {
+        "run_name": "r1", "storage_root": "/data", "run_dir": "/data/runs/r1", "epochs": 30, "status": "interrupted",
+        "stopped": {"stage": "train", "status": "interrupted", "checkpoint_kept": {"path": "/data/runs/r1/checkpoint_x", "epoch": 2, "mid_epoch": False}},
+        "stages": {"download": {"status": "completed"}, "train": {"status": "interrupted"}},
+    }
+    lines = console.stopped_lines(summary, "stopped by Ctrl-C (SIGINT)", 75)
+    assert lines[0].startswith("Run r1 stopped by Ctrl-C (SIGINT) in stage train after 1m15s")
+    assert "/data/runs/r1/checkpoint_x (epoch 3 of 30 done)" in lines[1]
+    assert "python -m flows.mnist --run-name r1 --storage-root /data" in lines[-1]
+    early = console.stopped_lines({"run_name": "r2"}, "stopped by SIGTERM", 3)
+    assert "before its first stage" in early[0] and "--run-name r2" in early[-1]
+
+
+def test_a_failure_between_stages_is_not_reported_as_before_any_stage():
+    summary = {"run_name": "r", "storage_root": "/s", "run_dir": "/s/runs/r",
+               "stages": {"download": {"status": "completed"}, "to-parquet": {"status": "completed"}}}
+    text = hooks.failure_summary("fox", "OSError: [Errno 28] No space left on device", summary)["text"]
+    assert "after stage 'to-parquet'" in text and "before any stage" not in text
+    assert "before any stage started" in hooks.failure_summary("fox", "bad", None)["text"]
+
+
+def test_too_many_workers_are_refused_before_anything_is_created(tmp_path):
+    run = CliRun(tmp_path, "too-many", "--train.num-workers", "128", "--train.global-batch-size", "256")
+    code, _ = run.finish(180)
+    assert code == 1, run.output()
+    assert "train.num_workers=128" in run.output()
+    assert not run.root.exists() or not any(run.root.iterdir()), sorted(p.name for p in run.root.iterdir())
+
+
+def test_sigkill_of_the_cli_leaves_no_server_or_ray_behind(tmp_path):
+    run = CliRun(tmp_path, "killed")
+    run.wait_for_line("Ray: local cluster", timeout_s=180)
+    pids = run.processes()
+    server = [pid for pid in pids if pid != run.proc.pid and "flows.server_process" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    assert server, "the temporary Prefect server was not found among the run's processes"
+    os.kill(run.proc.pid, signal.SIGKILL)
+    run.proc.wait(timeout=10)
+    start = time.monotonic()
+    assert not wait_gone(set(server), timeout_s=10), "the temporary Prefect server outlived the CLI"
+    left = wait_gone(pids, timeout_s=120)  # Ray's agents give a dead GCS a while
+    print(f"every process of the run gone {time.monotonic() - start:.1f}s after the SIGKILL")
+    assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_text(errors="replace")[:120] for pid in left}
+
+
+# --------------------------------------------------------------------------- slow: they train
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes(tmp_path):
+    run = CliRun(tmp_path, "interrupted", "--train.epochs", "2")
+    run.wait_for_line("epoch 1/2")
+    pids = run.processes()
+    os.killpg(run.proc.pid, signal.SIGINT)  # the terminal sends Ctrl-C to the whole foreground group
+    code, seconds = run.finish(STOP_BUDGET_S + 30)
+    out = run.output()
+    print(f"Ctrl-C to exit: {seconds:.1f}s")
+    assert code == 130, out[-3000:]
+    assert seconds < STOP_BUDGET_S, out[-3000:]
+    assert not wait_gone(pids, timeout_s=10)
+    summary = run.summary()
+    assert summary["status"] == "interrupted" and summary["stopped"]["stage"] == "train"
+    assert summary["stages"]["train"]["status"] == "interrupted"
+    kept = summary["stopped"]["checkpoint_kept"]
+    assert kept and kept["epoch"] >= 0 and Path(kept["path"]).is_dir()
+    assert f"to resume        python -m flows.mnist --run-name interrupted --storage-root {run.root}" in out
+    assert "Traceback" not in out and "ConnectError" not in out
+
+    again = CliRun(tmp_path, "interrupted", "--train.epochs", "2")
+    code, _ = again.finish(600)
+    assert code == 0, again.output()[-3000:]
+    resumed = again.summary()
+    assert resumed["status"] == "completed" and resumed["stopped"] is None
+    assert resumed["resumed_from_epoch"] == kept["epoch"] + 1  # went on from the kept checkpoint
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_with_143_and_no_system_error(tmp_path):
+    run = CliRun(tmp_path, "terminated", "--train.epochs", "2")
+    run.wait_for_line("[4/6] train")
+    time.sleep(5)  # inside fit(): workers are starting or training
+    pids = run.processes()
+    os.kill(run.proc.pid, signal.SIGTERM)  # an operator's kill, systemd, Docker
+    code, seconds = run.finish(STOP_BUDGET_S + 30)
+    out = run.output()
+    print(f"SIGTERM to exit: {seconds:.1f}s")
+    assert code == 143 and seconds < STOP_BUDGET_S, out[-3000:]
+    assert "SystemError" not in out and "Traceback" not in out
+    assert "Run terminated stopped by SIGTERM in stage train" in out
+    assert not wait_gone(pids, timeout_s=10)
+    summary = run.summary()
+    assert summary["status"] == "interrupted" and summary["stopped"]["reason"] == "stopped by SIGTERM"
