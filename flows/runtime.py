@@ -25,6 +25,7 @@ from prefect.settings import (
 from prefect_ray import RayTaskRunner
 
 from flows.server_process import owned_server_class
+from flows.stopping import sigterm_handler_kept
 from pipeline_config import RayConfig
 from tasks.common.faults import TEST_HOOK_ENVS
 from tasks.common.storage import S3_ENV_VARS
@@ -126,7 +127,8 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
 
     def start_ray(url: str) -> None:
         address, kwargs = ray_init_args(cfg, url)
-        context = ray.init(address, **kwargs)
+        with sigterm_handler_kept():  # SIGTERM stays the CLI's (flows/stopping.py)
+            context = ray.init(address, **kwargs)
         dashboard[0] = f"http://{context.dashboard_url}" if context.dashboard_url else None
         given.append(url)
 
@@ -208,4 +210,12 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
             "which starts a local Prefect server; Ray workers must report to the flow's API"
         )
     address, init_kwargs = ray_init_args(cfg, api_url)
-    return RayTaskRunner(address=address, init_kwargs=init_kwargs)
+    return SignalKeepingRayTaskRunner(address=address, init_kwargs=init_kwargs)
+
+
+class SignalKeepingRayTaskRunner(RayTaskRunner):
+    """A RayTaskRunner whose ``ray.init`` leaves the flow's SIGTERM handler in place (``stopping.sigterm_handler_kept``)."""
+
+    def __enter__(self):
+        with sigterm_handler_kept():
+            return super().__enter__()

@@ -456,6 +456,27 @@ def test_failed_run_logs_the_summary_and_posts_it_to_the_webhook(server, served,
 
 
 @pytest.mark.slow
+def test_cancel_from_the_ui_ends_cancelled_and_the_summary_says_cancelled(server, served, work):
+    """Cancel on a running served run (the UI's Cancel button sets CANCELLING): Cancelled, not failed."""
+    deployment = server.deployment("manual")
+    config = smoke_config(work / "storage", "api-cancel", epochs=3)
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-cancel"))
+    run_dir = work / "storage" / "runs" / "api-cancel"
+    snapshot = run_dir / "checkpoint_manager_snapshot.json"  # Ray Train registered a checkpoint
+    wait_for(snapshot.exists, RUN_TIMEOUT_S, f"the first checkpoint\n{log_tail(served['log'])}")
+    cancelled_at = time.monotonic()
+    server.post(f"/flow_runs/{created['id']}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
+    run = server.wait_final(created["id"], served["log"], timeout_s=90)
+    print(f"Cancel to Cancelled: {time.monotonic() - cancelled_at:.1f}s")
+    assert run["state_type"] == "CANCELLED", run["state"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "cancelled" and summary["stopped"]["stage"] == "train", summary.get("stopped")
+    assert summary["stages"]["train"]["status"] == "cancelled"
+    kept = summary["stopped"]["checkpoint_kept"]
+    assert kept["epoch"] >= 0 and Path(kept["path"]).is_dir()  # the checkpoint stays to resume from
+
+
+@pytest.mark.slow
 def test_prefect_yaml_deploys_both_deployments_to_a_process_work_pool(tmp_path):
     """`prefect deploy` with deployments/prefect.yaml, as the README says, against its own fresh server."""
     srv = PrefectServer(tmp_path / "prefect-home").start()

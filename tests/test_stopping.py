@@ -218,3 +218,26 @@ def test_sigterm_stops_the_run_with_143_and_no_system_error(tmp_path):
     assert not wait_gone(pids, timeout_s=10)
     summary = run.summary()
     assert summary["status"] == "interrupted" and summary["stopped"]["reason"] == "stopped by SIGTERM"
+
+
+@pytest.mark.slow
+def test_a_prefect_api_gone_for_good_ends_the_run_within_the_bounded_wait(tmp_path):
+    from tests.test_deployments import PrefectServer
+
+    wait_s = 10
+    server = PrefectServer(tmp_path / "prefect-home").start()
+    try:
+        run = CliRun(tmp_path, "api-lost", "--train.epochs", "3", "--lost-api-wait-s", str(wait_s), env={"PREFECT_API_URL": server.api})
+        run.wait_for_line("[4/6] train")
+    finally:
+        server.stop()  # for good: nothing answers on its port again
+    code, seconds = run.finish(wait_s + 90)
+    out = run.output()
+    print(f"server stopped to exit: {seconds:.1f}s")
+    assert "the orchestrator could not be told" in out, out[-3000:]
+    summary = run.summary()
+    # Training (3 epochs) outlasts the wait, so the run stopped in it, with the reason on record.
+    assert summary["status"] == "interrupted" and summary["stopped"]["stage"] == "train", summary.get("stopped")
+    assert "Prefect API did not answer" in summary["stopped"]["reason"]
+    assert code == 1
+    assert seconds < wait_s + 60  # the wait, the stage's wind-down (15 s at most), and the health polls
