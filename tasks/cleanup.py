@@ -5,10 +5,16 @@ root (symlinks resolved; no '..' in an S3 key), is not itself a symlink, and is 
 evaluation used, and is not (nor contains) a folder another live run on the same storage root
 reads (its lease in ``<root>/leases/``). A path that breaks a rule stops the stage with its name;
 nothing is deleted. The dry run applies the same checks, so it lists exactly what a real run deletes.
+
+Whatever the policy, incomplete checkpoint folders in the run folder go too (`incomplete_checkpoints`):
+debris of an upload that failed or was cut short, which Ray Train never registered. A checkpoint
+Ray Train knows (its snapshot, the training result, the evaluated one) is never touched here.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 
@@ -17,7 +23,20 @@ from pydantic import BaseModel
 
 from pipeline_config import CleanupConfig
 from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, atomic_write_json, exists, is_remote, join, paths_in_use, remove, total_bytes
+from tasks.common.model import checkpoint_problem
+from tasks.common.storage import (
+    StorageLayout,
+    atomic_write_json,
+    basename,
+    exists,
+    is_remote,
+    join,
+    list_dirs,
+    paths_in_use,
+    read_bytes,
+    remove,
+    total_bytes,
+)
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import ParquetDataset
@@ -31,6 +50,9 @@ class CleanupReport(BaseModel):
     paths: list[str]
     bytes: int
     report_path: str
+    # Of ``paths``: checkpoint folders removed (or, in a dry run, to remove) because they were
+    # incomplete, each with the reason ("model.pt does not match its sha256 ...").
+    incomplete_checkpoints: dict[str, str] = {}
 
 
 def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: TrainedModel, evaluation: Evaluation) -> list[str]:
@@ -44,6 +66,58 @@ def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: Tra
     if cfg.delete_parquet:
         selected.append(dataset.directory)
     return selected
+
+
+# Ray Train's record of the checkpoints it kept, in the run folder (ray.train.v2 constants).
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+class UnreadableSnapshot(ValueError):
+    """Ray Train's snapshot is there but cannot be read: which checkpoints it keeps is unknown."""
+
+
+def ray_train_checkpoints(run_dir: str) -> set[str]:
+    """Names of the checkpoint folders Ray Train's snapshot in ``run_dir`` records (empty when there is none).
+
+    Kept, latest and pending ones alike: any of them may be what a resumed run restores.
+    """
+    try:
+        snapshot = json.loads(read_bytes(join(run_dir, RAY_TRAIN_SNAPSHOT)))
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError) as exc:
+        raise UnreadableSnapshot(f"{join(run_dir, RAY_TRAIN_SNAPSHOT)} is unreadable: {exc}") from exc
+    if not isinstance(snapshot, dict):
+        raise UnreadableSnapshot(f"{join(run_dir, RAY_TRAIN_SNAPSHOT)} is not a Ray Train checkpoint snapshot")
+    results = [*(snapshot.get("checkpoint_results") or []), snapshot.get("latest_checkpoint_result"),
+               *(snapshot.get("pending_training_results") or [])]
+    return {r["checkpoint_dir_name"] for r in results if isinstance(r, dict) and r.get("checkpoint_dir_name")}
+
+
+def incomplete_checkpoints(run_dir: str, known: list[str] = ()) -> dict[str, str]:
+    """Checkpoint folders directly in ``run_dir`` that are incomplete, each with why; never a known one.
+
+    Known: recorded in Ray Train's snapshot or named in ``known`` (the training result's
+    checkpoints, the evaluated one). The rest are incomplete when `checkpoint_problem` says so:
+    no ``_checksums.json``, a file it names missing, or one not matching its sha256. With an
+    unreadable snapshot nothing is judged (UnreadableSnapshot): any folder might be Ray Train's.
+    """
+    protected = ray_train_checkpoints(run_dir) | {basename(path) for path in known}
+    found: dict[str, str] = {}
+    for name in list_dirs(run_dir):
+        path = join(run_dir, name)
+        if not name.startswith("checkpoint_") or name in protected:
+            continue
+        if not is_remote(path) and Path(path).is_symlink():
+            continue  # not ours to judge; check_deletable would refuse it anyway
+        try:
+            problem = checkpoint_problem(path)
+        except OSError as exc:  # could not read it (a network error on S3, say): no verdict, keep it
+            logging.getLogger(__name__).warning("Could not check %s, leaving it: %s", path, exc)
+            continue
+        if problem is not None:
+            found[path] = problem
+    return found
 
 
 def _canonical(path: str | os.PathLike[str]) -> str:
@@ -87,6 +161,13 @@ def cleanup(
     """Delete what the retention policy selects, inside the storage root only (or list it in a dry run)."""
     logger = stage_logger(__name__)
     selected = plan(cfg, raw, dataset, trained, evaluation)
+    known = [c.path for c in trained.checkpoints] + [trained.best_checkpoint, evaluation.checkpoint]
+    try:
+        debris = incomplete_checkpoints(layout.run_dir, known)
+    except UnreadableSnapshot as exc:
+        logger.warning("Not looking for incomplete checkpoints: %s", exc)
+        debris = {}
+    selected += [path for path in debris if path not in selected]
     in_use = paths_in_use(layout)
     for path in selected:  # every check passes before the first deletion (also for paths already gone)
         check_deletable(path, layout, [evaluation.checkpoint], in_use)
@@ -96,7 +177,13 @@ def cleanup(
         for path in paths:
             remove(path)
     verb = "Would delete" if cfg.dry_run else "Deleted"
+    for path, problem in debris.items():
+        logger.warning("%s incomplete checkpoint %s: %s (Ray Train never registered it: a failed or cut-short upload)",
+                       verb, path, problem)
     logger.info("%s %d path(s), %d bytes: %s", verb, len(paths), total, paths)
-    report = CleanupReport(dry_run=cfg.dry_run, paths=paths, bytes=total, report_path=join(layout.run_dir, "cleanup.json"))
+    report = CleanupReport(
+        dry_run=cfg.dry_run, paths=paths, bytes=total, report_path=join(layout.run_dir, "cleanup.json"),
+        incomplete_checkpoints=debris,
+    )
     atomic_write_json(report.report_path, report.model_dump())
     return report

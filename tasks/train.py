@@ -14,6 +14,12 @@ Which layer owns which failure:
   the training code (every failed rank raised an ordinary exception) is not retried.
 * The flow owns a lost driver: ``python -m flows.mnist --run-name <same name>`` skips finished
   stages whose outputs verify on storage and this stage resumes from the latest checkpoint.
+* Nobody retries a storage root that takes no more writes (full, read-only, over quota): the
+  stage fails with a `StorageWriteError` naming the stage, the folder and the cause. Rank 0
+  removes the checkpoint folder whose upload failed (each checkpoint's folder name is known
+  before its upload: ``checkpoint_epoch-0003``, ``checkpoint_epoch-0003_step-000120``), so it
+  neither holds the space a restart needs nor looks like a checkpoint; cleanup removes any such
+  folder that still got left behind.
 
 Total budget before a run fails: (max_failures + 1) x (stage_retries + 1) training attempts.
 
@@ -37,7 +43,18 @@ from tasks.common.faults import ROW_LOG_ENV
 from tasks.common.logs import stage_logger
 from tasks.common.reports import training_progress_callbacks
 from tasks.common.single_process import fit_single
-from tasks.common.storage import S3_SCHEME, StorageLayout, filesystem, is_remote, join, parent, read_lines
+from tasks.common.storage import (
+    S3_SCHEME,
+    StorageLayout,
+    StorageWriteError,
+    filesystem,
+    is_remote,
+    join,
+    parent,
+    read_lines,
+    storage_errno,
+    storage_write_error,
+)
 from tasks.common.train_loop import HISTORY_FILE, read_history, train_loop_per_worker
 from tasks.transform import TransformSpec
 
@@ -126,6 +143,7 @@ def loop_config(
         "torch_threads": torch_threads,
         "hang_timeout_s": cfg.hang_timeout_s,
         "fault_dir": fault_dir,  # where test-only fault injection records what fired (tasks.common.faults)
+        "run_dir": run_dir,  # Ray Train's run folder: checkpoints get deterministic names there (train_loop.report)
         "attempts_log": join(run_dir, ATTEMPTS_LOG) if run_dir else None,
         "history_path": join(run_dir, HISTORY_FILE) if run_dir else None,  # every epoch's metrics, from rank 0
         "checkpoint_every_steps": cfg.checkpoint_every_steps,
@@ -142,24 +160,56 @@ _INFRASTRUCTURE_ERRORS = ("RayActorError", "ActorDiedError", "WorkerCrashedError
 _INFRASTRUCTURE_TEXT = ("Connection closed by peer", "Connection reset by peer", "timed out", "monitoredBarrier", "died")
 
 
+def _failures(exc: BaseException) -> list[BaseException]:
+    """``exc`` and every error inside it: causes, contexts, each failed rank's and the controller's."""
+    seen: set[int] = set()
+    found: list[BaseException] = []
+    pending = [exc]
+    while pending:
+        error = pending.pop(0)
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        found.append(error)
+        pending.extend((getattr(error, "worker_failures", None) or {}).values())
+        pending.extend([getattr(error, "controller_failure", None), error.__cause__, error.__context__])
+    return found
+
+
+def storage_failure(exc: BaseException, run_dir: str) -> StorageWriteError | None:
+    """The training stage's `StorageWriteError` when ``exc`` failed because the storage root took no more writes.
+
+    Looks through Ray Train's errors (``WorkerGroupError.worker_failures``, ``ControllerError``,
+    the exception chain) for, best first: a rank's own `StorageWriteError` (it names the
+    checkpoint folder), an OSError with ENOSPC / EROFS / EDQUOT / EACCES (named by its file, else
+    the run folder), an error whose text alone says so (named by the run folder).
+    """
+    failures = _failures(exc)
+    for error in failures:
+        if isinstance(error, StorageWriteError):
+            return error
+    for by_text in (False, True):
+        for error in failures:
+            if storage_errno(error, by_text=by_text) is not None:
+                return storage_write_error("train", error, run_dir)
+    return None
+
+
 def is_infrastructure_failure(exc: BaseException) -> bool:
     """True when ``exc`` (or a rank's failure inside a Ray Train error) is a lost worker, node or a hang.
 
     ``ray.train.WorkerGroupError`` carries each failed rank's exception; when every one of them
     is an ordinary exception (a bug, bad data) a retry would only fail again, so it is not one.
+    Neither is a full, read-only or over-quota storage root, even when the other ranks lost
+    their peer because of it: another attempt would only meet the same disk.
     """
-    seen: set[int] = set()
-    pending = [exc]
-    while pending:
-        error = pending.pop()
-        if error is None or id(error) in seen:
-            continue
-        seen.add(id(error))
+    failures = _failures(exc)
+    if any(isinstance(error, StorageWriteError) or storage_errno(error) is not None for error in failures):
+        return False
+    for error in failures:
         names = {cls.__name__ for cls in type(error).__mro__}
         if names & set(_INFRASTRUCTURE_ERRORS) or any(text in str(error) for text in _INFRASTRUCTURE_TEXT):
             return True
-        pending.extend((getattr(error, "worker_failures", None) or {}).values())
-        pending.extend([getattr(error, "controller_failure", None), error.__cause__, error.__context__])
     return False
 
 
@@ -172,10 +222,27 @@ def retry_infrastructure_failures(task, task_run, state) -> bool:
     return False
 
 
+def raise_storage_failure(exc: BaseException, run_dir: str) -> None:
+    """Raise the stage's `StorageWriteError` (from ``exc``) when ``exc`` is a storage failure; else return."""
+    error = storage_failure(exc, run_dir)
+    if error is None:
+        return
+    # A fresh error raised here, so the message is the stage's own and ``exc`` (Ray Train's, with
+    # every rank's traceback) stays attached as its cause.
+    raise _copy(error) from exc
+
+
+def _copy(error: StorageWriteError) -> StorageWriteError:
+    copy = StorageWriteError(str(error))
+    copy.errno = error.errno
+    return copy
+
+
 def summarize_result(result, run_dir: str, num_workers: int, cpus: float, score: str = "val_accuracy") -> TrainedModel:
     """Turn a ``ray.train.Result`` into the manifest later stages read (checkpoint paths as ``s3://`` URIs on S3)."""
     remote = is_remote(run_dir)
     if result.error:
+        raise_storage_failure(result.error, run_dir)
         raise RuntimeError(f"Ray Train run {run_dir} failed: {result.error}") from result.error
     # Mid-epoch checkpoints are only there to resume from; they are never candidates.
     kept = [
@@ -245,7 +312,11 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
         # rows per epoch (their order and augmentation depend on it; train_loop.EpochShards) and
         # its share of the validation rows once (train_loop.train_loop_per_worker).
     )
-    result = trainer.fit()
+    try:
+        result = trainer.fit()
+    except Exception as exc:  # Ray Train's TrainingFailedError: a full disk becomes the stage's StorageWriteError
+        raise_storage_failure(exc, layout.run_dir)
+        raise
     trained = summarize_result(result, layout.run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)
     attempts = read_attempts(join(layout.run_dir, ATTEMPTS_LOG))
     resumed = next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None)

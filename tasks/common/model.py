@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torchvision.models import resnet18
 
-from tasks.common.storage import join, local_copy, sha256_file
+from tasks.common.storage import exists, join, local_copy, read_bytes, sha256_file
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -54,9 +54,11 @@ def save_checkpoint_files(
     extra_state: dict[str, Any],
     optimizer_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Write model.pt, optimizer.pt and extra_state.pt into ``directory``.
+    """Write model.pt, optimizer.pt and extra_state.pt into ``directory``, then ``_checksums.json``.
 
-    ``optimizer_state`` overrides ``optimizer.state_dict()`` (FSDP gathers a full one itself).
+    The checksums go last, from the files as written: a folder whose writing stopped early has
+    none, so it never names a file that is not there. ``optimizer_state`` overrides
+    ``optimizer.state_dict()`` (FSDP gathers a full one itself).
     """
     directory = Path(directory)
     torch.save(unwrap(model).state_dict(), directory / MODEL_FILE)
@@ -97,9 +99,45 @@ def load_state(directory: str | os.PathLike[str], name: str, origin: str | None 
     """
     path = Path(directory) / name
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint file missing: {join(origin or str(directory), name)}")
+        try:
+            listed = name in json.loads((Path(directory) / CHECKSUMS_FILE).read_text())
+        except (OSError, ValueError, TypeError):
+            listed = False
+        raise FileNotFoundError(
+            f"checkpoint file missing: {join(origin or str(directory), name)}"
+            + (f" although {CHECKSUMS_FILE} names it (an incomplete checkpoint)" if listed else "")
+        )
     verify_checkpoint_file(path, origin)
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why the checkpoint folder ``directory`` (local or ``s3://``) is not complete, or None when it is.
+
+    Complete means: ``_checksums.json`` is there, names model.pt, optimizer.pt and
+    extra_state.pt, and every file it names is there with that sha256. A folder whose upload
+    stopped early fails one of these (pyarrow copies the files in no fixed order, so the
+    checksums may have arrived before a truncated model.pt). A storage error while reading
+    (other than a missing file) is raised, not taken for an answer.
+    """
+    try:
+        checksums = json.loads(read_bytes(join(directory, CHECKSUMS_FILE)))
+    except FileNotFoundError:
+        return f"no {CHECKSUMS_FILE}"
+    except ValueError as exc:
+        return f"{CHECKSUMS_FILE} is unreadable ({exc})"
+    if not isinstance(checksums, dict):
+        return f"{CHECKSUMS_FILE} is not a mapping of file names to sha256"
+    unlisted = [name for name in CHECKPOINT_FILES if name not in checksums]
+    if unlisted:
+        return f"{CHECKSUMS_FILE} does not name {', '.join(unlisted)}"
+    for name, expected in sorted(checksums.items()):
+        path = join(directory, name)
+        if not exists(path):
+            return f"{name} is missing although {CHECKSUMS_FILE} names it"
+        if sha256_file(path) != expected:
+            return f"{name} does not match its sha256 (truncated or modified)"
+    return None
 
 
 def load_model(directory: str | os.PathLike[str]) -> torch.nn.Module:

@@ -208,6 +208,16 @@ def list_files(directory: str | os.PathLike[str], suffix: str = "") -> list[str]
     )
 
 
+def list_dirs(directory: str | os.PathLike[str]) -> list[str]:
+    """Names of the folders directly inside ``directory`` (prefixes on S3), sorted; empty when it is missing."""
+    fs, where = filesystem(directory)
+    try:
+        infos = fs.get_file_info(pafs.FileSelector(where, recursive=False, allow_not_found=True))
+    except NotADirectoryError:
+        return []
+    return sorted(posixpath.basename(info.path.rstrip("/")) for info in infos if info.type == pafs.FileType.Directory)
+
+
 def total_bytes(path: str | os.PathLike[str]) -> int:
     """Size of a file, or of every file under a folder."""
     fs, where = filesystem(path)
@@ -451,6 +461,61 @@ class StorageWriteError(OSError):
     def __str__(self) -> str:  # the message alone, without OSError's "[Errno N]" prefix
         return str(self.args[0]) if self.args else super().__str__()
 
+    def __reduce__(self):
+        # Ray ships a worker's exception to the driver by pickling it; OSError's own reduce keeps
+        # only ``args``, and the errno (set after construction) would be lost on the way.
+        return (_rebuild_storage_write_error, (str(self), self.errno))
+
+
+def _rebuild_storage_write_error(message: str, code: int | None) -> StorageWriteError:
+    error = StorageWriteError(message)
+    error.errno = code
+    return error
+
+
+# How a storage errno reads when only the text of an error survived (pyarrow, or a remote rank's
+# error flattened into a message).
+_STORAGE_TEXT = {
+    "No space left on device": errno.ENOSPC,
+    "Read-only file system": errno.EROFS,
+    "Disk quota exceeded": errno.EDQUOT,
+}
+
+
+def storage_errno(exc: BaseException, by_text: bool = True) -> int | None:
+    """The storage errno (`STORAGE_ERRNOS`) ``exc`` stands for, or None when it is another failure.
+
+    ``by_text``: also recognize the errno from the message alone (pyarrow raises bare OSErrors).
+    """
+    code = getattr(exc, "errno", None) if isinstance(exc, OSError) else None
+    if code in STORAGE_ERRNOS:
+        return code
+    if by_text:
+        text = str(exc)
+        return next((value for marker, value in _STORAGE_TEXT.items() if marker in text), None)
+    return None
+
+
+def storage_write_error(stage: str, exc: BaseException, where: str | os.PathLike[str] | None = None) -> StorageWriteError | None:
+    """``exc`` as the `StorageWriteError` `storage_writes` raises, or None when it is not a storage failure.
+
+    A `StorageWriteError` comes back as it is. ``where``: the folder named when ``exc`` carries
+    no file name; without it only a real errno counts, not the error's text.
+    """
+    if isinstance(exc, StorageWriteError):
+        return exc
+    code = storage_errno(exc, by_text=where is not None)
+    if code is None:
+        return None
+    filename = getattr(exc, "filename", None)
+    target = filename or (f"under {where}" if where is not None else "to the storage root")
+    error = StorageWriteError(
+        f"{stage}: cannot write {target}: {STORAGE_ERRNOS[code]}. Nothing was published and the previous state is intact; "
+        "free space (or make it writable, or pick another --storage-root) and run again with the same --run-name"
+    )
+    error.errno = code
+    return error
+
 
 @contextmanager
 def storage_writes(stage: str, where: str | os.PathLike[str] | None = None) -> Iterator[None]:
@@ -464,17 +529,9 @@ def storage_writes(stage: str, where: str | os.PathLike[str] | None = None) -> I
     except StorageWriteError:
         raise
     except OSError as exc:
-        reason = STORAGE_ERRNOS.get(exc.errno or 0)
-        if reason is None and where is not None and "No space left on device" in str(exc):
-            reason = STORAGE_ERRNOS[errno.ENOSPC]  # pyarrow raises a bare OSError with the text only
-        if reason is None:
+        error = storage_write_error(stage, exc, where)
+        if error is None:
             raise
-        target = exc.filename or (f"under {where}" if where is not None else "to the storage root")
-        error = StorageWriteError(
-            f"{stage}: cannot write {target}: {reason}. Nothing was published and the previous state is intact; "
-            "free space (or make it writable, or pick another --storage-root) and run again with the same --run-name"
-        )
-        error.errno = exc.errno or errno.ENOSPC
         raise error from exc
 
 

@@ -17,6 +17,7 @@ the rest come in the order they would have.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import tempfile
 import time
@@ -43,7 +44,9 @@ from tasks.common.model import (
     save_checkpoint_files,
     unwrap,
 )
-from tasks.common.storage import append_line, atomic_write_bytes, join, read_lines
+from tasks.common.storage import append_line, atomic_write_bytes, exists, join, read_lines, remove, storage_write_error, storage_writes
+
+logger = logging.getLogger(__name__)
 
 
 def one_cycle_lr(progress: float, peak: float, warmup: float = 0.2, floor: float = 1e-3) -> float:
@@ -238,14 +241,14 @@ def gather_rows(local: list[torch.Tensor]) -> torch.Tensor:
 
 def train_epoch(
     model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None,
-    start: Position | None = None, checkpoint_every: int = 0, row_log: RowLog | None = None,
+    start: Position | None = None, checkpoint_every: int = 0, row_log: RowLog | None = None, run_dir: str | None = None,
 ) -> dict:
     """One pass over this rank's shard; returns global loss, accuracy, images/s and this rank's data wait.
 
     ``start`` resumes an interrupted epoch: step numbering (and the learning-rate schedule) go on
     from ``start.step`` and ``start.consumed`` is carried into the next mid-epoch checkpoint.
     Every ``checkpoint_every`` steps (0: never) all ranks report a mid-epoch checkpoint holding
-    the data position: the steps done and every row_id they consumed.
+    the data position: the steps done and every row_id they consumed (into ``run_dir``, see `report`).
     """
     model.train()
     first_step = start.step if start is not None else 0
@@ -279,7 +282,7 @@ def train_epoch(
         if checkpoint_every and (step + 1) % checkpoint_every == 0:
             rows = gather_rows(consumed)
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
-            report_mid_epoch(position, model, optimizer, ema)
+            report_mid_epoch(position, model, optimizer, ema, run_dir)
         mark = time.perf_counter()
     elapsed = time.perf_counter() - start_time
     loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)
@@ -324,11 +327,58 @@ class _StateDictView(torch.nn.Module):
 MID_EPOCH_SCORES = {"val_loss": 1e30, "val_accuracy": -1.0}
 
 
-def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None) -> None:
+def checkpoint_dir_name(epoch: int, step: int | None = None) -> str:
+    """The folder name of a checkpoint in the run folder: ``checkpoint_epoch-0003`` at the end of epoch 3,
+    ``checkpoint_epoch-0003_step-000120`` after step 120 of it.
+
+    Known before the upload starts, so a failed upload's folder can be removed by name.
+    """
+    name = f"checkpoint_epoch-{epoch:04d}"
+    return name if step is None else f"{name}_step-{step:06d}"
+
+
+def unused_checkpoint_dir(run_dir: str, name: str) -> str:
+    """``name``, or ``name_retry-N`` when the run folder already has a folder of that name.
+
+    Ray Train uploads into an existing folder file by file and would then track two checkpoints
+    under one path (deleting the older as ``num_to_keep`` says deletes the newer one too). An
+    epoch is reported again under a name that exists only when an earlier attempt's folder was
+    never registered (its upload failed and could not be removed, or the worker died before the
+    controller took the report in); that folder stays as it is and cleanup judges it.
+    """
+    candidate, n = name, 0
+    while exists(join(run_dir, candidate)):
+        n += 1
+        candidate = f"{name}_retry-{n}"
+    return candidate
+
+
+def discard_failed_upload(path: str) -> None:
+    """Remove the folder of a checkpoint whose upload failed.
+
+    Ray Train never registered it, so nothing else would: left behind it holds the space the
+    restart needs and, with ``_checksums.json`` copied before a truncated model.pt, looks like a
+    checkpoint. When even removing fails (a read-only root), cleanup finds it later as incomplete.
+    """
+    try:
+        remove(path)
+    except Exception as exc:  # noqa: BLE001 - the upload's own error is the one to raise
+        logger.warning("could not remove the partly uploaded checkpoint %s (%s); cleanup removes it later", path, exc)
+    else:
+        logger.warning("removed the partly uploaded checkpoint %s", path)
+
+
+def report(
+    metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None,
+    run_dir: str | None = None,
+) -> None:
     """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state).
 
     ``extra_state.pt`` keeps the seeds' meaning of ``epoch`` (the last completed epoch); a
     mid-epoch checkpoint adds ``position`` (epoch in progress, steps done, consumed row_ids).
+    With ``run_dir`` (Ray Train's run folder) the checkpoint gets a `checkpoint_dir_name` there;
+    when its upload fails, rank 0 removes the folder and raises, a full or read-only storage root
+    as a `StorageWriteError` naming the folder.
     """
     optimizer_state = None
     if isinstance(model, FSDP):
@@ -341,18 +391,30 @@ def report(metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | Non
             optimizer_state = FSDP.optim_state_dict(model, optimizer)
         model = _StateDictView(full_state)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint = None
+        checkpoint, name, target = None, None, None
         if ray.train.get_context().get_world_rank() == 0:
             extra = checkpoint_extra(metrics, model, epoch, ema, position)
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
-        ray.train.report(metrics, checkpoint=checkpoint)
+            if run_dir is not None:  # only rank 0's name counts: Ray Train broadcasts it to the others
+                name = unused_checkpoint_dir(run_dir, checkpoint_dir_name(metrics["epoch"], metrics.get("step")))
+                target = join(run_dir, name)
+        try:
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        except Exception as exc:
+            if target is None:
+                raise
+            discard_failed_upload(target)  # a fresh name: the folder is this upload's alone
+            error = storage_write_error("train", exc, target)
+            if error is None:
+                raise
+            raise error from exc
 
 
-def report_mid_epoch(position: dict, model, optimizer, ema: AveragedModel | None) -> None:
+def report_mid_epoch(position: dict, model, optimizer, ema: AveragedModel | None, run_dir: str | None = None) -> None:
     """Report a mid-epoch checkpoint carrying the data position (see `report`)."""
     metrics = {"epoch": position["epoch"], "step": position["step"], "mid_epoch": 1, **MID_EPOCH_SCORES}
-    report(metrics, model, optimizer, position["epoch"] - 1, ema, position)
+    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir)
 
 
 class EpochShards:
@@ -417,7 +479,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     start = restore(model, optimizer, ema)
     rank = ray.train.get_context().get_world_rank()
     if rank == 0 and config.get("attempts_log"):
-        record_attempt(config["attempts_log"], start, world_size)
+        with storage_writes("train", config["attempts_log"]):
+            record_attempt(config["attempts_log"], start, world_size)
     guard = StepGuard(rank, world_size, config.get("hang_timeout_s", 0), config.get("fault_dir"))
     row_log = RowLog(config["row_log_dir"], start, world_size, rank) if config.get("row_log_dir") else None
 
@@ -436,10 +499,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         metrics |= train_epoch(
             model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard,
             start=start if resuming else None, checkpoint_every=config.get("checkpoint_every_steps", 0), row_log=row_log,
+            run_dir=config.get("run_dir"),
         )
         metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
         metrics["epoch_seconds"] = time.perf_counter() - begin
         metrics["finished_at"] = time.time()  # wall clock, for time-to-accuracy (benchmarks/accuracy.py)
         if rank == 0 and config.get("history_path"):
-            record_epoch(config["history_path"], metrics)
-        report(metrics, model, optimizer, epoch, ema)
+            with storage_writes("train", config["history_path"]):
+                record_epoch(config["history_path"], metrics)
+        report(metrics, model, optimizer, epoch, ema, run_dir=config.get("run_dir"))
