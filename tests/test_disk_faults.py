@@ -37,8 +37,8 @@ from tasks.evaluate import Evaluation
 from tasks.to_parquet import ParquetDataset, dataset_fingerprint, to_parquet, verify_manifest
 from tasks.train import CheckpointInfo, TrainedModel, is_infrastructure_failure, raise_storage_failure, storage_failure, train
 from tasks.transform import transform
-from tests.conftest import write_raw
-from tests.test_parquet import read_split
+from tests.support.digits import write_raw
+from tests.support.parquet import read_split
 
 GOOD = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
 OTHER = ParquetConfig(rows_per_file=128, rows_per_group=64, validation_every=4)  # another fingerprint

@@ -36,7 +36,7 @@ from ray.train import WorkerGroupError
 from tasks.common.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults
 from tasks.common.train_loop import HISTORY_FILE, read_history
 from tasks.train import is_infrastructure_failure
-from tests.conftest import real_digits_mirror
+from tests.support.digits import real_digits_mirror
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,6 +23,7 @@ from prefect.testing.utilities import prefect_test_harness
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config.settings import parse_cli
 from tasks.common.reports import KEYS
+from tests.support.runs import torchvision_resnet18_seed_style
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +74,6 @@ def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
 
 def test_ray_train_run_and_checkpoints_keep_the_seeds_contract(smoke_run, storage):
     from ray.train import Result
-
-    from tests.test_units import torchvision_resnet18_seed_style
 
     _, summary, _, _ = smoke_run
     result = Result.from_path(summary["run_dir"])

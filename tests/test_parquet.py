@@ -6,8 +6,6 @@ import gzip
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from pipeline_config import ParquetConfig
@@ -23,13 +21,10 @@ from tasks.to_parquet import (
     manifest_problem,
     verify_manifest,
 )
-from tests.conftest import idx_bytes, synthetic_digits, write_raw
+from tests.support.digits import idx_bytes, synthetic_digits, write_raw
+from tests.support.parquet import read_split
 
 CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
-
-
-def read_split(folder: Path) -> pa.Table:
-    return pa.concat_tables(pq.read_table(p) for p in sorted(folder.glob("*.parquet"))).sort_by("row_id")
 
 
 def test_table_round_trip_keeps_every_pixel():

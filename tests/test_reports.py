@@ -20,7 +20,7 @@ from flows import hooks
 from pipeline_config import ParquetConfig
 from tasks.common import reports
 from tasks.to_parquet import convert
-from tests.conftest import write_raw
+from tests.support.digits import write_raw
 
 RED = (200, 80, 80)  # a title pixel counts as red when R > 200 and G, B < 80
 

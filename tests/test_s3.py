@@ -45,7 +45,7 @@ from tasks.download import RawData, download
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import ParquetDataset, to_parquet
 from tasks.train import CheckpointInfo, TrainedModel
-from tests.conftest import write_raw
+from tests.support.digits import write_raw
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)

@@ -31,7 +31,8 @@ from tasks.common.storage import (
 )
 from tasks.download import RawData
 from tasks.to_parquet import dataset_fingerprint, to_parquet, verify_manifest
-from tests.conftest import S3_TEST_ENV, s3_bucket, unique_bucket_name, write_raw
+from tests.support.digits import write_raw
+from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
 
 GOOD = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
 OTHER = ParquetConfig(rows_per_file=128, rows_per_group=64, validation_every=4)  # another fingerprint

@@ -18,7 +18,7 @@ from tasks.download import RawData
 from tasks.to_parquet import to_parquet
 from tasks.train import train
 from tasks.transform import transform
-from tests.conftest import write_raw
+from tests.support.digits import write_raw
 
 
 def test_single_process_mode_trains_keeps_the_best_and_resumes(tmp_path, local_ray):

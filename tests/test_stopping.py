@@ -21,6 +21,7 @@ import pytest
 
 from flows import console, hooks
 from flows.stopping import EXIT_CODES, StopRequest
+from tests.support.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_BUDGET_S = 30  # the issue's bound, and Prefect's cancellation grace period
@@ -42,13 +43,28 @@ class CliRun:
         return self.log.read_text(errors="replace")
 
     def wait_for_line(self, text: str, timeout_s: float = 300) -> None:
+        self.wait_until(lambda: text in self.output(), f"{text!r}", timeout_s)
+
+    def wait_for_checkpoint(self, timeout_s: float = 300) -> None:
+        """Until Ray Train has registered a checkpoint (its snapshot names the latest one)."""
+        snapshot = self.root / "runs" / self.run_name / "checkpoint_manager_snapshot.json"
+
+        def registered() -> bool:
+            try:
+                return bool(json.loads(snapshot.read_text()).get("latest_checkpoint_result"))
+            except (OSError, ValueError):
+                return False
+
+        self.wait_until(registered, "a registered checkpoint", timeout_s)
+
+    def wait_until(self, condition, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while text not in self.output():
+        while not condition():
             if self.proc.poll() is not None:
-                pytest.fail(f"the run exited ({self.proc.returncode}) before printing {text!r}:\n{self.output()[-3000:]}")
+                pytest.fail(f"the run exited ({self.proc.returncode}) before {what}:\n{self.output()[-3000:]}")
             if time.monotonic() > deadline:
                 self.kill()
-                pytest.fail(f"no {text!r} within {timeout_s}s:\n{self.output()[-3000:]}")
+                pytest.fail(f"no {what} within {timeout_s}s:\n{self.output()[-3000:]}")
             time.sleep(0.2)
 
     def processes(self) -> set[int]:
@@ -177,7 +193,8 @@ def test_sigkill_of_the_cli_leaves_no_server_or_ray_behind(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes(tmp_path):
     run = CliRun(tmp_path, "interrupted", "--train.epochs", "2")
-    run.wait_for_line("epoch 1/2")
+    run.wait_for_line("epoch 1/2")  # printed from the history, before the epoch's checkpoint upload
+    run.wait_for_checkpoint()
     pids = run.processes()
     os.killpg(run.proc.pid, signal.SIGINT)  # the terminal sends Ctrl-C to the whole foreground group
     code, seconds = run.finish(STOP_BUDGET_S + 30)
@@ -222,8 +239,6 @@ def test_sigterm_stops_the_run_with_143_and_no_system_error(tmp_path):
 
 @pytest.mark.slow
 def test_a_prefect_api_gone_for_good_ends_the_run_within_the_bounded_wait(tmp_path):
-    from tests.test_deployments import PrefectServer
-
     wait_s = 10
     server = PrefectServer(tmp_path / "prefect-home").start()
     try:

@@ -30,8 +30,7 @@ from tasks.common.storage import (
     read_json,
     run_lease,
 )
-
-from tests.test_units import run_tree  # noqa: F401 - the fixture: a run folder with checkpoints, raw files and a dataset
+from tests.support.digits import real_digits_mirror
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -148,8 +147,6 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
     """
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
-
-    from tests.conftest import real_digits_mirror
 
     storage = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "storage")
     flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)

@@ -11,7 +11,7 @@ from pipeline_config import ParquetConfig, TransformConfig
 from tasks.download import RawData
 from tasks.to_parquet import to_parquet, to_table
 from tasks.transform import build_datasets, build_split, epoch_seed, normalize, prepare_batch, random_affine, row_draws, transform
-from tests.conftest import synthetic_digits, write_raw
+from tests.support.digits import synthetic_digits, write_raw
 
 
 def test_normalize_matches_the_seeds_transform():

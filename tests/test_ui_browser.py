@@ -18,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from tasks.common.reports import KEYS
-from tests.test_deployments import ROOT, PrefectServer, far_cron, serve_deployments, stop_group, wait_for
+from tests.support.prefect_server import PrefectServer, far_cron, serve_deployments, stop_group, wait_for
 
 pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
 
 CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium's own connections are refused by this
@@ -53,15 +54,6 @@ def shots(work) -> Iterator[Path]:
     keep = ROOT / "test-output" / "ui"
     shutil.rmtree(keep, ignore_errors=True)
     shutil.copytree(folder, keep)
-
-
-@pytest.fixture(scope="module")
-def server(work) -> Iterator[PrefectServer]:
-    srv = PrefectServer(work / "prefect-home").start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,11 @@ import torch
 from pipeline_config import CleanupConfig, TrainConfig
 from tasks.cleanup import check_deletable, cleanup, plan
 from tasks.common.model import CHECKSUMS_FILE, IntegrityError, MODEL_FILE, build_resnet18, load_model, save_checkpoint_files
-from tasks.common.storage import StorageLayout, publish_dir, staging_dir
+from tasks.common.storage import publish_dir, staging_dir
 from tasks.common.train_loop import one_cycle_lr, read_history, record_epoch
-from tasks.download import RawData
-from tasks.evaluate import TTA_SHIFTS, Evaluation, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
-from tasks.to_parquet import ParquetDataset
-from tasks.train import CheckpointInfo, TrainedModel, plan_resources
+from tasks.evaluate import TTA_SHIFTS, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
+from tasks.train import CheckpointInfo, plan_resources
+from tests.support.runs import torchvision_resnet18_seed_style
 
 
 def test_one_cycle_schedule_warms_up_peaks_and_decays():
@@ -105,14 +104,6 @@ def test_predictor_averages_softmax_over_shifts_and_reports_the_plain_prediction
     np.testing.assert_array_equal(tta["pred_plain"], plain["pred_plain"])
 
 
-def torchvision_resnet18_seed_style():
-    from torchvision.models import resnet18
-
-    model = resnet18(num_classes=10)
-    model.conv1 = torch.nn.Conv2d(1, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)
-    return model
-
-
 def test_checkpoint_of_another_architecture_is_refused(tmp_path):
     from torchvision.models import resnet18
 
@@ -152,35 +143,7 @@ def test_publish_replaces_a_stale_folder_in_one_step(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dataset"]
 
 
-# --- cleanup -----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def run_tree(tmp_path):
-    layout = StorageLayout.create(str(tmp_path / "root"), "run")
-    ckpts = []
-    for epoch, acc in enumerate([0.90, 0.97, 0.95]):
-        path = Path(layout.run_dir) / f"checkpoint_{epoch}"
-        path.mkdir(parents=True)
-        (path / MODEL_FILE).write_bytes(b"x" * 10)
-        ckpts.append(CheckpointInfo(path=str(path), epoch=epoch, val_accuracy=acc))
-    raw = Path(layout.raw_dir("sample"))
-    raw.mkdir(parents=True)
-    (raw / "f.gz").write_bytes(b"y" * 5)
-    data = Path(layout.dataset_dir("abc"))
-    data.mkdir(parents=True)
-    (data / "part.parquet").write_bytes(b"z" * 7)
-    trained = TrainedModel(
-        run_dir=layout.run_dir, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
-        checkpoints=ckpts, history=[], num_workers=1, cpus_per_worker=1.0,
-    )
-    evaluation = Evaluation(
-        checkpoint=ckpts[1].path, accuracy=0.9, precision=[], recall=[], confusion=[], rows=1,
-        metrics_path="m", predictions_path="p", passed_gate=True,
-    )
-    raw_data = RawData(source="sample", url="file:///x/", directory=str(raw), files={}, skipped=False)
-    dataset = ParquetDataset(directory=str(data), fingerprint="abc", rows={})
-    return layout, raw_data, dataset, trained, evaluation
+# --- cleanup (the run_tree fixture is in tests/conftest.py) --------------------------------
 
 
 def test_cleanup_keeps_the_best_and_the_evaluated_checkpoint(run_tree):
