@@ -22,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dataset.idx import read_idx
+
 
 def _sample_arrays() -> dict[str, np.ndarray]:
-    from benchmarks.run import read_idx
     from pipeline_config.model import SAMPLE_DIR
 
     names = {"train_x": "train-images-idx3-ubyte.gz", "train_y": "train-labels-idx1-ubyte.gz",
@@ -36,9 +37,9 @@ def plain_time_to_accuracy(config, target: float, threads: int) -> dict:
     """The plain loop with ``config``'s recipe; seconds until the held-out accuracy reaches ``target``."""
     import torch
 
-    from tasks.common.model import build_resnet18
-    from tasks.common.train_loop import inference_model, make_ema, one_cycle_lr
-    from tasks.transform import normalize, random_affine
+    from dataset.transform import normalize, random_affine
+    from training.loop import inference_model, make_ema, one_cycle_lr
+    from training.model import build_resnet18
 
     train_cfg, tf = config.train, config.transform
     data = _sample_arrays()

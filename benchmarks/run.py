@@ -38,7 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import accuracy
-from tasks.common import environment
+from dataset.idx import read_idx
+from reporting import environment
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -63,18 +64,11 @@ def write_idx_dir(folder: Path, n_train: int, n_test: int, seed: int = 0) -> Pat
     return folder
 
 
-def read_idx(path: Path) -> np.ndarray:
-    data = gzip.decompress(path.read_bytes())
-    ndim = data[3]
-    shape = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
 def ours_data_path(raw: Path, out: Path) -> float:
     """Seconds for our conversion + transform over every training row (our read, our vectorized map)."""
+    from dataset.parquet import ParquetDataset, convert
+    from dataset.transform import TransformSpec, prepare_batch, read_split
     from pipeline_config import ParquetConfig, TransformConfig
-    from tasks.to_parquet import ParquetDataset, convert
-    from tasks.transform import TransformSpec, prepare_batch, read_split
 
     start = time.perf_counter()
     rows = convert(raw, out, ParquetConfig(validation_every=1000))
@@ -119,7 +113,7 @@ def conversion_peak_rss_mb(rows: int, work: Path) -> dict:
     code = (
         "import sys, time; from pathlib import Path\n"
         "def hwm(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
-        "from pipeline_config import ParquetConfig; from tasks.to_parquet import convert\n"
+        "from pipeline_config import ParquetConfig; from dataset.parquet import convert\n"
         "base = hwm()\n"
         "t = time.perf_counter(); convert(Path(sys.argv[1]), Path(sys.argv[2]), ParquetConfig())\n"
         "print(base, hwm(), time.perf_counter() - t)"
@@ -135,7 +129,7 @@ def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
     """A plain single-process loop on in-memory tensors: the same model, optimizer and batch."""
     import torch
 
-    from tasks.common.model import build_resnet18
+    from training.model import build_resnet18
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)

@@ -11,7 +11,7 @@ def stage_inputs(config, work: Path, name: str):
 
     The run is named ``<name>-<nanoseconds>`` so repeated measurements never resume each other.
     """
-    from tasks.common.storage import StorageLayout
+    from storage_io import StorageLayout
     from tasks.download import download
     from tasks.to_parquet import to_parquet
     from tasks.transform import transform

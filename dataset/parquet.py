@@ -1,4 +1,4 @@
-"""Stage 2: convert the IDX files into Parquet splits that Ray Data reads in parallel.
+"""The Parquet layout of a converted dataset, its conversion from IDX files, and its manifest.
 
 Schema (one row per image):
 
@@ -23,40 +23,20 @@ and a half-written one is never read.
 
 from __future__ import annotations
 
-import gzip
-import struct
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from prefect import task
 from pydantic import BaseModel
 
+from dataset.idx import IMAGE_BYTES, SOURCE_FILES, iter_idx_rows
 from pipeline_config import ParquetConfig
-from tasks.common.logs import stage_logger
-from tasks.common.storage import (
-    MANIFEST,
-    StorageLayout,
-    atomic_write_json,
-    building,
-    exists,
-    file_lock,
-    join,
-    list_files,
-    local_copy,
-    parent,
-    publish_dir,
-    read_json,
-    sha256_file,
-    sha256_json,
-    storage_writes,
-)
-from tasks.download import RawData
+from storage_io import MANIFEST, join, list_files, read_json, sha256_file
 
 FORMAT_VERSION = 1
-IMAGE_BYTES = 28 * 28
+
+
 SCHEMA = pa.schema(
     [
         pa.field("row_id", pa.int64(), nullable=False),
@@ -64,11 +44,9 @@ SCHEMA = pa.schema(
         pa.field("label", pa.int64(), nullable=False),
     ]
 )
+
+
 SPLITS = ("train", "val", "test")
-SOURCE_FILES = {
-    "train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-    "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"),
-}
 
 
 class ParquetDataset(BaseModel):
@@ -81,35 +59,6 @@ class ParquetDataset(BaseModel):
 
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)
-
-
-def read_idx_header(handle, path: Path, expected_dims: int) -> tuple[int, ...]:
-    """Read and check an IDX header (uint8 data, ``expected_dims`` dimensions); return the shape."""
-    head = handle.read(4)
-    if len(head) != 4 or head[:2] != b"\x00\x00" or head[2] != 0x08 or head[3] != expected_dims:
-        raise ValueError(f"{path} is not an IDX uint8 file with {expected_dims} dimension(s)")
-    shape = struct.unpack(f">{expected_dims}I", handle.read(4 * expected_dims))
-    if expected_dims == 3 and shape[1:] != (28, 28):
-        raise ValueError(f"{path} holds {shape[1]}x{shape[2]} images, expected 28x28")
-    return shape
-
-
-def iter_idx_rows(images: Path, labels: Path, rows_per_chunk: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Yield (images (n, 784) uint8, labels (n,) int64) chunks from a pair of IDX .gz files."""
-    with gzip.open(images, "rb") as img, gzip.open(labels, "rb") as lab:
-        n_images = read_idx_header(img, images, 3)[0]
-        n_labels = read_idx_header(lab, labels, 1)[0]
-        if n_images != n_labels:
-            raise ValueError(f"{images} has {n_images} images but {labels} has {n_labels} labels")
-        for start in range(0, n_images, rows_per_chunk):
-            n = min(rows_per_chunk, n_images - start)
-            pixels = np.frombuffer(img.read(n * IMAGE_BYTES), dtype=np.uint8)
-            digits = np.frombuffer(lab.read(n), dtype=np.uint8)
-            if pixels.size != n * IMAGE_BYTES or digits.size != n:
-                raise ValueError(f"{images} or {labels} ends early (truncated at row {start})")
-            if digits.max(initial=0) > 9:
-                raise ValueError(f"{labels} has a label above 9 near row {start}")
-            yield pixels.reshape(n, IMAGE_BYTES), digits.astype(np.int64)
 
 
 def to_table(row_ids: np.ndarray, images: np.ndarray, labels: np.ndarray) -> pa.Table:
@@ -213,37 +162,3 @@ def manifest_problem(directory: str, fingerprint: str) -> str | None:
 def verify_manifest(directory: str, fingerprint: str) -> dict | None:
     """The manifest of ``directory`` if it matches ``fingerprint`` and every file's sha256, else None."""
     return None if manifest_problem(directory, fingerprint) else read_json(join(directory, MANIFEST))
-
-
-def dataset_fingerprint(raw: RawData, cfg: ParquetConfig) -> str:
-    """Content key of a conversion: input checksums plus every setting that changes the output."""
-    return sha256_json({"v": FORMAT_VERSION, "inputs": raw.files, "cfg": cfg.model_dump()})[:16]
-
-
-@task(name="to-parquet")
-def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> ParquetDataset:
-    """Convert the IDX files to train/val/test Parquet (skipped when a verified build exists)."""
-    logger = stage_logger(__name__)
-    fingerprint = dataset_fingerprint(raw, cfg)
-    final = layout.dataset_dir(fingerprint)
-    # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
-    with storage_writes("to-parquet", parent(final)), file_lock(layout, f"dataset-{fingerprint}"):
-        return _build_or_reuse(raw, cfg, final, fingerprint, logger)
-
-
-def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger) -> ParquetDataset:
-    found = exists(final)
-    problem = manifest_problem(final, fingerprint) if found else None
-    if found and problem is None:
-        manifest = read_json(join(final, MANIFEST))
-        logger.info("Parquet dataset %s verified against its manifest; conversion skipped", final)
-        return ParquetDataset(directory=final, fingerprint=fingerprint, rows=manifest["rows"], skipped=True)
-    if problem:
-        logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
-    # A local staging folder, removed again if the build fails half-way (raw files copied from S3 first).
-    with building(final) as staging, local_copy(raw.directory) as raw_dir:
-        rows = convert(raw_dir, staging, cfg)
-        atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows))
-        publish_dir(staging, final)
-    logger.info("Wrote Parquet dataset %s: %s", final, rows)
-    return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows)

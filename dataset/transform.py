@@ -1,11 +1,11 @@
-"""Stage 3: the Ray Data transform from Parquet rows to normalized 1x28x28 float32 tensors.
+"""The Ray Data transform from Parquet rows to normalized 1x28x28 float32 tensors.
 
 The transform is vectorized (one numpy expression per batch, no per-row PIL), and lazy: the
 training stage builds the same pipeline (`build_split`) so it streams into Ray Train, with each
-epoch's shuffle and augmentation fixed by (seed, epoch). This stage runs the pipeline once over
-every split before any training starts, checks what comes out (shape, dtype, finite values,
-label range, row counts) and publishes a manifest of it; training then consumes exactly what was
-checked.
+epoch's shuffle and augmentation fixed by (seed, epoch). The transform stage (`tasks.transform`)
+runs the pipeline once over every split before any training starts, checks what comes out
+(shape, dtype, finite values, label range, row counts) and publishes a manifest of it; training
+then consumes exactly what was checked.
 
 Reading: a split up to ``transform.in_memory_mb`` of Parquet is read with pyarrow in the calling
 process, shuffled by one permutation and handed to Ray Data as in-memory blocks (`split_table`,
@@ -29,16 +29,14 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray.data
-from ray.data import RandomSeedConfig
 import torch
 import torch.nn.functional as F
-from prefect import task
 from pydantic import BaseModel
+from ray.data import RandomSeedConfig
 
+from dataset.parquet import ParquetDataset, images_from_column
 from pipeline_config import TransformConfig
-from tasks.common.logs import stage_logger
-from tasks.common.storage import StorageLayout, atomic_write_json, filesystem, join
-from tasks.to_parquet import ParquetDataset, images_from_column
+from storage_io import filesystem
 
 
 class TransformSpec(BaseModel):
@@ -224,7 +222,7 @@ def build_split(
     split every part gets the same count (DDP ranks must take the same number of steps), which
     leaves out up to n - 1 rows per epoch, as ``streaming_split(equal=True)`` does. Streamed: by
     a hash of row_id (`keep_part`), not equal-sized: for validation, not for training
-    (`tasks.common.train_loop.EpochShards` splits streamed training rows with ``streaming_split``).
+    (`training.loop.EpochShards` splits streamed training rows with ``streaming_split``).
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
@@ -286,16 +284,3 @@ def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:
     mean = total / (rows * 784) if rows else 0.0
     std = (total_sq / (rows * 784) - mean**2) ** 0.5 if rows else 0.0
     return {"rows": rows, "pixel_mean": round(mean, 5), "pixel_std": round(std, 5), "label_counts": labels.tolist()}
-
-
-@task(name="transform")
-def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayout) -> TransformSpec:
-    """Run the Ray Data transform over every split once, check its output and record it."""
-    logger = stage_logger(__name__)
-    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"))
-    datasets = build_datasets(spec, splits=("train", "val", "test"))
-    checks = {name: check_split(ds, dataset.rows[name], name) for name, ds in datasets.items()}
-    spec = spec.model_copy(update={"checks": checks})
-    atomic_write_json(spec.manifest, spec.model_dump(mode="json"))
-    logger.info("Transform checked: %s", {k: v["rows"] for k, v in checks.items()})
-    return spec

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from training.loop import read_history
+
 CONSOLE_FLAG = "mnist_console"  # set on LogRecords meant for the terminal
 Logger = logging.Logger | logging.LoggerAdapter
 
@@ -136,7 +138,6 @@ class EpochWatcher:
         self._start = time.monotonic()
 
     def _rows(self) -> list[dict]:
-        from tasks.common.train_loop import read_history
 
         try:
             return read_history(self.history_path)

@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 
-from tasks.common.storage import StorageLayout, read_json
+from reporting.reports import KEYS, gate_verdict
+from storage_io import StorageLayout, read_json
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
 WEBHOOK_TIMEOUT_S = 10.0
@@ -116,7 +117,6 @@ def failure_summary(
 
 def gate_evidence(summary: dict[str, Any]) -> str:
     """For a run that reached its gate: the test accuracy against the gate and the artifacts that show why."""
-    from tasks.common.reports import KEYS, gate_verdict
 
     evaluation = summary.get("evaluation") or {}
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")

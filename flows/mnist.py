@@ -28,10 +28,8 @@ from flows import console, hooks, stopping
 from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import parse_cli
-from tasks.cleanup import cleanup
-from tasks.common import environment, reports
-from tasks.common.train_loop import HISTORY_FILE
-from tasks.common.storage import (
+from reporting import environment, reports
+from storage_io import (
     RunInUseError,
     StorageLayout,
     atomic_write_json,
@@ -41,11 +39,14 @@ from tasks.common.storage import (
     run_lease,
     storage_writes,
 )
+from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
-from tasks.train import plan_resources, retry_infrastructure_failures, train
+from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
+from training.loop import HISTORY_FILE
+from training.trainer import plan_resources
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
 # the other stages only coordinate Ray Data / Ray Train work that reserves its own resources,

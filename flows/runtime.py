@@ -27,8 +27,8 @@ from prefect_ray import RayTaskRunner
 from flows.server_process import owned_server_class
 from flows.stopping import sigterm_handler_kept
 from pipeline_config import RayConfig
-from tasks.common.faults import TEST_HOOK_ENVS
-from tasks.common.storage import S3_ENV_VARS
+from storage_io import S3_ENV_VARS
+from training.faults import TEST_HOOK_ENVS
 
 
 def current_api_url() -> str | None:
@@ -146,7 +146,7 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
 # they go idle once more workers exist than CPUs (and the Ray Data and Ray Train actors alone
 # exceed that), so every epoch's shuffle and map tasks paid for fresh Python processes importing
 # torch: measured 10-90 s per epoch on 2 cores instead of ~7, and with the per-epoch train
-# pipeline (tasks.common.train_loop.EpochShards) 8.4-8.7 s of data wait per epoch instead of 0.9-2.4.
+# pipeline (training.loop.EpochShards) 8.4-8.7 s of data wait per epoch instead of 0.9-2.4.
 # Applies to the local Ray a run starts; a cluster started with `ray start` takes the same values
 # as RAY_num_workers_soft_limit / RAY_idle_worker_killing_time_threshold_ms in its environment.
 LOCAL_RAY_SYSTEM_CONFIG = {"num_workers_soft_limit": 16, "idle_worker_killing_time_threshold_ms": 600_000}
@@ -168,7 +168,7 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
     """(address, ``ray.init`` keyword arguments) for ``cfg``, handing ``api_url`` to every Ray worker."""
     env_vars = {"PREFECT_API_URL": api_url, "RAY_DATA_DISABLE_PROGRESS_BARS": "1", **ray_train_env()}
     # S3 storage root settings (endpoint, region, credentials) and the test-only fault injection
-    # and row logging switches (tasks/common/faults.py): a Ray worker does not see the driver's env.
+    # and row logging switches (training/faults.py): a Ray worker does not see the driver's env.
     for name in (*S3_ENV_VARS, *TEST_HOOK_ENVS):
         if os.environ.get(name):
             env_vars[name] = os.environ[name]

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from storage_io import join, read_json
+
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
 
@@ -212,7 +214,6 @@ def kept_checkpoint(run_dir: str) -> dict[str, Any] | None:
 
     Read from Ray Train's own ``checkpoint_manager_snapshot.json``: a resumed run starts from it.
     """
-    from tasks.common.storage import join, read_json
 
     snapshot = read_json(join(run_dir, "checkpoint_manager_snapshot.json"))
     latest = (snapshot or {}).get("latest_checkpoint_result") if isinstance(snapshot, dict) else None
@@ -263,7 +264,6 @@ class ApiWatch:
                 self._give_up(time.monotonic() - down_since)
 
     def _give_up(self, silent_s: float) -> None:
-        from tasks.common.storage import read_json
 
         if not FLOW_BODY_DONE.is_set():
             STOP.request(f"stopped: the Prefect API did not answer for {silent_s:.0f} s")

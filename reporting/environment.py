@@ -16,7 +16,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+PROJECT_DIR = Path(__file__).resolve().parents[1]
 LOCK_FILE = PROJECT_DIR / "requirements.lock"
 # The libraries whose versions move results (kernels, data handling, orchestration).
 PACKAGES = ("torch", "torchvision", "ray", "prefect", "numpy", "pyarrow", "pandas", "pydantic")

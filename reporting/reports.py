@@ -26,8 +26,10 @@ from typing import Any, TypeVar
 import numpy as np
 from ray.train import UserCallback
 
-from tasks.common.logs import stage_logger
-from tasks.common.storage import filesystem, list_files
+from dataset.parquet import images_from_column
+from reporting.environment import environment_rows
+from reporting.logs import stage_logger
+from storage_io import filesystem, list_files
 
 # Artifact keys: lowercase letters, digits and dashes (Prefect's rule); stable across runs.
 KEYS = {
@@ -257,7 +259,7 @@ def checkpoint_markdown(
         lines.append(f"| `{Path(info['path']).name}`{marker} | {int(info['epoch']) + 1} | {info['val_accuracy']:.4f} |")
     lines += [
         "",
-        f"Run folder: `{run_dir}`. Load it with `tasks.common.model.load_model(\"{checkpoint}\")`.",
+        f"Run folder: `{run_dir}`. Load it with `training.model.load_model(\"{checkpoint}\")`.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -303,7 +305,7 @@ def pick_predictions(labels: np.ndarray, preds: np.ndarray, count: int = GRID * 
 
 
 def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids: Sequence[int] | None = None):
-    """Read rows of a Parquet split (schema of ``tasks.to_parquet``) by position or by ``row_id``.
+    """Read rows of a Parquet split (schema of ``dataset.parquet``) by position or by ``row_id``.
 
     Args:
         split_dir: A split folder such as ``<dataset>/train``.
@@ -316,7 +318,6 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
-    from tasks.to_parquet import images_from_column
 
     fs, where = filesystem(split_dir)  # a local folder or an S3 prefix
     files = [f"{where}/{name}" for name in list_files(split_dir, ".parquet") if "/" not in name]
@@ -384,10 +385,9 @@ def _best_effort(fn: Callable[..., _T]) -> Callable[..., _T | None]:
 
 @_best_effort
 def publish_environment_report(env: dict[str, Any]) -> list:
-    """Publish what the run runs on (``tasks.common.environment.describe()``) as a table; returns the artifact ids."""
+    """Publish what the run runs on (``reporting.environment.describe()``) as a table; returns the artifact ids."""
     from prefect.artifacts import create_table_artifact
 
-    from tasks.common.environment import environment_rows
 
     description = f"Python {env.get('python')}, torch {env.get('packages', {}).get('torch')}, commit {env.get('git_commit')}"
     return [create_table_artifact(environment_rows(env), key=KEYS["environment"], description=description)]

@@ -21,10 +21,10 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
+from dataset.parquet import ParquetDataset
 from pipeline_config import CleanupConfig
-from tasks.common.logs import stage_logger
-from tasks.common.model import checkpoint_problem
-from tasks.common.storage import (
+from reporting.logs import stage_logger
+from storage_io import (
     StorageLayout,
     atomic_write_json,
     basename,
@@ -39,8 +39,8 @@ from tasks.common.storage import (
 )
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
-from tasks.to_parquet import ParquetDataset
-from tasks.train import TrainedModel, checkpoint_rank
+from training.model import checkpoint_problem
+from training.trainer import TrainedModel, checkpoint_rank
 
 
 class CleanupReport(BaseModel):

@@ -37,8 +37,8 @@ from torchvision.datasets import MNIST
 from torchvision.datasets.utils import calculate_md5, download_url
 
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
-from tasks.common.logs import stage_logger
-from tasks.common.storage import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file, storage_writes
+from reporting.logs import stage_logger
+from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file, storage_writes
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tasks.common.storage import StorageLayout
+from storage_io import StorageLayout
 from tests.support.prefect_server import PrefectServer
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
 

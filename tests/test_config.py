@@ -135,7 +135,7 @@ def test_cli_rejects_unknown_flag(tmp_path):
 
 
 def test_elastic_worker_range_is_checked_and_passed_to_ray_train():
-    from tasks.train import worker_range
+    from training.trainer import worker_range
 
     config = parse_cli(["--train.num-workers", "4", "--train.min-workers", "2"]).pipeline_config()
     assert worker_range(config.train) == (2, 4)

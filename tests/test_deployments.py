@@ -33,10 +33,19 @@ from deployments.serve import NIGHTLY_CRON, NIGHTLY_PRESET, NIGHTLY_TIMEZONE, pr
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import load_preset
-from tasks.common.reports import KEYS
+from reporting.reports import KEYS
 from tests.support.prefect_server import (
-    PREFECT, RUN_TIMEOUT_S, PrefectServer, clean_env, far_cron, log_tail, serve_deployments, smoke_config, stop_group,
-    ui_run_body, wait_for,
+    PREFECT,
+    RUN_TIMEOUT_S,
+    PrefectServer,
+    clean_env,
+    far_cron,
+    log_tail,
+    serve_deployments,
+    smoke_config,
+    stop_group,
+    ui_run_body,
+    wait_for,
 )
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -27,18 +27,20 @@ import pytest
 import torch
 from ray.train import ControllerError, WorkerGroupError
 
+from dataset.parquet import ParquetDataset, verify_manifest
 from pipeline_config import CleanupConfig, ParquetConfig, TrainConfig, TransformConfig
+from storage_io import StorageLayout, StorageWriteError, atomic_write_json, exists, join, storage_writes, upload_dir
 from tasks.cleanup import RAY_TRAIN_SNAPSHOT, UnreadableSnapshot, cleanup, incomplete_checkpoints
-from tasks.common.model import CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, checkpoint_problem, load_state, save_checkpoint_files
-from tasks.common.storage import StorageLayout, StorageWriteError, atomic_write_json, exists, join, storage_writes, upload_dir
-from tasks.common.train_loop import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
-from tasks.to_parquet import ParquetDataset, dataset_fingerprint, to_parquet, verify_manifest
-from tasks.train import CheckpointInfo, TrainedModel, is_infrastructure_failure, raise_storage_failure, storage_failure, train
+from tasks.to_parquet import dataset_fingerprint, to_parquet
+from tasks.train import train
 from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.parquet import read_split
+from training.loop import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
+from training.model import CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, checkpoint_problem, load_state, save_checkpoint_files
+from training.trainer import CheckpointInfo, TrainedModel, is_infrastructure_failure, raise_storage_failure, storage_failure
 
 GOOD = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
 OTHER = ParquetConfig(rows_per_file=128, rows_per_group=64, validation_every=4)  # another fingerprint

@@ -20,7 +20,7 @@ import pytest
 
 import tasks.download as dl
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
-from tasks.common.storage import StorageLayout, sha256_file
+from storage_io import StorageLayout, sha256_file
 from tasks.download import (
     ChecksumMismatchError,
     DownloadError,

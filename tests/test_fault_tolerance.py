@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections import Counter
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -33,10 +33,10 @@ import pytest
 from ray.exceptions import ActorDiedError
 from ray.train import WorkerGroupError
 
-from tasks.common.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults
-from tasks.common.train_loop import HISTORY_FILE, read_history
-from tasks.train import is_infrastructure_failure
 from tests.support.digits import real_digits_mirror
+from training.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults
+from training.loop import HISTORY_FILE, read_history
+from training.trainer import is_infrastructure_failure
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,7 +55,7 @@ def test_fault_spec_parses_and_rejects_bad_parts():
 def test_kill_fires_once_per_run(tmp_path):
     """The first matching step SIGKILLs the process; the restarted attempt finds the marker and runs on."""
     code = (
-        "import sys; from tasks.common.faults import FaultInjector; "
+        "import sys; from training.faults import FaultInjector; "
         f"FaultInjector({str(tmp_path / 'faults')!r}, rank=1, spec='kill:rank=1:epoch=0:step=2').check(0, 2); "
         "print('survived')"
     )

@@ -22,7 +22,7 @@ from prefect.testing.utilities import prefect_test_harness
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config.settings import parse_cli
-from tasks.common.reports import KEYS
+from reporting.reports import KEYS
 from tests.support.runs import torchvision_resnet18_seed_style
 
 pytestmark = pytest.mark.slow

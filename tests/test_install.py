@@ -9,7 +9,7 @@ from importlib import metadata
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tasks.common import environment
+from reporting import environment
 
 PROJECT = environment.PROJECT_DIR
 

@@ -8,19 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dataset.parquet import SCHEMA, convert, images_from_column, manifest_problem, to_table, verify_manifest
 from pipeline_config import ParquetConfig
-from tasks.common.storage import MANIFEST
+from storage_io import MANIFEST
 from tasks.download import RawData
-from tasks.to_parquet import (
-    SCHEMA,
-    convert,
-    dataset_fingerprint,
-    images_from_column,
-    to_parquet,
-    to_table,
-    manifest_problem,
-    verify_manifest,
-)
+from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tests.support.digits import idx_bytes, synthetic_digits, write_raw
 from tests.support.parquet import read_split
 

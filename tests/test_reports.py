@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from dataset.parquet import convert
 from flows import hooks
 from pipeline_config import ParquetConfig
-from tasks.common import reports
-from tasks.to_parquet import convert
+from reporting import reports
 from tests.support.digits import write_raw
 
 RED = (200, 80, 80)  # a title pixel counts as red when R > 200 and G, B < 80

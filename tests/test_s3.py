@@ -23,10 +23,10 @@ import boto3
 import pyarrow.parquet as pq
 import pytest
 
+from dataset.parquet import ParquetDataset
 from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
 from pipeline_config.settings import parse_cli
-from tasks.cleanup import check_deletable, cleanup
-from tasks.common.storage import (
+from storage_io import (
     MANIFEST,
     StorageLayout,
     atomic_write_bytes,
@@ -41,11 +41,12 @@ from tasks.common.storage import (
     run_lease,
     total_bytes,
 )
+from tasks.cleanup import check_deletable, cleanup
 from tasks.download import RawData, download
 from tasks.evaluate import Evaluation
-from tasks.to_parquet import ParquetDataset, to_parquet
-from tasks.train import CheckpointInfo, TrainedModel
+from tasks.to_parquet import to_parquet
 from tests.support.digits import write_raw
+from training.trainer import CheckpointInfo, TrainedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
@@ -87,7 +88,7 @@ def test_build_lock_is_exclusive_across_processes_and_a_dead_holders_lock_is_bro
     layout = StorageLayout.create(s3_root, "r")
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom tasks.common.storage import StorageLayout, file_lock\n"
+         "import sys, time\nfrom storage import StorageLayout, file_lock\n"
          f"lock = file_lock(StorageLayout.create({s3_root!r}, 'x'), 'dataset-abc'); lock.__enter__()\n"
          "print('held', flush=True)\ntime.sleep(600)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
@@ -168,8 +169,8 @@ def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp
     import torch
     from torchvision.models import resnet18
 
-    from tasks.common.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, build_resnet18, load_model, save_checkpoint_files
-    from tasks.common.storage import upload_dir
+    from storage_io import upload_dir
+    from training.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, build_resnet18, load_model, save_checkpoint_files
 
     model = build_resnet18()
     (tmp_path / "ours").mkdir()
@@ -244,7 +245,7 @@ def test_cleanup_on_s3_refuses_dotdot_and_paths_outside_the_root(s3_root):
 
 
 def test_cleanup_on_s3_leaves_what_another_live_run_reads(s3_root):
-    from tasks.common.storage import lease_uses, paths_in_use
+    from storage_io import lease_uses, paths_in_use
 
     layout, raw, dataset, trained, evaluation = _run_tree(s3_root)
     other = StorageLayout.create(s3_root, "manual-run")  # a live run reading the same dataset
@@ -263,14 +264,14 @@ def test_cleanup_on_s3_leaves_what_another_live_run_reads(s3_root):
 
 
 def test_a_live_run_name_is_refused_on_s3(s3_root):
-    from tasks.common.storage import RunInUseError
+    from storage_io import RunInUseError
 
     layout = StorageLayout.create(s3_root, "nightly")
     with run_lease(layout):
         assert read_json(join(s3_root, "leases", "nightly.json"))["pid"] == os.getpid()
         other = subprocess.run(
             [sys.executable, "-c",
-             "from tasks.common.storage import StorageLayout, run_lease\n"
+             "from storage_io import StorageLayout, run_lease\n"
              f"with run_lease(StorageLayout.create({s3_root!r}, 'nightly')): pass"],
             cwd=ROOT, capture_output=True, text=True, timeout=120,
         )
@@ -303,7 +304,7 @@ def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.mnist import mnist_pipeline
-    from tasks.common.model import load_model
+    from training.model import load_model
 
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory instead of the bucket
     with prefect_test_harness(server_startup_timeout=120):

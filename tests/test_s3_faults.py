@@ -19,8 +19,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from dataset.parquet import verify_manifest
 from pipeline_config import ParquetConfig
-from tasks.common.storage import (
+from storage_io import (
     StorageLayout,
     StorageWriteError,
     atomic_write_json,
@@ -30,7 +31,7 @@ from tasks.common.storage import (
     storage_writes,
 )
 from tasks.download import RawData
-from tasks.to_parquet import dataset_fingerprint, to_parquet, verify_manifest
+from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tests.support.digits import write_raw
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
 

@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 
 from pipeline_config import ParquetConfig, TrainConfig, TransformConfig
-from tasks.common.model import EXTRA_STATE_FILE, MODEL_FILE, build_resnet18, load_state
-from tasks.common.storage import StorageLayout
+from storage_io import StorageLayout
 from tasks.download import RawData
 from tasks.to_parquet import to_parquet
 from tasks.train import train
 from tasks.transform import transform
 from tests.support.digits import write_raw
+from training.model import EXTRA_STATE_FILE, MODEL_FILE, build_resnet18, load_state
 
 
 def test_single_process_mode_trains_keeps_the_best_and_resumes(tmp_path, local_ray):

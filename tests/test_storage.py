@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.cleanup import check_deletable, cleanup
-from tasks.common.storage import (
+from storage_io import (
     RunInUseError,
     StorageLayout,
     basename,
@@ -30,6 +29,7 @@ from tasks.common.storage import (
     read_json,
     run_lease,
 )
+from tasks.cleanup import check_deletable, cleanup
 from tests.support.digits import real_digits_mirror
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +53,7 @@ def release(child: subprocess.Popen) -> None:
 def test_dataset_lock_makes_a_second_builder_wait(tmp_path):
     layout = StorageLayout.create(str(tmp_path / "storage"), "a")
     child = hold_in_child(
-        "from tasks.common.storage import StorageLayout, file_lock\n"
+        "from storage_io import StorageLayout, file_lock\n"
         f"layout = StorageLayout.create({str(tmp_path / 'storage')!r}, 'b')\n"
         "lock = file_lock(layout, 'dataset-x'); lock.__enter__()"
     )
@@ -81,7 +81,7 @@ def test_a_live_run_name_is_refused_and_a_dead_ones_lease_is_taken_over(tmp_path
     storage = str(tmp_path / "storage")
     layout = StorageLayout.create(storage, "nightly")
     child = hold_in_child(
-        "from tasks.common.storage import StorageLayout, run_lease\n"
+        "from storage_io import StorageLayout, run_lease\n"
         f"lease = run_lease(StorageLayout.create({storage!r}, 'nightly')); lease.__enter__()"
     )
     try:
@@ -104,7 +104,7 @@ def test_cleanup_never_deletes_what_another_live_run_reads(run_tree):
 
     other = StorageLayout.create(layout.root, "manual-run")
     child = hold_in_child(
-        "from tasks.common.storage import StorageLayout, run_lease, lease_uses\n"
+        "from storage_io import StorageLayout, run_lease, lease_uses\n"
         f"layout = StorageLayout.create({layout.root!r}, 'manual-run')\n"
         f"lease = run_lease(layout); lease.__enter__(); lease_uses(layout, {dataset.directory!r})"
     )

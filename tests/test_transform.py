@@ -7,10 +7,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dataset.parquet import to_table
+from dataset.transform import build_datasets, build_split, epoch_seed, normalize, prepare_batch, random_affine, row_draws
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.download import RawData
-from tasks.to_parquet import to_parquet, to_table
-from tasks.transform import build_datasets, build_split, epoch_seed, normalize, prepare_batch, random_affine, row_draws, transform
+from tasks.to_parquet import to_parquet
+from tasks.transform import transform
 from tests.support.digits import synthetic_digits, write_raw
 
 
@@ -81,7 +83,7 @@ def test_epoch_seeds_and_draws_are_fixed_by_seed_epoch_and_row():
 @pytest.fixture(scope="module")
 def spec_inputs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("transform")
-    from tasks.common.storage import StorageLayout
+    from storage_io import StorageLayout
 
     layout = StorageLayout.create(str(tmp / "storage"), "run")
     raw = RawData(**write_raw(tmp / "raw", n_train=200, n_test=50))
@@ -143,7 +145,7 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
     assert in_memory.checks == streamed.checks
     from ray.data.dataset import MaterializedDataset
 
-    from tasks.transform import read_split
+    from dataset.transform import read_split
 
     blocks = read_split(in_memory, "train")
     assert isinstance(blocks, MaterializedDataset) and blocks.num_blocks() == 3
@@ -160,7 +162,7 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
 
 def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path):
     dataset, _ = spec_inputs
-    from tasks.transform import TransformSpec, read_split
+    from dataset.transform import TransformSpec, read_split
 
     empty = dataset.model_copy(update={"directory": str(tmp_path)})
     (tmp_path / "val").mkdir()

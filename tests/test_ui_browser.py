@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.common.reports import KEYS
+from reporting.reports import KEYS
 from tests.support.prefect_server import PrefectServer, far_cron, serve_deployments, stop_group, wait_for
 
 pytestmark = pytest.mark.slow

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from pipeline_config import CleanupConfig, TrainConfig
+from storage_io import publish_dir, staging_dir
 from tasks.cleanup import check_deletable, cleanup, plan
-from tasks.common.model import CHECKSUMS_FILE, IntegrityError, MODEL_FILE, build_resnet18, load_model, save_checkpoint_files
-from tasks.common.storage import publish_dir, staging_dir
-from tasks.common.train_loop import one_cycle_lr, read_history, record_epoch
-from tasks.evaluate import TTA_SHIFTS, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
-from tasks.train import CheckpointInfo, plan_resources
 from tests.support.runs import torchvision_resnet18_seed_style
+from training.inference import TTA_SHIFTS, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
+from training.loop import one_cycle_lr, read_history, record_epoch
+from training.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, build_resnet18, load_model, save_checkpoint_files
+from training.trainer import CheckpointInfo, plan_resources
 
 
 def test_one_cycle_schedule_warms_up_peaks_and_decays():
@@ -185,7 +185,7 @@ def test_cleanup_refuses_paths_outside_the_root_and_symlinks(run_tree, tmp_path)
 
 
 def test_ema_warms_up_then_tracks_the_weights_slowly():
-    from tasks.common.train_loop import ema_decay_at, make_ema
+    from training.loop import ema_decay_at, make_ema
 
     assert ema_decay_at(0.99, 0) == pytest.approx(0.1)  # early: mostly the current weights
     assert ema_decay_at(0.99, 10_000) == 0.99
@@ -202,7 +202,7 @@ def test_ema_warms_up_then_tracks_the_weights_slowly():
 
 
 def test_checkpoint_rank_follows_the_configured_score():
-    from tasks.train import checkpoint_rank
+    from training.trainer import checkpoint_rank
 
     early = CheckpointInfo(path="a", epoch=3, val_accuracy=1.0, val_loss=0.60)
     late = CheckpointInfo(path="b", epoch=9, val_accuracy=0.995, val_loss=0.51)

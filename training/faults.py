@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tasks.common.storage import atomic_write_bytes, exists, join
+from storage_io import atomic_write_bytes, exists, join
 
 FAULT_ENV = "MNIST_FAULT_INJECT"
 # Test-only as well: when set (any non-empty value), every rank logs the row_ids it trains on

@@ -9,7 +9,7 @@ extra_state.pt, the latter also holding the raw training weights so a resume is 
 With ``checkpoint_every_steps`` > 0 every rank also reports every K optimizer steps, and the
 checkpoint records the data position (`Position`): the epoch, its steps done and the ``row_id``s
 they consumed, gathered from all ranks. Each epoch's order and augmentation are fixed by (seed,
-epoch) (`tasks.transform.build_split`); a restart with any world size rebuilds the interrupted
+epoch) (`dataset.transform.build_split`); a restart with any world size rebuilds the interrupted
 epoch without the consumed rows (`EpochShards`), so every row is trained on once per epoch and
 the rest come in the order they would have.
 """
@@ -22,8 +22,8 @@ import math
 import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import ray.train
@@ -34,8 +34,10 @@ from torch.distributed.fsdp import FullStateDictConfig, StateDictType
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.optim.swa_utils import AveragedModel
 
-from tasks.common.faults import FaultInjector
-from tasks.common.model import (
+from dataset.transform import TransformSpec, build_split, fits_in_memory
+from storage_io import append_line, atomic_write_bytes, exists, join, read_lines, remove, storage_write_error, storage_writes
+from training.faults import FaultInjector
+from training.model import (
     EXTRA_STATE_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
@@ -44,7 +46,6 @@ from tasks.common.model import (
     save_checkpoint_files,
     unwrap,
 )
-from tasks.common.storage import append_line, atomic_write_bytes, exists, join, read_lines, remove, storage_write_error, storage_writes
 
 logger = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class StepGuard:
 class RowLog:
     """Test-only record of the ``row_id``s a rank trained on, one JSON line per step.
 
-    Written only when the driver sets ``MNIST_RECORD_ROWS`` (tasks.common.faults); the exactly-once
+    Written only when the driver sets ``MNIST_RECORD_ROWS`` (training.faults); the exactly-once
     test reads it back. One file per rank and attempt: ``<run>/row_log/from-e<E>s<S>-w<W>-rank<R>.jsonl``.
     """
 
@@ -423,7 +424,7 @@ class EpochShards:
     Built per epoch, not once for the run, because the order depends on the epoch, without the
     rows ``start`` says an interrupted attempt already trained on when resuming that epoch, and
     split across the current world size (which may differ from the failed attempt's). A training
-    split held in memory (`tasks.transform.fits_in_memory`) is cut by every rank itself
+    split held in memory (`dataset.transform.fits_in_memory`) is cut by every rank itself
     (`build_split(part=...)`): no coordinator, nothing sent between ranks. A streamed one is built
     by rank 0 and split with ``streaming_split``, whose coordinator actor takes seconds to start,
     so the next epoch's split is set up while this one trains; the other ranks receive their
@@ -432,7 +433,6 @@ class EpochShards:
     """
 
     def __init__(self, config: dict[str, Any], start: Position, rank: int, world_size: int):
-        from tasks.transform import TransformSpec, fits_in_memory
 
         self.config, self.start, self.rank, self.world_size = config, start, rank, world_size
         self.spec = TransformSpec.model_validate(config["transform"])
@@ -440,7 +440,6 @@ class EpochShards:
         self._ahead: dict[int, Any] = {}
 
     def _build(self, epoch: int):
-        from tasks.transform import build_split
 
         resuming = epoch == self.start.epoch and self.start.consumed is not None
         exclude = self.start.consumed.numpy() if resuming else None
@@ -463,7 +462,7 @@ class EpochShards:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point: config keys are documented in ``tasks.train.loop_config``."""
+    """Ray Train entry point: config keys are documented in ``training.trainer.loop_config``."""
     epochs, global_batch, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
     torch.manual_seed(config["seed"])
     torch.set_num_threads(config["torch_threads"])
@@ -487,7 +486,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # This rank's share of the validation rows, built here once per attempt: a Ray Train dataset
     # shard would start a split coordinator actor first (measured: 8.6 s for epoch 0's validation
     # of 200 rows with it, against 0.2-0.4 s for every later epoch).
-    from tasks.transform import TransformSpec, build_split
 
     val_shard = build_split(TransformSpec.model_validate(config["transform"]), "val", part=(rank, world_size))
     epoch_shard = EpochShards(config, start, rank, world_size)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torchvision.models import resnet18
 
-from tasks.common.storage import exists, join, local_copy, read_bytes, sha256_file
+from storage_io import exists, join, local_copy, read_bytes, sha256_file
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from tasks.common.model import EXTRA_STATE_FILE, build_resnet18, load_state, save_checkpoint_files
-from tasks.common.storage import building, publish_dir
-from tasks.common.train_loop import (
+from dataset.transform import build_split
+from storage_io import building, publish_dir
+from training.loop import (
     HISTORY_FILE,
     Position,
     checkpoint_extra,
@@ -33,6 +33,7 @@ from tasks.common.train_loop import (
     train_epoch,
     validate,
 )
+from training.model import EXTRA_STATE_FILE, build_resnet18, load_state, save_checkpoint_files
 
 SINGLE_DIR = "single"
 
@@ -61,10 +62,9 @@ def prune(folder: Path, num_to_keep: int, score: str) -> None:
 def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, score: str) -> tuple[list[tuple[Path, dict]], list[dict]]:
     """Train in this process; return the kept checkpoints with their metrics, and the per-epoch history.
 
-    ``config`` is the dict of ``tasks.train.loop_config``; ``spec`` the transform's TransformSpec.
+    ``config`` is the dict of ``training.trainer.loop_config``; ``spec`` the transform's TransformSpec.
     ``run_dir`` is a local folder: the config refuses ``train.mode: single`` on an S3 storage root.
     """
-    from tasks.transform import build_split  # Ray Data; the stage runs inside the Ray cluster
 
     folder = Path(run_dir) / SINGLE_DIR
     folder.mkdir(parents=True, exist_ok=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tasks.common.storage import sha256_file
+from storage_io import sha256_file
 
 
 def idx_bytes(array: np.ndarray) -> bytes:

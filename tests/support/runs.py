@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from tasks.common.model import MODEL_FILE
-from tasks.common.storage import StorageLayout
+from dataset.parquet import ParquetDataset
+from storage_io import StorageLayout
 from tasks.download import RawData
 from tasks.evaluate import Evaluation
-from tasks.to_parquet import ParquetDataset
-from tasks.train import CheckpointInfo, TrainedModel
+from training.model import MODEL_FILE
+from training.trainer import CheckpointInfo, TrainedModel
 
 
 def torchvision_resnet18_seed_style():

@@ -1,0 +1,6 @@
+"""The dataset, from the IDX files to the tensors training reads; no Prefect, no stages.
+
+    idx        MNIST's IDX files, read and checked as they stream
+    parquet    the Parquet layout of a converted dataset, the conversion, its manifest
+    transform  the vectorized transform and the Ray Data datasets built from the Parquet splits
+"""

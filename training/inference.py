@@ -1,0 +1,111 @@
+"""Scoring images with a checkpoint: a pool of model actors over a Ray Data split, and the metrics.
+
+The seeds' ``ModelWorker`` idea, batched: Ray Data streams normalized batches through
+``num_actors`` actors that each load the checkpoint once (`Predictor`), optionally averaging
+over one-pixel shifts (test-time augmentation). The evaluation stage (`tasks.evaluate`) scores
+the test split with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import ray.data
+import torch
+import torch.nn.functional as F
+
+from dataset.transform import TransformSpec, build_datasets
+from pipeline_config import EvaluateConfig
+from training.model import load_model
+
+NUM_CLASSES = 10
+
+
+# Test-time augmentation: the image itself and its four one-pixel shifts (dy, dx).
+TTA_SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))
+
+
+def shifted(images: torch.Tensor, dy: int, dx: int, fill: float) -> torch.Tensor:
+    """(N, 1, 28, 28) images moved by (dy, dx) pixels; uncovered pixels become ``fill`` (background)."""
+    if dy == 0 and dx == 0:
+        return images
+    h, w = images.shape[-2:]
+    padded = F.pad(images, (1, 1, 1, 1), value=fill)
+    return padded[..., 1 - dy : 1 - dy + h, 1 - dx : 1 - dx + w]
+
+
+class Predictor:
+    """Ray Data actor: loads the checkpoint once, then predicts batch after batch.
+
+    ``pred`` is the class with the highest softmax averaged over the image and its four one-pixel
+    shifts when ``tta`` is on (``background`` fills the uncovered edge), else the plain argmax;
+    ``pred_plain`` is always the plain argmax, so both accuracies are reported.
+    """
+
+    def __init__(self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0):
+        torch.set_num_threads(torch_threads)
+        self.model = load_model(checkpoint_dir)  # a folder or an s3:// URI
+        self.tta, self.background = tta, background
+
+    @torch.inference_mode()
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        images = torch.from_numpy(batch["image"])
+        plain = self.model(images).softmax(1)
+        averaged = plain
+        if self.tta:
+            views = [shifted(images, dy, dx, self.background) for dy, dx in TTA_SHIFTS[1:]]
+            averaged = (plain + self.model(torch.cat(views)).softmax(1).view(len(views), len(images), -1).sum(0)) / len(TTA_SHIFTS)
+        return {
+            "row_id": batch["row_id"],
+            "label": batch["label"],
+            "pred": averaged.argmax(1).numpy(),
+            "pred_plain": plain.argmax(1).numpy(),
+        }
+
+
+def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int = NUM_CLASSES) -> np.ndarray:
+    """counts[true, predicted]."""
+    return np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
+
+
+def metrics_from_confusion(confusion: np.ndarray) -> dict:
+    """Accuracy and per-class precision / recall (0 where a class was never predicted / present)."""
+    true_pos = np.diag(confusion).astype(np.float64)
+    predicted, actual = confusion.sum(0), confusion.sum(1)
+    return {
+        "accuracy": float(true_pos.sum() / max(confusion.sum(), 1)),
+        "precision": np.divide(true_pos, predicted, out=np.zeros_like(true_pos), where=predicted > 0).round(5).tolist(),
+        "recall": np.divide(true_pos, actual, out=np.zeros_like(true_pos), where=actual > 0).round(5).tolist(),
+    }
+
+
+def actor_resources(cluster_cpus: float, num_actors: int, data_cpus: float = 1.0) -> tuple[float, int]:
+    """(logical CPUs per model actor, torch threads per actor).
+
+    Actors leave ``data_cpus`` free so the read and normalize tasks feeding them can run (an
+    actor pool holding every CPU waits forever for its input); threads follow the physical split.
+    """
+    logical = max(0.25, round((cluster_cpus - data_cpus) / num_actors, 3))
+    return logical, max(1, int(cluster_cpus // num_actors))
+
+
+def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[str, np.ndarray]:
+    """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays."""
+    test = build_datasets(spec, splits=("test",))["test"]
+    actor_cpus, threads = actor_resources(float(ray.cluster_resources().get("CPU", 1)), cfg.num_actors)
+    predictions = test.map_batches(
+        Predictor,
+        fn_constructor_kwargs={
+            "checkpoint_dir": checkpoint,
+            "torch_threads": threads,
+            "tta": cfg.tta,
+            "background": (0.0 - spec.config.mean) / spec.config.std,  # a black pixel, normalized
+        },
+        batch_size=cfg.batch_rows,
+        batch_format="numpy",
+        compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
+        num_cpus=actor_cpus,
+    )
+    rows = predictions.to_arrow_refs()
+    table = pa.concat_tables(ray.get(rows)).sort_by("row_id")
+    return {name: table.column(name).to_numpy() for name in ("row_id", "label", "pred", "pred_plain")}
