@@ -88,7 +88,7 @@ def test_build_lock_is_exclusive_across_processes_and_a_dead_holders_lock_is_bro
     layout = StorageLayout.create(s3_root, "r")
     holder = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys, time\nfrom storage import StorageLayout, file_lock\n"
+         "import sys, time\nfrom storage_io import StorageLayout, file_lock\n"
          f"lock = file_lock(StorageLayout.create({s3_root!r}, 'x'), 'dataset-abc'); lock.__enter__()\n"
          "print('held', flush=True)\ntime.sleep(600)"],
         cwd=ROOT, stdout=subprocess.PIPE, text=True,
