@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import shlex
+import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from training.loop import read_history
@@ -177,9 +181,13 @@ class EpochWatcher:
 
 
 def summary_lines(
-    summary: dict[str, Any], error: BaseException | None, wall_s: float, api_url: str | None, temporary_server: bool
+    summary: dict[str, Any], error: BaseException | None, wall_s: float, api_url: str | None, temporary_server: bool,
+    argv: Sequence[str] | None = None,
 ) -> list[str]:
-    """The short summary the CLI ends with: status, test accuracy against the gate, where things are, what next."""
+    """The short summary the CLI ends with: status, test accuracy against the gate, where things are, what next.
+
+    ``argv``: the CLI's options, for the command that resumes a failed run (`resume_command`).
+    """
     run = summary.get("run_name") or "?"
     evaluation = summary.get("evaluation") or {}
     lines = []
@@ -205,15 +213,14 @@ def summary_lines(
         else:
             lines.append(f"  Prefect UI     {ui}")
     if error is not None and summary.get("run_name"):
-        root = summary.get("storage_root")
         lines.append(
-            f"  to resume      python -m flows.mnist --run-name {run}" + (f" --storage-root {root}" if root else "")
+            f"  to resume      {resume_command(run, summary.get('storage_root'), argv)}"
             + " (verified stages are skipped, training goes on from its latest checkpoint)"
         )
     return lines
 
 
-def stopped_lines(summary: dict[str, Any], reason: str | None, wall_s: float) -> list[str]:
+def stopped_lines(summary: dict[str, Any], reason: str | None, wall_s: float, argv: Sequence[str] | None = None) -> list[str]:
     """What the CLI says when a run was stopped on request: where it stopped, what it kept, how to resume."""
     run = summary.get("run_name") or "?"
     stopped = summary.get("stopped") or {}
@@ -228,9 +235,57 @@ def stopped_lines(summary: dict[str, Any], reason: str | None, wall_s: float) ->
         lines.append("  checkpoint kept  none yet (training had not written one); finished stages are kept")
     if summary.get("run_dir"):
         lines.append(f"  summary          {summary['run_dir'].rstrip('/')}/summary.json")
-    root = summary.get("storage_root")
     lines.append(
-        f"  to resume        python -m flows.mnist --run-name {run}" + (f" --storage-root {root}" if root else "")
+        f"  to resume        {resume_command(run, summary.get('storage_root'), argv)}"
         + " (verified stages are skipped, training goes on from its latest checkpoint)"
     )
     return lines
+
+
+def resume_command(run_name: str, storage_root: str | None, argv: Sequence[str] | None = None) -> str:
+    """The command that goes on with run ``run_name``: its run name and storage root, and otherwise
+    the options ``argv`` the run was started with (a smoke run resumes as a smoke run).
+
+    Started by ``make run`` or ``make smoke``: ``make run ARGS="..."``; else the interpreter running
+    now (``.venv/bin/python`` after ``make install``). Without ``argv`` (a served run, the Prefect
+    UI): the plain ``python -m flows.mnist`` form.
+    """
+    options = _without(list(argv or ()), ("--run-name", "--storage-root"))
+    options += ["--run-name", run_name] + (["--storage-root", storage_root] if storage_root else [])
+    if argv is None:
+        return f"python -m flows.mnist {shlex.join(options)}"
+    if _started_by_make():
+        return f"make run ARGS={shlex.quote(shlex.join(options))}"
+    python = Path(sys.executable)
+    if python.is_relative_to(Path.cwd()):
+        python = python.relative_to(Path.cwd())
+    return f"{shlex.quote(str(python))} -m flows.mnist {shlex.join(options)}"
+
+
+def _without(args: list[str], names: tuple[str, ...]) -> list[str]:
+    """``args`` without the options ``names`` (``--name value`` and ``--name=value``)."""
+    kept, skip = [], False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not arg.startswith(tuple(f"{name}=" for name in names)):
+            kept.append(arg)
+    return kept
+
+
+def _started_by_make() -> bool:
+    """True when this process is the recipe of a ``make`` target: its parent is make, or a shell make started."""
+    pid = os.getppid()
+    try:
+        for _ in range(2):
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            if name in ("make", "gmake"):
+                return True
+            if name not in ("sh", "bash", "dash"):
+                return False
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])  # the shell's parent
+    except (OSError, ValueError, IndexError):
+        pass
+    return False

@@ -251,12 +251,12 @@ def resume_hint(summary: dict[str, Any]) -> str:
     """Where the stopped run can go on from, and the command that does it."""
     kept = (summary.get("stopped") or {}).get("checkpoint_kept")
     where = f"its checkpoint {kept['path']} is kept" if kept else "no training checkpoint was written yet"
-    root = summary.get("storage_root")
-    return f"{where}; resume with: python -m flows.mnist --run-name {summary.get('run_name')}" + (f" --storage-root {root}" if root else "")
+    return f"{where}; resume with: {console.resume_command(summary.get('run_name') or '?', summary.get('storage_root'))}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: parse settings, run the flow against a Prefect API, print a short summary."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         settings = parse_cli(argv)
         config = settings.pipeline_config()
@@ -287,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if stop.requested:  # while Ray and the server were starting
                     raise stopping.RunStopped(None, stop.reason or "stopped")
-                with stopping.ApiWatch(runtime.api_url, settings.lost_api_wait_s, layout.summary_path):
+                with stopping.ApiWatch(runtime.api_url, settings.lost_api_wait_s, layout.summary_path, argv):
                     mnist_pipeline(config)
             except Exception as exc:  # the summary below still tells what happened
                 failed = exc
@@ -302,10 +302,11 @@ def main(argv: list[str] | None = None) -> int:
         temporary = bool(runtime and runtime.temporary_server)
         wall = time.perf_counter() - started
         if stop.requested and summary.get("status") != "completed":
-            lines = console.stopped_lines(summary or {"run_name": config.run_name, "storage_root": config.storage_root}, stop.reason, wall)
+            fallback = {"run_name": config.run_name, "storage_root": config.storage_root}
+            lines = console.stopped_lines(summary or fallback, stop.reason, wall, argv)
             print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
             return stop.exit_code() or 1
-        lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary)
+        lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary, argv)
         print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
         return 1 if failed is not None else 0
 

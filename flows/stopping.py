@@ -24,10 +24,11 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from flows.console import resume_command
 from storage_io import join, read_json
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
@@ -240,8 +241,9 @@ class ApiWatch:
     back within ``wait_s`` changes nothing (measured: 27 s and 77 s outages, the run completed).
     """
 
-    def __init__(self, api_url: str, wait_s: float, summary_path: str, poll_s: float = 2.0):
+    def __init__(self, api_url: str, wait_s: float, summary_path: str, argv: Sequence[str] | None = None, poll_s: float = 2.0):
         self.api_url, self.wait_s, self.summary_path, self.poll_s = api_url, wait_s, summary_path, poll_s
+        self.argv = argv  # the CLI's options, for the command that resumes (console.resume_command)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefect-api-watch", daemon=True)
 
@@ -276,8 +278,7 @@ class ApiWatch:
             f"in {self.summary_path}. Exiting.\n"
         )
         if status != "completed" and isinstance(summary, dict) and summary.get("run_name"):
-            root = summary.get("storage_root")
-            _tell(f"To resume: python -m flows.mnist --run-name {summary['run_name']}" + (f" --storage-root {root}" if root else "") + "\n")
+            _tell(f"To resume: {resume_command(summary['run_name'], summary.get('storage_root'), self.argv)}\n")
         os._exit(0 if status == "completed" else 1)
 
     def __enter__(self) -> ApiWatch:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -30,11 +32,12 @@ STOP_BUDGET_S = 30  # the issue's bound, and Prefect's cancellation grace period
 class CliRun:
     """One ``python -m flows.mnist`` run in its own session, its output in a file."""
 
-    def __init__(self, tmp_path: Path, run_name: str, *args: str, env: dict[str, str] | None = None):
+    def __init__(self, tmp_path: Path, run_name: str, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None):
+        """``python -m flows.mnist --preset smoke`` with ``args``, or ``command`` as given (run in the project folder)."""
         self.root, self.run_name = tmp_path / "storage", run_name
         self.log = tmp_path / f"{run_name}-{time.monotonic_ns()}.log"
-        command = [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(self.root),
-                   "--run-name", run_name, *args]
+        command = command or [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(self.root),
+                              "--run-name", run_name, *args]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -156,6 +159,25 @@ def test_stopped_lines_name_the_stage_the_checkpoint_and_the_resume_command():
     assert "before its first stage" in early[0] and "--run-name r2" in early[-1]
 
 
+def test_the_resume_command_keeps_the_runs_options_and_the_way_it_was_started(tmp_path):
+    def resume_command_in_a_child(argv: list[str]) -> str:  # this process may be make's own child (make test)
+        code = f"from flows.console import resume_command; print(resume_command('r1', '/data', {argv!r}))"
+        return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+    python = Path(sys.executable)
+    shown = str(python.relative_to(ROOT)) if python.is_relative_to(ROOT) else str(python)
+    argv = ["--preset", "smoke", "--run-name", "old", "--storage-root=/elsewhere", "--train.epochs", "2"]
+    assert resume_command_in_a_child(argv) == f"{shown} -m flows.mnist --preset smoke --train.epochs 2 --run-name r1 --storage-root /data"
+    assert console.resume_command("r1", "/data") == "python -m flows.mnist --run-name r1 --storage-root /data"  # a served run
+    # As the recipe of a make target (`make run`, `make smoke`): the make command that resumes.
+    (tmp_path / "Makefile").write_text(
+        "smoke:\n\t" + sys.executable + " -c \"from flows.console import resume_command; "
+        "print(resume_command('r1', '/my data', ['--preset', 'smoke']))\"\n"
+    )
+    done = subprocess.run(["make", "-s", "smoke"], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.stdout.strip() == "make run ARGS='--preset smoke --run-name r1 --storage-root '\"'\"'/my data'\"'\"''", done
+
+
 def test_a_failure_between_stages_is_not_reported_as_before_any_stage():
     summary = {"run_name": "r", "storage_root": "/s", "run_dir": "/s/runs/r",
                "stages": {"download": {"status": "completed"}, "to-parquet": {"status": "completed"}}}
@@ -208,10 +230,14 @@ def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes
     assert summary["stages"]["train"]["status"] == "interrupted"
     kept = summary["stopped"]["checkpoint_kept"]
     assert kept and kept["epoch"] >= 0 and Path(kept["path"]).is_dir()
-    assert f"to resume        python -m flows.mnist --run-name interrupted --storage-root {run.root}" in out
     assert "Traceback" not in out and "ConnectError" not in out
+    resume = re.search(r"^  to resume +(.+?) \(verified stages are skipped", out, re.M)
+    assert resume, out[-3000:]
+    command = shlex.split(resume.group(1))  # the printed command, run as printed
+    assert command[1:] == ["-m", "flows.mnist", "--preset", "smoke", "--train.epochs", "2",
+                           "--run-name", "interrupted", "--storage-root", str(run.root)], command
 
-    again = CliRun(tmp_path, "interrupted", "--train.epochs", "2")
+    again = CliRun(tmp_path, "interrupted", command=command)
     code, _ = again.finish(600)
     assert code == 0, again.output()[-3000:]
     resumed = again.summary()
