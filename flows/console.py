@@ -142,7 +142,6 @@ class EpochWatcher:
         self._start = time.monotonic()
 
     def _rows(self) -> list[dict]:
-
         try:
             return read_history(self.history_path)
         except Exception:  # a half-written object, a storage hiccup: try again next round

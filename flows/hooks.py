@@ -117,7 +117,6 @@ def failure_summary(
 
 def gate_evidence(summary: dict[str, Any]) -> str:
     """For a run that reached its gate: the test accuracy against the gate and the artifacts that show why."""
-
     evaluation = summary.get("evaluation") or {}
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is None or gate is None:

@@ -215,7 +215,6 @@ def kept_checkpoint(run_dir: str) -> dict[str, Any] | None:
 
     Read from Ray Train's own ``checkpoint_manager_snapshot.json``: a resumed run starts from it.
     """
-
     snapshot = read_json(join(run_dir, "checkpoint_manager_snapshot.json"))
     latest = (snapshot or {}).get("latest_checkpoint_result") if isinstance(snapshot, dict) else None
     if not latest or not latest.get("checkpoint_dir_name"):
@@ -266,7 +265,6 @@ class ApiWatch:
                 self._give_up(time.monotonic() - down_since)
 
     def _give_up(self, silent_s: float) -> None:
-
         if not FLOW_BODY_DONE.is_set():
             STOP.request(f"stopped: the Prefect API did not answer for {silent_s:.0f} s")
             FLOW_BODY_DONE.wait(STAGE_STOP_WAIT_S + 10)

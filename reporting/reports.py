@@ -318,7 +318,6 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
-
     fs, where = filesystem(split_dir)  # a local folder or an S3 prefix
     files = [f"{where}/{name}" for name in list_files(split_dir, ".parquet") if "/" not in name]
     dataset = ds.dataset(files, format="parquet", filesystem=fs)
@@ -387,7 +386,6 @@ def _best_effort(fn: Callable[..., _T]) -> Callable[..., _T | None]:
 def publish_environment_report(env: dict[str, Any]) -> list:
     """Publish what the run runs on (``reporting.environment.describe()``) as a table; returns the artifact ids."""
     from prefect.artifacts import create_table_artifact
-
 
     description = f"Python {env.get('python')}, torch {env.get('packages', {}).get('torch')}, commit {env.get('git_commit')}"
     return [create_table_artifact(environment_rows(env), key=KEYS["environment"], description=description)]

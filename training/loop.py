@@ -433,14 +433,12 @@ class EpochShards:
     """
 
     def __init__(self, config: dict[str, Any], start: Position, rank: int, world_size: int):
-
         self.config, self.start, self.rank, self.world_size = config, start, rank, world_size
         self.spec = TransformSpec.model_validate(config["transform"])
         self.per_rank = world_size == 1 or fits_in_memory(self.spec, "train")
         self._ahead: dict[int, Any] = {}
 
     def _build(self, epoch: int):
-
         resuming = epoch == self.start.epoch and self.start.consumed is not None
         exclude = self.start.consumed.numpy() if resuming else None
         if self.per_rank:
@@ -486,7 +484,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # This rank's share of the validation rows, built here once per attempt: a Ray Train dataset
     # shard would start a split coordinator actor first (measured: 8.6 s for epoch 0's validation
     # of 200 rows with it, against 0.2-0.4 s for every later epoch).
-
     val_shard = build_split(TransformSpec.model_validate(config["transform"]), "val", part=(rank, world_size))
     epoch_shard = EpochShards(config, start, rank, world_size)
     for epoch in range(start.epoch, epochs):

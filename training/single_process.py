@@ -65,7 +65,6 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     ``config`` is the dict of ``training.trainer.loop_config``; ``spec`` the transform's TransformSpec.
     ``run_dir`` is a local folder: the config refuses ``train.mode: single`` on an S3 storage root.
     """
-
     folder = Path(run_dir) / SINGLE_DIR
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config["seed"])
