@@ -1,4 +1,4 @@
-"""The download stage: the four MNIST IDX ``.gz`` files, verified, in ``<root>/raw/<source>/``.
+"""Where the four MNIST IDX ``.gz`` files come from, and how they are fetched and verified.
 
 Sources (``DownloadConfig.source``):
 
@@ -31,14 +31,11 @@ from typing import Literal, NamedTuple
 from urllib.parse import urlparse
 
 import pydantic
-from prefect import task
-from prefect.cache_policies import NO_CACHE
 from torchvision.datasets import MNIST
 from torchvision.datasets.utils import calculate_md5, download_url
 
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
-from reporting.logs import stage_logger
-from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file, storage_writes
+from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -393,33 +390,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, urllib.error.URLError):
         return str(exc.reason)
     return f"{type(exc).__name__}: {exc}"
-
-
-# --------------------------------------------------------------------------------------------
-# The task
-# --------------------------------------------------------------------------------------------
-
-
-# NO_CACHE: the verified files on disk are the cache; a cached result could point at files
-# that were deleted since.
-@task(name="download", cache_policy=NO_CACHE)
-def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
-    """Fetch and verify the four MNIST IDX files (official, mirror or bundled sample)."""
-    log = stage_logger(__name__)
-    plan = resolve_source(cfg, layout)
-    if plan.fell_back:
-        log.warning(
-            "official MNIST mirrors %s unreachable within %gs; falling back to the bundled 5,000-digit "
-            "sample (4,000 train / 1,000 test), so accuracy will differ from full MNIST. "
-            "Set download.source=official to fail instead.",
-            ", ".join(OFFICIAL_MIRRORS), cfg.connect_timeout_s,
-        )
-    directory = layout.raw_dir(source_key(plan))
-    # On an S3 root the files are checked and fetched in a local folder, then uploaded.
-    with storage_writes("download"), local_copy(directory, write_back=True) as local:
-        files, skipped = sync_files(
-            plan.base_url, local, plan.expected, cfg.attempts, cfg.backoff_s, log, cfg.read_timeout_s
-        )
-    state = "already present and verified, no download" if skipped else "verified"
-    log.info("MNIST files %s in %s (source=%s, %s)", state, directory, plan.source, plan.base_url)
-    return RawData(source=plan.source, url=plan.base_url, directory=directory, files=files, skipped=skipped)

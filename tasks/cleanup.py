@@ -22,6 +22,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from dataset.parquet import ParquetDataset
+from dataset.sources import RawData
 from pipeline_config import CleanupConfig
 from reporting.logs import stage_logger
 from storage_io import (
@@ -37,7 +38,6 @@ from storage_io import (
     remove,
     total_bytes,
 )
-from tasks.download import RawData
 from tasks.evaluate import Evaluation
 from training.model import checkpoint_problem
 from training.trainer import TrainedModel, checkpoint_rank

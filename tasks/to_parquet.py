@@ -11,6 +11,7 @@ from __future__ import annotations
 from prefect import task
 
 from dataset.parquet import FORMAT_VERSION, ParquetDataset, build_manifest, convert, manifest_problem
+from dataset.sources import RawData
 from pipeline_config import ParquetConfig
 from reporting.logs import stage_logger
 from storage_io import (
@@ -28,7 +29,6 @@ from storage_io import (
     sha256_json,
     storage_writes,
 )
-from tasks.download import RawData
 
 
 def dataset_fingerprint(raw: RawData, cfg: ParquetConfig) -> str:

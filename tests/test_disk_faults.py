@@ -28,10 +28,10 @@ import torch
 from ray.train import ControllerError, WorkerGroupError
 
 from dataset.parquet import ParquetDataset, verify_manifest
+from dataset.sources import RawData
 from pipeline_config import CleanupConfig, ParquetConfig, TrainConfig, TransformConfig
 from storage_io import StorageLayout, StorageWriteError, atomic_write_json, exists, join, storage_writes, upload_dir
 from tasks.cleanup import RAY_TRAIN_SNAPSHOT, UnreadableSnapshot, cleanup, incomplete_checkpoints
-from tasks.download import RawData
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tasks.train import train

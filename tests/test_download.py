@@ -18,17 +18,11 @@ from pathlib import Path
 
 import pytest
 
-import tasks.download as dl
+import dataset.sources as dl
+from dataset.sources import ChecksumMismatchError, DownloadError, SourceUnreachableError, is_transient, official_reachable
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
 from storage_io import StorageLayout, sha256_file
-from tasks.download import (
-    ChecksumMismatchError,
-    DownloadError,
-    SourceUnreachableError,
-    download,
-    is_transient,
-    official_reachable,
-)
+from tasks.download import download
 
 SAMPLE_BYTES = {name: (SAMPLE_DIR / name).read_bytes() for name in MNIST_FILES}
 SAMPLE_SHA256 = MirrorChecksums().by_file()

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from dataset.parquet import SCHEMA, convert, images_from_column, manifest_problem, to_table, verify_manifest
+from dataset.sources import RawData
 from pipeline_config import ParquetConfig
 from storage_io import MANIFEST
-from tasks.download import RawData
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tests.support.digits import idx_bytes, synthetic_digits, write_raw
 from tests.support.parquet import read_split

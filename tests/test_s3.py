@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dataset.parquet import ParquetDataset
+from dataset.sources import RawData
 from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
 from pipeline_config.settings import parse_cli
 from storage_io import (
@@ -42,7 +43,7 @@ from storage_io import (
     total_bytes,
 )
 from tasks.cleanup import check_deletable, cleanup
-from tasks.download import RawData, download
+from tasks.download import download
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import to_parquet
 from tests.support.digits import write_raw

@@ -20,6 +20,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dataset.parquet import verify_manifest
+from dataset.sources import RawData
 from pipeline_config import ParquetConfig
 from storage_io import (
     StorageLayout,
@@ -30,7 +31,6 @@ from storage_io import (
     read_json,
     storage_writes,
 )
-from tasks.download import RawData
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tests.support.digits import write_raw
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
+from dataset.sources import RawData
 from pipeline_config import ParquetConfig, TrainConfig, TransformConfig
 from storage_io import StorageLayout
-from tasks.download import RawData
 from tasks.to_parquet import to_parquet
 from tasks.train import train
 from tasks.transform import transform

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from dataset.parquet import to_table
+from dataset.sources import RawData
 from dataset.transform import build_datasets, build_split, epoch_seed, normalize, prepare_batch, random_affine, row_draws
 from pipeline_config import ParquetConfig, TransformConfig
-from tasks.download import RawData
 from tasks.to_parquet import to_parquet
 from tasks.transform import transform
 from tests.support.digits import synthetic_digits, write_raw

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from dataset.parquet import ParquetDataset
+from dataset.sources import RawData
 from storage_io import StorageLayout
-from tasks.download import RawData
 from tasks.evaluate import Evaluation
 from training.model import MODEL_FILE
 from training.trainer import CheckpointInfo, TrainedModel
