@@ -46,7 +46,7 @@ from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training.loop import HISTORY_FILE
-from training.trainer import plan_resources
+from training.trainer import latest_checkpoint, plan_resources
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
 # the other stages only coordinate Ray Data / Ray Train work that reserves its own resources,
@@ -117,7 +117,7 @@ class StageRecorder:
 
     def record_stop(self, status: str, stage: str, reason: str) -> None:
         """Remember that the run stopped on request in ``stage``, and the checkpoint it keeps."""
-        self.stopped = {"status": status, "stage": stage, "reason": reason, "checkpoint_kept": stopping.kept_checkpoint(self.layout.run_dir)}
+        self.stopped = {"status": status, "stage": stage, "reason": reason, "checkpoint_kept": latest_checkpoint(self.layout.run_dir)}
 
     def status(self) -> str:
         """completed, failed, interrupted (Ctrl-C, SIGTERM) or cancelled (from Prefect)."""

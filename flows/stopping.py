@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from flows.console import resume_command
-from storage_io import join, read_json
+from storage_io import read_json
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
@@ -208,24 +208,6 @@ def prefect_is_cancelling() -> bool:
         return control_listener.get_intent() == "cancel"
     except Exception:  # noqa: BLE001 - a private API: absent or changed means "not known"
         return False
-
-
-def kept_checkpoint(run_dir: str) -> dict[str, Any] | None:
-    """The latest checkpoint Ray Train recorded for the run in ``run_dir``: path, epoch, mid-epoch or not.
-
-    Read from Ray Train's own ``checkpoint_manager_snapshot.json``: a resumed run starts from it.
-    """
-    snapshot = read_json(join(run_dir, "checkpoint_manager_snapshot.json"))
-    latest = (snapshot or {}).get("latest_checkpoint_result") if isinstance(snapshot, dict) else None
-    if not latest or not latest.get("checkpoint_dir_name"):
-        return None
-    metrics = latest.get("metrics") or {}
-    return {
-        "path": join(run_dir, latest["checkpoint_dir_name"]),
-        "epoch": metrics.get("epoch"),
-        "mid_epoch": bool(metrics.get("mid_epoch")),
-        "step": metrics.get("step"),
-    }
 
 
 class ApiWatch:

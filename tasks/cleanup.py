@@ -13,7 +13,6 @@ Ray Train knows (its snapshot, the training result, the evaluated one) is never 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -34,13 +33,12 @@ from storage_io import (
     join,
     list_dirs,
     paths_in_use,
-    read_bytes,
     remove,
     total_bytes,
 )
 from tasks.evaluate import Evaluation
 from training.model import checkpoint_problem
-from training.trainer import TrainedModel, checkpoint_rank
+from training.trainer import TrainedModel, UnreadableSnapshot, checkpoint_rank, ray_train_checkpoints
 
 
 class CleanupReport(BaseModel):
@@ -66,32 +64,6 @@ def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: Tra
     if cfg.delete_parquet:
         selected.append(dataset.directory)
     return selected
-
-
-# Ray Train's record of the checkpoints it kept, in the run folder (ray.train.v2 constants).
-RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
-
-
-class UnreadableSnapshot(ValueError):
-    """Ray Train's snapshot is there but cannot be read: which checkpoints it keeps is unknown."""
-
-
-def ray_train_checkpoints(run_dir: str) -> set[str]:
-    """Names of the checkpoint folders Ray Train's snapshot in ``run_dir`` records (empty when there is none).
-
-    Kept, latest and pending ones alike: any of them may be what a resumed run restores.
-    """
-    try:
-        snapshot = json.loads(read_bytes(join(run_dir, RAY_TRAIN_SNAPSHOT)))
-    except FileNotFoundError:
-        return set()
-    except (OSError, ValueError) as exc:
-        raise UnreadableSnapshot(f"{join(run_dir, RAY_TRAIN_SNAPSHOT)} is unreadable: {exc}") from exc
-    if not isinstance(snapshot, dict):
-        raise UnreadableSnapshot(f"{join(run_dir, RAY_TRAIN_SNAPSHOT)} is not a Ray Train checkpoint snapshot")
-    results = [*(snapshot.get("checkpoint_results") or []), snapshot.get("latest_checkpoint_result"),
-               *(snapshot.get("pending_training_results") or [])]
-    return {r["checkpoint_dir_name"] for r in results if isinstance(r, dict) and r.get("checkpoint_dir_name")}
 
 
 def incomplete_checkpoints(run_dir: str, known: list[str] = ()) -> dict[str, str]:

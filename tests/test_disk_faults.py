@@ -31,7 +31,7 @@ from dataset.parquet import ParquetDataset, verify_manifest
 from dataset.sources import RawData
 from pipeline_config import CleanupConfig, ParquetConfig, TrainConfig, TransformConfig
 from storage_io import StorageLayout, StorageWriteError, atomic_write_json, exists, join, storage_writes, upload_dir
-from tasks.cleanup import RAY_TRAIN_SNAPSHOT, UnreadableSnapshot, cleanup, incomplete_checkpoints
+from tasks.cleanup import cleanup, incomplete_checkpoints
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tasks.train import train
@@ -40,7 +40,15 @@ from tests.support.digits import write_raw
 from tests.support.parquet import read_split
 from training.loop import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
 from training.model import CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, checkpoint_problem, load_state, save_checkpoint_files
-from training.trainer import CheckpointInfo, TrainedModel, is_infrastructure_failure, raise_storage_failure, storage_failure
+from training.trainer import (
+    RAY_TRAIN_SNAPSHOT,
+    CheckpointInfo,
+    TrainedModel,
+    UnreadableSnapshot,
+    is_infrastructure_failure,
+    raise_storage_failure,
+    storage_failure,
+)
 
 GOOD = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
 OTHER = ParquetConfig(rows_per_file=128, rows_per_group=64, validation_every=4)  # another fingerprint

@@ -9,6 +9,7 @@ attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray T
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -26,6 +27,7 @@ from storage_io import (
     is_remote,
     join,
     parent,
+    read_bytes,
     read_lines,
     storage_errno,
     storage_write_error,
@@ -241,6 +243,57 @@ def summarize_result(result, run_dir: str, num_workers: int, cpus: float, score:
         cpus_per_worker=cpus,
         score=score,
     )
+
+
+# Ray Train's record of the checkpoints it kept, in the run folder (ray.train.v2 constants).
+RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
+
+
+class UnreadableSnapshot(ValueError):
+    """Ray Train's snapshot is there but cannot be read: which checkpoints it keeps is unknown."""
+
+
+def read_snapshot(run_dir: str) -> dict | None:
+    """Ray Train's checkpoint snapshot of the run in ``run_dir``, or None when it has written none."""
+    path = join(run_dir, RAY_TRAIN_SNAPSHOT)
+    try:
+        snapshot = json.loads(read_bytes(path))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise UnreadableSnapshot(f"{path} is unreadable: {exc}") from exc
+    if not isinstance(snapshot, dict):
+        raise UnreadableSnapshot(f"{path} is not a Ray Train checkpoint snapshot")
+    return snapshot
+
+
+def ray_train_checkpoints(run_dir: str) -> set[str]:
+    """Names of the checkpoint folders Ray Train's snapshot in ``run_dir`` records (empty when there is none).
+
+    Kept, latest and pending ones alike: any of them may be what a resumed run restores.
+    """
+    snapshot = read_snapshot(run_dir) or {}
+    results = [*(snapshot.get("checkpoint_results") or []), snapshot.get("latest_checkpoint_result"),
+               *(snapshot.get("pending_training_results") or [])]
+    return {r["checkpoint_dir_name"] for r in results if isinstance(r, dict) and r.get("checkpoint_dir_name")}
+
+
+def latest_checkpoint(run_dir: str) -> dict | None:
+    """The latest checkpoint Ray Train recorded for the run in ``run_dir`` (what a resumed run starts from):
+    path, epoch, mid-epoch or not, step; None when there is none or the snapshot is unreadable."""
+    try:
+        latest = (read_snapshot(run_dir) or {}).get("latest_checkpoint_result")
+    except UnreadableSnapshot:
+        return None
+    if not isinstance(latest, dict) or not latest.get("checkpoint_dir_name"):
+        return None
+    metrics = latest.get("metrics") or {}
+    return {
+        "path": join(run_dir, latest["checkpoint_dir_name"]),
+        "epoch": metrics.get("epoch"),
+        "mid_epoch": bool(metrics.get("mid_epoch")),
+        "step": metrics.get("step"),
+    }
 
 
 def read_attempts(path: str) -> list[dict]:
