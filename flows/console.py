@@ -181,7 +181,7 @@ class EpochWatcher:
 
 def summary_lines(
     summary: dict[str, Any], error: BaseException | None, wall_s: float, api_url: str | None, temporary_server: bool,
-    argv: Sequence[str] | None = None,
+    argv: Sequence[str] | None = None, module: str = "flows.mnist",
 ) -> list[str]:
     """The short summary the CLI ends with: status, test accuracy against the gate, where things are, what next.
 
@@ -200,6 +200,7 @@ def summary_lines(
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
+    lines += tuning_lines(summary.get("tuning"))
     if summary.get("run_dir"):
         lines.append(f"  run folder     {summary['run_dir']}")
         lines.append(f"  summary        {summary['run_dir'].rstrip('/')}/summary.json (--json prints it here)")
@@ -213,13 +214,32 @@ def summary_lines(
             lines.append(f"  Prefect UI     {ui}")
     if error is not None and summary.get("run_name"):
         lines.append(
-            f"  to resume      {resume_command(run, summary.get('storage_root'), argv)}"
+            f"  to resume      {resume_command(run, summary.get('storage_root'), argv, summary.get('module', module))}"
             + " (verified stages are skipped, training goes on from its latest checkpoint)"
         )
     return lines
 
 
-def stopped_lines(summary: dict[str, Any], reason: str | None, wall_s: float, argv: Sequence[str] | None = None) -> list[str]:
+def tuning_lines(tuning: dict[str, Any] | None) -> list[str]:
+    """The best trial of a search and where its config file is (nothing when the run did not tune)."""
+    if not tuning or not tuning.get("best_trial"):
+        return []
+    best, metric = tuning["best_trial"], tuning.get("metric", "val_loss")
+    value = best.get(metric)
+    shown = f"{value:.4f}" if isinstance(value, (int, float)) else "?"
+    chosen = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (best.get("sampled") or {}).items())
+    return [
+        f"  best trial     {best.get('trial_id')}: {metric} {shown} after {best.get('epochs_run')} epoch(s) "
+        f"({tuning.get('trials')} trials, {tuning.get('stopped_early')} stopped early)",
+        f"  its recipe     {chosen}",
+        f"  best config    {best.get('config_file')}",
+        f"  train it       python -m flows.mnist --config-file {best.get('config_file')}",
+    ]
+
+
+def stopped_lines(
+    summary: dict[str, Any], reason: str | None, wall_s: float, argv: Sequence[str] | None = None, module: str = "flows.mnist"
+) -> list[str]:
     """What the CLI says when a run was stopped on request: where it stopped, what it kept, how to resume."""
     run = summary.get("run_name") or "?"
     stopped = summary.get("stopped") or {}
@@ -235,30 +255,31 @@ def stopped_lines(summary: dict[str, Any], reason: str | None, wall_s: float, ar
     if summary.get("run_dir"):
         lines.append(f"  summary          {summary['run_dir'].rstrip('/')}/summary.json")
     lines.append(
-        f"  to resume        {resume_command(run, summary.get('storage_root'), argv)}"
+        f"  to resume        {resume_command(run, summary.get('storage_root'), argv, summary.get('module', module))}"
         + " (verified stages are skipped, training goes on from its latest checkpoint)"
     )
     return lines
 
 
-def resume_command(run_name: str, storage_root: str | None, argv: Sequence[str] | None = None) -> str:
+def resume_command(run_name: str, storage_root: str | None, argv: Sequence[str] | None = None, module: str = "flows.mnist") -> str:
     """The command that goes on with run ``run_name``: its run name and storage root, and otherwise
     the options ``argv`` the run was started with (a smoke run resumes as a smoke run).
 
     Started by ``make run`` or ``make smoke``: ``make run ARGS="..."``; else the interpreter running
     now (``.venv/bin/python`` after ``make install``). Without ``argv`` (a served run, the Prefect
-    UI): the plain ``python -m flows.mnist`` form.
+    UI): the plain ``python -m flows.mnist`` form. ``module``: the flow's module (``flows.tune`` for the
+    search, which make does not start).
     """
     options = _without(list(argv or ()), ("--run-name", "--storage-root"))
     options += ["--run-name", run_name] + (["--storage-root", storage_root] if storage_root else [])
     if argv is None:
-        return f"python -m flows.mnist {shlex.join(options)}"
-    if _started_by_make():
+        return f"python -m {module} {shlex.join(options)}"
+    if module == "flows.mnist" and _started_by_make():
         return f"make run ARGS={shlex.quote(shlex.join(options))}"
     python = Path(sys.executable)
     if python.is_relative_to(Path.cwd()):
         python = python.relative_to(Path.cwd())
-    return f"{shlex.quote(str(python))} -m flows.mnist {shlex.join(options)}"
+    return f"{shlex.quote(str(python))} -m {module} {shlex.join(options)}"
 
 
 def _without(args: list[str], names: tuple[str, ...]) -> list[str]:

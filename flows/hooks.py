@@ -96,7 +96,7 @@ def failure_summary(
     if summary.get("run_name"):  # the run folder exists: resuming it makes sense
         resume = (
             f"To resume, fix the cause and start the run again with the same run name and storage root: "
-            f"`{resume_command(run_name, storage_root)}`, or a custom run "
+            f"`{resume_command(run_name, storage_root, None, summary.get('module', 'flows.mnist'))}`, or a custom run "
             f"from the deployment's form with config.run_name = {run_name}; finished download and conversion "
             f"are skipped and training resumes from the latest checkpoint in {run_dir or 'the run folder'}."
         )

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 from flows import console, hooks, stopping
 from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
-from pipeline_config.settings import parse_cli
+from pipeline_config.settings import PipelineSettings, parse_cli
 from reporting import environment, reports
 from storage_io import (
     RunInUseError,
@@ -63,31 +63,36 @@ def train_with_retries(cfg) -> Task:
     )
 
 
-def default_run_name() -> str:
-    """A unique, sortable run name: mnist-<UTC timestamp>-<random>."""
-    return f"mnist-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+def default_run_name(prefix: str = "mnist") -> str:
+    """A unique, sortable run name: <prefix>-<UTC timestamp>-<random>."""
+    return f"{prefix}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
 class StageRecorder:
-    """Runs stages on the task runner and records their status and seconds for summary.json."""
+    """Runs stages on the task runner and records their status and seconds for summary.json.
 
-    def __init__(self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any]):
-        self.runner, self.layout, self.config, self.env = runner, layout, config, env
+    ``plan``: the flow's stages in order with the logical CPUs each holds (`STAGE_CPUS`).
+    """
+
+    def __init__(
+        self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any], plan: dict[str, float] = STAGE_CPUS
+    ):
+        self.runner, self.layout, self.config, self.env, self.plan = runner, layout, config, env, plan
         self.stages: dict[str, dict[str, Any]] = {}
         self.outputs: dict[str, Any] = {}
         self.stopped: dict[str, Any] | None = None  # how an interrupted or cancelled run stopped
 
     def __call__(self, stage: Task, **parameters: Any) -> Any:
         name = stage.name
-        number = f"[{list(STAGE_CPUS).index(name) + 1}/{len(STAGE_CPUS)}] {name}"
+        number = f"[{list(self.plan).index(name) + 1}/{len(self.plan)}] {name}"
         self.stages[name] = {"status": "running", "seconds": None}
-        console.say("%s ...%s", number, f" {self.epochs()} epoch(s)" if name == "train" else "")
+        console.say("%s ...%s", number, _stage_start(name, self))
         start = time.perf_counter()
         # Training says one line per epoch, read from the run's history on storage by this driver.
         history = join(self.layout.run_dir, HISTORY_FILE)
         watch = console.EpochWatcher(history, self.epochs()) if name == "train" else nullcontext()
         try:
-            with remote_options(num_cpus=STAGE_CPUS[name]):
+            with remote_options(num_cpus=self.plan[name]):
                 future = self.runner.submit(stage, parameters=parameters)
             with watch:
                 result = stopping.wait_for_stage(future, name)
@@ -127,16 +132,17 @@ class StageRecorder:
 
     def completed(self) -> bool:
         """True when every stage ran and completed."""
-        return len(self.stages) == len(STAGE_CPUS) and all(s["status"] == "completed" for s in self.stages.values())
+        return len(self.stages) == len(self.plan) and all(s["status"] == "completed" for s in self.stages.values())
 
     def summary(self) -> dict[str, Any]:
         """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
-        raw, dataset, trained = (self.outputs.get(name) for name in ("download", "to-parquet", "train"))
+        raw, dataset, trained, tuned = (self.outputs.get(name) for name in ("download", "to-parquet", "train", "tune"))
         metrics = _read_metrics(self.layout)
         from prefect.runtime import flow_run
 
         return {
             "run_name": self.layout.run_name,
+            "module": "flows.tune" if "tune" in self.plan else "flows.mnist",  # what resumes it
             "flow_run_id": str(flow_run.id) if flow_run.id else None,
             "storage_root": self.layout.root,
             "run_dir": self.layout.run_dir,
@@ -158,6 +164,7 @@ class StageRecorder:
             "resumed_from_epoch": trained.resumed_from_epoch if trained else None,
             "test_accuracy": metrics.get("accuracy"),
             "evaluation": metrics,
+            **({"tuning": tuned.summary() if tuned else None} if "tune" in self.plan else {}),
             "config": self.config.model_dump(mode="json"),
             "environment": self.env,
         }
@@ -180,11 +187,25 @@ def _stage_detail(name: str, result: Any, config: PipelineConfig) -> str:
         return f": {rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows{reused}"
     if name == "train":
         return f": best validation accuracy {result.best_val_accuracy:.2%}"
+    if name == "tune":
+        best = result.best
+        return (f": best trial {best.trial_id}, {result.metric} {best.best_metric:.4f} ({len(result.trials)} trials, "
+                f"{result.stopped_early()} stopped early){' (search restored)' if result.restored else ''}")
     if name == "evaluate":
         return f": test accuracy {result.accuracy:.2%} (gate {config.evaluate.min_accuracy:.2%} passed)"
     if name == "cleanup":
         verb = "would delete" if result.dry_run else "deleted"
         return f": {verb} {len(result.paths)} item(s)"
+    return ""
+
+
+def _stage_start(name: str, stage: StageRecorder) -> str:
+    """What a starting stage will do, when there is more to say than its name."""
+    if name == "train":
+        return f" {stage.epochs()} epoch(s)"
+    tune_cfg = getattr(stage.config, "tune", None)
+    if name == "tune" and tune_cfg is not None:
+        return f" {tune_cfg.num_samples} trial(s) of up to {tune_cfg.epochs} epoch(s), {tune_cfg.scheduler.upper()} by {tune_cfg.metric}"
     return ""
 
 
@@ -251,20 +272,30 @@ def resume_hint(summary: dict[str, Any]) -> str:
     """Where the stopped run can go on from, and the command that does it."""
     kept = (summary.get("stopped") or {}).get("checkpoint_kept")
     where = f"its checkpoint {kept['path']} is kept" if kept else "no training checkpoint was written yet"
-    return f"{where}; resume with: {console.resume_command(summary.get('run_name') or '?', summary.get('storage_root'))}"
+    return f"{where}; resume with: {console.resume_command(summary.get('run_name') or '?', summary.get('storage_root'), None, summary.get('module', 'flows.mnist'))}"
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: parse settings, run the flow against a Prefect API, print a short summary."""
+    return run_cli(argv, PipelineSettings, mnist_pipeline, "MNIST pipeline", "flows.mnist", "mnist")
+
+
+def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str, module: str, prefix: str) -> int:
+    """Run ``flow`` once from the command line: parse ``settings_class`` from ``argv`` and the
+    environment, start (or reach) a Prefect API and a Ray cluster, run, print a short summary.
+
+    ``module`` is what the printed resume command runs (``python -m <module>``); ``prefix`` starts
+    the default run name.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        settings = parse_cli(argv)
+        settings = parse_cli(argv, settings_class)
         config = settings.pipeline_config()
     except (ValidationError, ValueError) as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     if config.run_name is None:
-        config = config.model_copy(update={"run_name": default_run_name()})
+        config = config.model_copy(update={"run_name": default_run_name(prefix)})
     layout = StorageLayout.create(config.storage_root, config.run_name)
     try:
         layout.check_reachable()
@@ -272,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    print(f"MNIST pipeline: run {config.run_name} -> {layout.run_dir}", flush=True)
+    print(f"{title}: run {config.run_name} -> {layout.run_dir}", flush=True)
     failed, runtime = None, None
     # Ctrl-C and SIGTERM ask the run to stop (flows/stopping.py). The Prefect API and a local Ray
     # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose
@@ -288,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                 if stop.requested:  # while Ray and the server were starting
                     raise stopping.RunStopped(None, stop.reason or "stopped")
                 with stopping.ApiWatch(runtime.api_url, settings.lost_api_wait_s, layout.summary_path, argv):
-                    mnist_pipeline(config)
+                    flow(config)
             except Exception as exc:  # the summary below still tells what happened
                 failed = exc
         in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
@@ -303,12 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         wall = time.perf_counter() - started
         if stop.requested and summary.get("status") != "completed":
             fallback = {"run_name": config.run_name, "storage_root": config.storage_root}
-            lines = console.stopped_lines(summary or fallback, stop.reason, wall, argv)
+            lines = console.stopped_lines(summary or fallback, stop.reason, wall, argv, module)
             print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
             return stop.exit_code() or 1
-        lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary, argv)
+        lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary, argv, module)
         print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
         return 1 if failed is not None else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -258,7 +258,7 @@ class ApiWatch:
             f"in {self.summary_path}. Exiting.\n"
         )
         if status != "completed" and isinstance(summary, dict) and summary.get("run_name"):
-            _tell(f"To resume: {resume_command(summary['run_name'], summary.get('storage_root'), self.argv)}\n")
+            _tell(f"To resume: {resume_command(summary['run_name'], summary.get('storage_root'), self.argv, summary.get('module', 'flows.mnist'))}\n")
         os._exit(0 if status == "completed" else 1)
 
     def __enter__(self) -> ApiWatch:

@@ -6,9 +6,13 @@ from pipeline_config.model import (
     EvaluateConfig,
     ParquetConfig,
     PipelineConfig,
+    Range,
     RayConfig,
+    SearchSpace,
     TrainConfig,
     TransformConfig,
+    TuneConfig,
+    TunePipelineConfig,
 )
 from pipeline_config.settings import PRESETS, PipelineSettings, load_preset
 
@@ -20,8 +24,12 @@ __all__ = [
     "ParquetConfig",
     "PipelineConfig",
     "PipelineSettings",
+    "Range",
     "RayConfig",
+    "SearchSpace",
     "TrainConfig",
     "TransformConfig",
+    "TuneConfig",
+    "TunePipelineConfig",
     "load_preset",
 ]

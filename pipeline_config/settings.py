@@ -9,13 +9,13 @@ underneath whatever those gave.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-from pipeline_config.model import PipelineConfig
+from pipeline_config.model import PipelineConfig, TunePipelineConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("default", "smoke", "nightly")
@@ -45,27 +45,37 @@ def _deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_preset(name: str) -> dict[str, Any]:
-    """The field values a named preset sets (``default`` sets none)."""
+def load_preset(name: str, flow: str = "mnist") -> dict[str, Any]:
+    """The field values a named preset sets (``default`` sets none).
+
+    ``flow="tune"``: the tune flow's presets, ``presets/tune-<name>.yaml`` (when there is one)
+    layered over the pipeline's own preset of that name.
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
-    return _read_yaml(PRESET_DIR / f"{name}.yaml")
+    values = _read_yaml(PRESET_DIR / f"{name}.yaml")
+    tune_preset = PRESET_DIR / f"tune-{name}.yaml"
+    if flow == "tune" and tune_preset.exists():
+        values = _deep_merge(values, _read_yaml(tune_preset))
+    return values
 
 
-class PipelineSettings(BaseSettings, PipelineConfig):
-    """Run the MNIST training pipeline (a Prefect flow on Ray) once and print its summary."""
+_SETTINGS = {
+    "env_prefix": "MNIST_",
+    "env_nested_delimiter": "__",
+    "extra": "forbid",
+    "cli_kebab_case": True,
+    "cli_implicit_flags": True,
+    "cli_avoid_json": True,
+    "cli_hide_none_type": True,
+    "nested_model_default_partial_update": True,
+}
 
-    model_config = SettingsConfigDict(
-        env_prefix="MNIST_",
-        env_nested_delimiter="__",
-        extra="forbid",
-        cli_prog_name="python -m flows.mnist",
-        cli_kebab_case=True,
-        cli_implicit_flags=True,
-        cli_avoid_json=True,
-        cli_hide_none_type=True,
-        nested_model_default_partial_update=True,
-    )
+
+class CliOptions(BaseModel):
+    """The command line's own options (not flow parameters) and the layering of preset and config file."""
+
+    _flow: ClassVar[str] = "mnist"
 
     preset: Literal["default", "smoke", "nightly"] = Field(
         "default",
@@ -101,19 +111,40 @@ class PipelineSettings(BaseSettings, PipelineConfig):
     def _layer_files(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
-        layered = load_preset(data.get("preset", "default"))
+        layered = load_preset(data.get("preset", "default"), cls._flow)
         if data.get("config_file"):
             layered = _deep_merge(layered, _read_yaml(Path(data["config_file"])))
         return _deep_merge(layered, data)
 
-    def pipeline_config(self) -> PipelineConfig:
-        """The flow parameters, without the CLI-only fields (``--verbose`` turns on ``ray.log_to_driver``)."""
+    def flow_values(self) -> dict[str, Any]:
+        """The flow parameters' values, without the CLI-only fields (``--verbose`` turns on ``ray.log_to_driver``)."""
         values = self.model_dump(exclude=_CLI_ONLY)
         if self.verbose:
             values["ray"]["log_to_driver"] = True
-        return PipelineConfig.model_validate(values)
+        return values
 
 
-def parse_cli(argv: list[str] | None = None) -> PipelineSettings:
-    """Parse flags and environment into validated settings (``--help`` lists every field)."""
-    return CliApp.run(PipelineSettings, cli_args=argv)
+class PipelineSettings(BaseSettings, CliOptions, PipelineConfig):
+    """Run the MNIST training pipeline (a Prefect flow on Ray) once and print its summary."""
+
+    model_config = SettingsConfigDict(cli_prog_name="python -m flows.mnist", **_SETTINGS)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The flow's parameter: every field but the CLI-only ones."""
+        return PipelineConfig.model_validate(self.flow_values())
+
+
+class TuneSettings(BaseSettings, CliOptions, TunePipelineConfig):
+    """Search the training recipe with Ray Tune (a Prefect flow on Ray) and print the best trial."""
+
+    _flow: ClassVar[str] = "tune"
+    model_config = SettingsConfigDict(cli_prog_name="python -m flows.tune", **_SETTINGS)
+
+    def pipeline_config(self) -> TunePipelineConfig:
+        """The flow's parameter: every field but the CLI-only ones."""
+        return TunePipelineConfig.model_validate(self.flow_values())
+
+
+def parse_cli(argv: list[str] | None = None, settings: type[CliOptions] = PipelineSettings) -> CliOptions:
+    """Parse flags and environment into validated ``settings`` (``--help`` lists every field)."""
+    return CliApp.run(settings, cli_args=argv)

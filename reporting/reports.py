@@ -41,6 +41,8 @@ KEYS = {
     "metrics": "mnist-test-metrics",
     "checkpoint": "mnist-checkpoint",
     "environment": "mnist-run-environment",
+    "trials": "mnist-tune-trials",
+    "trial_curves": "mnist-tune-curves",
 }
 GRID = 3  # the seeds' 3x3 pictures
 IMAGE_SIDE = 28
@@ -125,6 +127,68 @@ def training_curves_png(history: Sequence[dict[str, float]]) -> bytes:
         ax.legend()
     fig.tight_layout()
     return png_bytes(fig)
+
+
+def trial_curves_png(trials: Sequence[dict[str, Any]], metric: str, best_id: str | None = None) -> bytes:
+    """``metric`` per epoch for every trial of a search: one line each, early-stopped ones dashed and
+    ended with an x, the best one thick.
+
+    Args:
+        trials: One dict per trial with ``trial_id``, ``status`` and ``history`` (rows with ``epoch``
+            0-based and ``metric``).
+        metric: The history key to draw (``val_ce``, ``val_loss`` or ``val_accuracy``).
+        best_id: The best trial's id, drawn thick and named in the legend.
+
+    Returns:
+        PNG bytes.
+    """
+    drawn = [trial for trial in trials if any(metric in row for row in trial.get("history") or [])]
+    if not drawn:
+        raise ValueError(f"no trial reported {metric}")
+    fig = _figure(8, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    for trial in drawn:
+        rows = sorted((row for row in trial["history"] if metric in row), key=lambda row: row["epoch"])
+        epochs = [int(row["epoch"]) + 1 for row in rows]
+        values = [row[metric] for row in rows]
+        stopped = trial.get("status") == "stopped early"
+        best = trial["trial_id"] == best_id
+        label = f"{trial['trial_id']}{' (best)' if best else ''}{' stopped early' if stopped else ''}"
+        (line,) = ax.plot(epochs, values, "--" if stopped else "-", marker="o", linewidth=3 if best else 1.3, label=label)
+        if stopped:
+            ax.plot(epochs[-1:], values[-1:], "x", color=line.get_color(), markersize=12, markeredgewidth=2.5)
+    ax.set_xlabel("epoch")
+    ax.set_ylabel(metric)
+    ax.set_title(f"{metric} per epoch, {len(drawn)} trial(s)")
+    last = max(int(row["epoch"]) + 1 for trial in drawn for row in trial["history"])
+    ax.set_xticks(range(1, last + 1) if last <= 20 else ax.get_xticks())
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
+def trial_rows(trials: Sequence[dict[str, Any]], metric: str, best_id: str | None = None) -> list[dict[str, Any]]:
+    """The trial table, one row per trial in the given order: id, sampled config, best metric, epochs run, how it ended."""
+    rows = []
+    for trial in trials:
+        config = trial.get("config") or {}
+        value = trial.get("best_metric")
+        rows.append(
+            {
+                "trial": trial["trial_id"] + (" (best)" if trial["trial_id"] == best_id else ""),
+                "learning_rate": f"{config.get('learning_rate', float('nan')):.3g}",
+                "weight_decay": f"{config.get('weight_decay', float('nan')):.3g}",
+                "global_batch_size": config.get("global_batch_size"),
+                "augmentation": f"{config.get('augmentation', float('nan')):.2f}",
+                "label_smoothing": f"{config.get('label_smoothing', float('nan')):.3f}",
+                f"best {metric}": "-" if value is None else f"{value:.4f}",
+                "epochs run": trial.get("epochs_run"),
+                "stopped early": "yes" if trial.get("status") == "stopped early" else "no",
+                "status": trial.get("status"),
+            }
+        )
+    return rows
 
 
 def confusion_matrix_png(confusion: Sequence[Sequence[int]]) -> bytes:
@@ -408,6 +472,20 @@ def publish_training_report(trained) -> list:
     best = f"Best validation accuracy {trained.best_val_accuracy:.4f}."
     markdown = image_markdown("Training curves", training_curves_png(trained.history), best)
     return [create_markdown_artifact(markdown, key=KEYS["curves"], description="Loss and accuracy per epoch")]
+
+
+@_best_effort
+def publish_tuning_report(trials: Sequence[dict[str, Any]], metric: str, best_id: str, config_path: str) -> list:
+    """Publish the trial table and the per-epoch curves of a search; returns the artifact ids."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    stopped = sum(trial.get("status") == "stopped early" for trial in trials)
+    description = f"{len(trials)} trial(s), {stopped} stopped early; best {best_id}, its config: {config_path}"
+    table = create_table_artifact(trial_rows(trials, metric, best_id), key=KEYS["trials"], description=description)
+    caption = f"Dashed lines ending in x: trials ASHA stopped early. Best trial {best_id}; its config: {config_path}"
+    picture = image_markdown(f"Trials: {metric} per epoch", trial_curves_png(trials, metric, best_id), caption)
+    curves = create_markdown_artifact(picture, key=KEYS["trial_curves"], description=f"{metric} per epoch for every trial")
+    return [table, curves]
 
 
 @_best_effort

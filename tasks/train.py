@@ -64,7 +64,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> Train
         logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
         # Live progress in the Prefect UI: the callback runs in the Train controller process.
         callbacks = training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name)
-        trained = fit(torch_trainer(spec, cfg, layout, use_gpu, cpus, threads, callbacks), cfg, layout.run_dir, cpus)
+        trained = fit(torch_trainer(spec, cfg, layout.run_dir, use_gpu, cpus, threads, callbacks), cfg, layout.run_dir, cpus)
     if len(trained.attempts) > 1:
         logger.info("Training took %d attempts, starting at epochs %s", len(trained.attempts), [a["start_epoch"] for a in trained.attempts])
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)

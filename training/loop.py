@@ -300,16 +300,21 @@ def train_epoch(
 
 @torch.no_grad()
 def validate(model, criterion, shard, batch_size, device) -> dict:
-    """Loss and accuracy over the validation split (summed across ranks)."""
+    """Loss and accuracy over the validation split (summed across ranks).
+
+    ``val_loss`` is the training criterion (label smoothing included); ``val_ce`` is plain
+    cross-entropy, which compares runs trained with different label smoothing (the tune flow's metric).
+    """
     model.eval()
-    loss_sum, correct, seen = 0.0, 0.0, 0.0
+    loss_sum, ce_sum, correct, seen = 0.0, 0.0, 0.0, 0.0
     for batch in shard.iter_torch_batches(batch_size=batch_size, device=device):
         logits = model(batch["image"])
         loss_sum += criterion(logits, batch["label"]).item() * len(batch["label"])
+        ce_sum += torch.nn.functional.cross_entropy(logits, batch["label"], reduction="sum").item()
         correct += (logits.argmax(1) == batch["label"]).sum().item()
         seen += len(batch["label"])
-    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)
-    return {"val_loss": loss_sum / max(seen, 1), "val_accuracy": correct / max(seen, 1)}
+    loss_sum, ce_sum, correct, seen = _all_reduce_sum([loss_sum, ce_sum, correct, seen], device)
+    return {"val_loss": loss_sum / max(seen, 1), "val_ce": ce_sum / max(seen, 1), "val_accuracy": correct / max(seen, 1)}
 
 
 class _StateDictView(torch.nn.Module):

@@ -21,8 +21,8 @@ from dataset.transform import TransformSpec
 from pipeline_config import TrainConfig
 from storage_io import (
     S3_SCHEME,
-    StorageLayout,
     StorageWriteError,
+    basename,
     filesystem,
     is_remote,
     join,
@@ -302,24 +302,26 @@ def read_attempts(path: str) -> list[dict]:
 
 
 def torch_trainer(
-    spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, use_gpu: bool, cpus: float, threads: int, callbacks: list
+    spec: TransformSpec, cfg: TrainConfig, run_dir: str, use_gpu: bool, cpus: float, threads: int, callbacks: list
 ) -> TorchTrainer:
-    """A TorchTrainer running `train_loop_per_worker` as ``cfg`` says, in the run folder of ``layout``.
+    """A TorchTrainer running `train_loop_per_worker` as ``cfg`` says, in the folder ``run_dir``.
 
-    Ray Train writes checkpoints through a pyarrow filesystem: the local one, or S3 for an
-    ``s3://`` root. ``callbacks``: Ray Train callbacks (they run in the Train controller).
+    Ray Train's run is named by the folder (``RunConfig(storage_path=<its parent>, name=<its name>)``),
+    so a trainer built again for the same folder resumes from its latest checkpoint. Ray Train
+    writes checkpoints through a pyarrow filesystem: the local one, or S3 for an ``s3://`` folder.
+    ``callbacks``: Ray Train callbacks (they run in the Train controller).
     """
-    storage_fs, storage_path = filesystem(layout.runs_dir)
+    storage_fs, storage_path = filesystem(parent(run_dir))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, join(layout.run_dir, "faults"), spec),
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, join(run_dir, "faults"), spec),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
         run_config=RunConfig(
             storage_path=storage_path,
-            storage_filesystem=storage_fs if layout.remote else None,
-            name=layout.run_name,
+            storage_filesystem=storage_fs if is_remote(run_dir) else None,
+            name=basename(run_dir),
             failure_config=FailureConfig(max_failures=cfg.max_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.num_to_keep,

@@ -1,0 +1,118 @@
+"""Hyperparameter search for the MNIST recipe with Ray Tune, as one Prefect flow on the same stages.
+
+    python -m flows.tune --preset smoke                # a few-minutes search on the bundled sample
+    python -m flows.tune --tune.num-samples 16 --tune.train-best
+    python -m flows.tune --help                        # every field, also settable as MNIST_<SECTION>__<FIELD>
+
+Download, conversion and transform are the main flow's stages, unchanged (outputs verified on
+storage are reused). The tune stage runs the trials, each a Ray Train run of the real training
+loop, and writes the best trial's recipe as ``best_config.yaml`` in the run folder, which
+``python -m flows.mnist --config-file`` trains. With ``tune.train_best`` the same flow run then
+trains that recipe with ``train.epochs`` and evaluates it through the normal stages, gate included.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from prefect import flow
+from prefect.states import Cancelled
+
+from flows import hooks, stopping
+from flows.mnist import STAGE_CPUS, StageRecorder, default_run_name, resume_hint, run_cli, train_with_retries
+from flows.runtime import ray_task_runner
+from pipeline_config import TunePipelineConfig
+from pipeline_config.settings import TuneSettings
+from reporting import environment, reports
+from storage_io import StorageLayout, lease_uses, run_lease
+from tasks.cleanup import cleanup
+from tasks.download import download
+from tasks.evaluate import evaluate
+from tasks.to_parquet import to_parquet
+from tasks.train import retry_infrastructure_failures
+from tasks.transform import transform
+from tasks.tune import tune_search
+from training.tuning import plan_trials, trial_spec, trial_train_config
+
+# The stages and the logical CPUs each holds (see flows.mnist.STAGE_CPUS); the tune stage only
+# coordinates trials whose workers reserve their own CPUs.
+TUNE_STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "tune": 0}
+TRAIN_BEST_STAGE_CPUS = {name: STAGE_CPUS[name] for name in ("train", "evaluate", "cleanup")}
+
+
+def stage_plan(config: TunePipelineConfig) -> dict[str, float]:
+    """The flow's stages: the search, then, with ``tune.train_best``, training, evaluation and cleanup."""
+    return TUNE_STAGE_CPUS | (TRAIN_BEST_STAGE_CPUS if config.tune.train_best else {})
+
+
+def tune_with_retries(config: TunePipelineConfig):
+    """The tune stage with Prefect retries for infrastructure failures (a retry restores the search)."""
+    return tune_search.with_options(
+        retries=config.train.stage_retries,
+        retry_delay_seconds=config.train.stage_retry_delay_s,
+        retry_condition_fn=retry_infrastructure_failures,
+    )
+
+
+@flow(name="mnist-resnet18-tune", log_prints=True, on_failure=[hooks.report_failure])
+def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> dict[str, Any]:
+    """Download MNIST, convert to Parquet, transform with Ray Data, search the recipe with Ray Tune (each trial a Ray Train run)."""
+    layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name("tune"))
+    layout.check_reachable()
+    try:
+        with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
+            check_trials_fit(config)  # before anything is written
+            with run_lease(layout):
+                return run_stages(runner, layout, config)
+    finally:
+        stopping.FLOW_BODY_DONE.set()
+
+
+def run_stages(runner, layout: StorageLayout, config: TunePipelineConfig) -> dict[str, Any] | Cancelled:
+    """The stage list; a stop request (Ctrl-C, SIGTERM) ends the run Cancelled with a resumable search."""
+    hooks.remember_run(layout)
+    env = environment.describe()
+    reports.publish_environment_report(env)
+    stage = StageRecorder(runner, layout, config, env, stage_plan(config))
+    try:
+        raw = stage(download, cfg=config.download, layout=layout)
+        dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+        lease_uses(layout, raw.directory, dataset.directory)
+        reports.publish_dataset_report(dataset)
+        spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
+        tuned = stage(tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout)
+        if config.tune.train_best:
+            best_train = trial_train_config(config.train, tuned.best.config)
+            best_spec = trial_spec(spec, tuned.best.config)
+            trained = stage(train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout)
+            reports.publish_training_report(trained)
+            evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout)
+            stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+    except stopping.RunStopped as stop:
+        summary = stage.write_summary()
+        return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}")
+    except BaseException:
+        try:
+            stage.write_summary()
+        except OSError as exc:
+            print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
+        raise
+    return stage.write_summary()
+
+
+def check_trials_fit(config: TunePipelineConfig) -> None:
+    """Refuse a search the cluster cannot hold (ValueError naming the field) before any work starts."""
+    import ray
+
+    resources = ray.cluster_resources()
+    plan_trials(config.train, config.tune, resources.get("CPU", 0), resources.get("GPU", 0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry point: the search (and with ``--tune.train-best`` the best recipe trained), then a short summary."""
+    return run_cli(argv, TuneSettings, mnist_tune, "MNIST tune", "flows.tune", "tune")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

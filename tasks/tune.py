@@ -1,0 +1,82 @@
+"""Stage 4 of the tune flow: hyperparameter search with Ray Tune over the training loop.
+
+Every trial is a Ray Train run (`training.tuning`); which layer owns which failure:
+
+* Ray Train owns a trial's lost worker: it restarts that trial's worker group from the trial's
+  latest checkpoint (``train.max_failures``).
+* Tune owns a failed trial: it restarts it ``tune.max_failures`` times.
+* Prefect owns infrastructure failures Tune could not absorb (a trial that errored on a lost
+  worker or node, or the search itself lost): the stage is retried ``train.stage_retries`` times
+  and the retry restores the search from the run folder, keeping finished trials. A trial that
+  errored in the training code fails the stage only when no trial finished.
+* The flow owns a lost driver: ``python -m flows.tune --run-name <same name>`` restores the
+  search the same way.
+"""
+
+from __future__ import annotations
+
+import ray
+from prefect import task
+
+from dataset.transform import TransformSpec
+from pipeline_config import TrainConfig, TransformConfig, TuneConfig
+from reporting.logs import stage_logger
+from reporting.reports import publish_tuning_report
+from storage_io import StorageLayout, atomic_write_bytes, storage_writes
+from training.trainer import is_infrastructure_failure
+from training.tuning import (
+    BEST_CONFIG_FILE,
+    TrialContext,
+    TuningResult,
+    best_config_values,
+    best_config_yaml,
+    best_trial,
+    experiment_dir,
+    plan_trials,
+    trial_records,
+    trials_dir,
+    tuner,
+)
+
+
+class TrialsFailed(RuntimeError):
+    """Trials of the search errored: every one of them, or some on lost infrastructure (worth a retry)."""
+
+
+@task(name="tune")
+def tune_search(spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfig, layout: StorageLayout) -> TuningResult:
+    """Run (or restore) the search in the run folder; write the best config; publish the trial table and curves."""
+    logger = stage_logger(__name__)
+    resources = ray.cluster_resources()
+    plan = plan_trials(train_cfg, tune_cfg, resources.get("CPU", 0), resources.get("GPU", 0))
+    context = TrialContext(spec=spec, train=train_cfg, epochs=tune_cfg.epochs, trials_dir=trials_dir(layout.run_dir), plan=plan)
+    search, restored = tuner(context, tune_cfg, layout.run_dir)
+    logger.info(
+        "%s %d trial(s) of up to %d epoch(s), %d at a time, each %d worker(s) x %.3g CPUs; %s decides by %s (%s)",
+        "Restoring the search of" if restored else "Searching", tune_cfg.num_samples, tune_cfg.epochs, plan.concurrent,
+        train_cfg.num_workers, plan.cpus_per_worker, tune_cfg.scheduler.upper(), tune_cfg.metric, tune_cfg.direction,
+    )
+    grid = search.fit()
+    trials = trial_records(grid, tune_cfg, context.trials_dir)
+    errored = [(record, result.error) for record, result in zip(trials, sorted(grid, key=lambda r: r.path)) if result.error is not None]
+    lost = [error for _, error in errored if is_infrastructure_failure(error)]
+    if lost:
+        raise TrialsFailed(f"{len(lost)} trial(s) lost their infrastructure; a retry restores the search: {lost[0]}") from lost[0]
+    best = best_trial(trials, tune_cfg)
+    if best is None or len(errored) == len(trials):
+        first = errored[0][1] if errored else None
+        raise TrialsFailed(f"no trial of {len(trials)} finished an epoch: {errored[0][0].error if errored else 'none reported'}") from first
+    values = best_config_values(train_cfg, TransformConfig.model_validate(spec.config.model_dump()), best.config)
+    path = f"{layout.run_dir}/{BEST_CONFIG_FILE}"
+    with storage_writes("tune", path):
+        atomic_write_bytes(path, best_config_yaml(values, best, tune_cfg.metric, layout.run_name).encode())
+    result = TuningResult(
+        run_dir=layout.run_dir, experiment_dir=experiment_dir(layout.run_dir), metric=tune_cfg.metric, mode=tune_cfg.direction,
+        trials=trials, best=best, best_config=values, best_config_path=path, restored=restored, plan=plan,
+    )
+    for record in trials:
+        logger.info("trial %s: %s after %d epoch(s), best %s %s", record.trial_id, record.status, record.epochs_run,
+                    tune_cfg.metric, "-" if record.best_metric is None else f"{record.best_metric:.4f}")
+    logger.info("Best trial %s (%s %.4f); its config: %s", best.trial_id, tune_cfg.metric, best.best_metric, path)
+    publish_tuning_report([record.model_dump() for record in trials], tune_cfg.metric, best.trial_id, path)
+    return result

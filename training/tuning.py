@@ -1,0 +1,374 @@
+"""Ray Tune over the training loop: every trial is a Ray Train V2 run of `train_loop_per_worker`.
+
+Ray 2.60's way (Train V2): the trainable Tune runs is a function, `run_trial`, that builds a
+`TorchTrainer` for the trial's sampled recipe and calls ``fit()``; the trainer's
+`TrialReport` callback (``ray.tune.integration.ray_train.TuneReportCallback``) hands every
+epoch's metrics to Tune, whose ASHA scheduler stops trials that fall behind.
+
+Where things live, under the run folder ``<root>/runs/<run>/``:
+
+* ``tune/``: Tune's experiment (its state, one folder per trial with ``params.json`` and
+  ``result.json``), so the same run name restores the search (`tuner`) without rerunning
+  finished trials;
+* ``trials/<trial_id>/``: that trial's Ray Train run (checkpoints, ``history.jsonl``). A
+  trial restarted after a lost driver builds its trainer for the same folder and so resumes
+  from its latest checkpoint.
+
+Resources (`plan_trials`): ``train.data_cpus`` stay free for Ray Data as in the main flow; the
+rest is split between the trials running at once, each worker of each trial an equal share.
+The trial's own function holds `TRIAL_DRIVER_CPUS` (it only waits on Ray Train).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from pydantic import BaseModel
+from ray import tune
+from ray.tune.integration.ray_train import TuneReportCallback
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
+from ray.tune.search.basic_variant import BasicVariantGenerator
+
+from dataset.transform import TransformSpec
+from pipeline_config import TrainConfig, TransformConfig, TuneConfig
+from storage_io import basename, filesystem, is_remote, join
+from training.loop import HISTORY_FILE, read_history
+from training.trainer import plan_resources, torch_trainer
+
+TUNE_DIR = "tune"  # Tune's experiment folder in the run folder
+TRIALS_DIR = "trials"  # one Ray Train run per trial: <run>/trials/<trial_id>
+# Logical CPUs a trial's function holds: Tune places it with a resource request that may not be
+# empty, and it only waits on the trainer, whose workers reserve their own CPUs.
+TRIAL_DRIVER_CPUS = 0.01
+TIME_ATTR = "epochs_done"  # what ASHA counts: finished epochs (epoch + 1), the same after a restore
+
+
+class TrialPlan(BaseModel):
+    """How the cluster is split between trials: concurrency and each worker's share."""
+
+    concurrent: int
+    use_gpu: bool
+    cpus_per_worker: float
+    torch_threads: int
+
+
+def plan_trials(train: TrainConfig, tune_cfg: TuneConfig, cluster_cpus: float, cluster_gpus: float) -> TrialPlan:
+    """Trials at once and each worker's CPUs, from the cluster; ValueError naming the field when it does not fit.
+
+    ``train.data_cpus`` are kept for Ray Data. Of the rest, every training worker of every running
+    trial gets an equal share; with ``tune.max_concurrent_trials: 0`` as many trials run as give
+    each worker one whole CPU (at least one trial). On 2 CPUs with one worker per trial: one trial
+    at a time, its worker on 1 CPU and Ray Data on the other, the main flow's split.
+    """
+    usable = cluster_cpus - train.data_cpus  # for the trials: their drivers and workers
+    # Trials that give each worker a whole CPU; at least one, its workers sharing what there is.
+    fits = max(1, math.floor(usable / (train.num_workers + TRIAL_DRIVER_CPUS))) if usable > 2 * TRIAL_DRIVER_CPUS else 0
+    concurrent = tune_cfg.max_concurrent_trials or fits
+    if concurrent > fits:
+        raise ValueError(
+            f"tune.max_concurrent_trials={concurrent}: the cluster's {cluster_cpus:g} CPUs hold {fits} trial(s) of "
+            f"train.num_workers={train.num_workers} beside train.data_cpus={train.data_cpus:g}; lower it or set 0 (auto)"
+        )
+    if fits == 0:
+        raise ValueError(
+            f"the cluster has {cluster_cpus:g} CPUs: too few for a trial of train.num_workers={train.num_workers} "
+            f"plus train.data_cpus={train.data_cpus:g}; lower either"
+        )
+    use_gpu, _, _ = plan_resources(train, cluster_cpus, cluster_gpus)
+    if use_gpu and cluster_gpus < concurrent * train.num_workers:
+        raise ValueError(
+            f"{concurrent} trial(s) of train.num_workers={train.num_workers} need {concurrent * train.num_workers} GPUs; "
+            f"the cluster has {cluster_gpus:g}; lower tune.max_concurrent_trials"
+        )
+    workers = concurrent * train.num_workers
+    cpus = math.floor((usable - concurrent * TRIAL_DRIVER_CPUS) / workers * 1000) / 1000  # rounded down: all must fit
+    threads = max(1, math.floor(cluster_cpus / workers))
+    return TrialPlan(concurrent=concurrent, use_gpu=use_gpu, cpus_per_worker=cpus, torch_threads=threads)
+
+
+def param_space(tune_cfg: TuneConfig) -> dict[str, Any]:
+    """Tune's search space for the knobs of ``tune.search_space`` (a fixed knob is a constant)."""
+    space = tune_cfg.search_space
+
+    def ranged(name: str, log: bool) -> Any:
+        knob = getattr(space, name)
+        if knob.low == knob.high:
+            return knob.low
+        return tune.loguniform(knob.low, knob.high) if log else tune.uniform(knob.low, knob.high)
+
+    sizes = sorted(set(space.global_batch_size))
+    return {
+        "learning_rate": ranged("learning_rate", log=True),
+        "weight_decay": ranged("weight_decay", log=True),
+        "global_batch_size": sizes[0] if len(sizes) == 1 else tune.choice(sizes),
+        "augmentation": ranged("augmentation", log=False),
+        "label_smoothing": ranged("label_smoothing", log=False),
+    }
+
+
+def scaled_augmentation(cfg: TransformConfig, strength: float) -> TransformConfig:
+    """``cfg`` with shift, rotation and zoom multiplied by ``strength``, each capped at its field's limit."""
+    return cfg.model_copy(
+        update={
+            "shift_px": min(8, round(cfg.shift_px * strength)),
+            "rotate_deg": round(min(45.0, cfg.rotate_deg * strength), 3),
+            "scale": round(min(0.5, cfg.scale * strength), 4),
+        }
+    )
+
+
+def trial_train_config(train: TrainConfig, sampled: dict[str, Any], epochs: int | None = None) -> TrainConfig:
+    """The training config a sampled trial runs: ``train`` with the sampled knobs.
+
+    ``epochs``: the trial's budget (``tune.epochs``), which ``train.max_images`` does not cap;
+    None keeps ``train``'s epochs (training the best config through the normal stage).
+    Mid-epoch checkpoints stay off in trials: Tune compares epochs.
+    """
+    update: dict[str, Any] = {
+        "learning_rate": float(sampled["learning_rate"]),
+        "weight_decay": float(sampled["weight_decay"]),
+        "global_batch_size": int(sampled["global_batch_size"]),
+        "label_smoothing": float(sampled["label_smoothing"]),
+    }
+    if epochs is not None:
+        update |= {"epochs": epochs, "max_images": 0, "checkpoint_every_steps": 0}
+    return TrainConfig.model_validate(train.model_dump() | update)
+
+
+def trial_spec(spec: TransformSpec, sampled: dict[str, Any]) -> TransformSpec:
+    """The transform spec with the trial's augmentation strength applied."""
+    return spec.model_copy(update={"config": scaled_augmentation(spec.config, float(sampled["augmentation"]))})
+
+
+def best_config_values(train: TrainConfig, transform: TransformConfig, sampled: dict[str, Any]) -> dict[str, Any]:
+    """The fields a best trial sets, as a config file for ``python -m flows.mnist --config-file``."""
+    chosen = trial_train_config(train, sampled)
+    augmented = scaled_augmentation(transform, float(sampled["augmentation"]))
+    return {
+        "train": {name: getattr(chosen, name) for name in ("learning_rate", "weight_decay", "global_batch_size", "label_smoothing")},
+        "transform": {name: getattr(augmented, name) for name in ("shift_px", "rotate_deg", "scale")},
+    }
+
+
+class TrialReport(TuneReportCallback):
+    """Hands every finished epoch's metrics (rank 0's) to Tune, with ``epochs_done`` for ASHA.
+
+    Mid-epoch checkpoints (``train.checkpoint_every_steps``) are not epochs; they are not passed on.
+    """
+
+    def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
+        if not metrics or metrics[0].get("mid_epoch"):
+            return
+        metrics = [{**metrics[0], TIME_ATTR: int(metrics[0]["epoch"]) + 1}, *metrics[1:]]
+        super().after_report(run_context, metrics, checkpoint)
+
+
+class TrialContext(BaseModel):
+    """What every trial needs besides its sampled config (passed with ``tune.with_parameters``)."""
+
+    spec: TransformSpec
+    train: TrainConfig
+    epochs: int
+    trials_dir: str
+    plan: TrialPlan
+
+
+def run_trial(config: dict[str, Any], context: TrialContext) -> None:
+    """Tune's function trainable: one Ray Train run of the sampled recipe in ``trials/<trial_id>``."""
+    trial_id = tune.get_context().get_trial_id()
+    plan = context.plan
+    trainer = torch_trainer(
+        trial_spec(context.spec, config),
+        trial_train_config(context.train, config, context.epochs),
+        join(context.trials_dir, trial_id),
+        plan.use_gpu,
+        plan.cpus_per_worker,
+        plan.torch_threads,
+        [TrialReport()],
+    )
+    trainer.fit()  # a failure Ray Train gave up on fails the trial (TrainingFailedError)
+
+
+def scheduler(tune_cfg: TuneConfig):
+    """ASHA over finished epochs (grace period, reduction factor, the budget), or FIFO (no early stops)."""
+    if tune_cfg.scheduler == "none":
+        return FIFOScheduler()
+    return ASHAScheduler(
+        time_attr=TIME_ATTR,
+        max_t=tune_cfg.epochs,
+        grace_period=tune_cfg.grace_period,
+        reduction_factor=tune_cfg.reduction_factor,
+    )
+
+
+def trial_name(trial) -> str:
+    """A trial's name and folder: its id (``<experiment>_<index>``), which also names its Ray Train run."""
+    return trial.trial_id
+
+
+def tuner(context: TrialContext, tune_cfg: TuneConfig, run_dir: str) -> tuple[tune.Tuner, bool]:
+    """The Tuner of the run in ``run_dir``, restored when the run already has a Tune experiment.
+
+    Returns (tuner, restored). A restored search keeps its finished trials and their results;
+    trials that were running (the driver was lost) or errored start again, and their Ray Train
+    runs resume from their latest checkpoints.
+    """
+    trainable = tune.with_resources(tune.with_parameters(run_trial, context=context), {"cpu": TRIAL_DRIVER_CPUS})
+    experiment = join(run_dir, TUNE_DIR)
+    storage_fs, storage_path = filesystem(run_dir)
+    fs = storage_fs if is_remote(run_dir) else None
+    if tune.Tuner.can_restore(experiment, storage_filesystem=fs):
+        restored = tune.Tuner.restore(
+            experiment, trainable, resume_unfinished=True, resume_errored=False, restart_errored=True, storage_filesystem=fs
+        )
+        return restored, True
+    fresh = tune.Tuner(
+        trainable,
+        param_space=param_space(tune_cfg),
+        tune_config=tune.TuneConfig(
+            metric=tune_cfg.metric,
+            mode=tune_cfg.direction,
+            scheduler=scheduler(tune_cfg),
+            # Tune ignores max_concurrent_trials beside a BasicVariantGenerator: the limit goes here.
+            search_alg=BasicVariantGenerator(random_state=tune_cfg.seed, max_concurrent=context.plan.concurrent),
+            num_samples=tune_cfg.num_samples,
+            trial_name_creator=trial_name,
+            trial_dirname_creator=trial_name,
+        ),
+        run_config=tune.RunConfig(
+            name=TUNE_DIR,
+            storage_path=storage_path,
+            storage_filesystem=fs,
+            failure_config=tune.FailureConfig(max_failures=tune_cfg.max_failures),
+            verbose=0,  # the stage says one line per trial; Tune's tables go to the stage log
+        ),
+    )
+    return fresh, False
+
+
+class TrialRecord(BaseModel):
+    """One trial of a finished search: what it sampled and how it went."""
+
+    trial_id: str
+    config: dict[str, Any]
+    status: str  # completed, stopped early (by the scheduler) or errored
+    epochs_run: int
+    best_metric: float | None
+    last_metric: float | None
+    history: list[dict[str, float]]  # per epoch: epoch, val_ce, val_loss, val_accuracy
+    run_dir: str
+    error: str | None = None
+
+
+def trial_records(grid, tune_cfg: TuneConfig, trials_dir: str) -> list[TrialRecord]:
+    """Every trial of a Tune ``ResultGrid``, its per-epoch history read from its Ray Train run folder."""
+    better = min if tune_cfg.direction == "min" else max
+    records = []
+    for result in grid:
+        trial_id = basename(result.path)  # trial folders are named by trial id (`trial_name`)
+        run_dir = join(trials_dir, trial_id)
+        history = [
+            {key: float(row[key]) for key in ("epoch", "val_ce", "val_loss", "val_accuracy") if key in row}
+            for row in read_history(join(run_dir, HISTORY_FILE))
+        ]
+        if not history and result.metrics_dataframe is not None and tune_cfg.metric in result.metrics_dataframe:
+            frame = result.metrics_dataframe
+            history = [{"epoch": float(row["epoch"]), tune_cfg.metric: float(row[tune_cfg.metric])} for _, row in frame.iterrows()]
+        values = [row[tune_cfg.metric] for row in history if tune_cfg.metric in row]
+        epochs_run = len(history)
+        if result.error is not None:
+            status = "errored"
+        elif epochs_run < tune_cfg.epochs:
+            status = "stopped early"
+        else:
+            status = "completed"
+        records.append(
+            TrialRecord(
+                trial_id=trial_id,
+                config={key: result.config[key] for key in sorted(result.config)},
+                status=status,
+                epochs_run=epochs_run,
+                best_metric=better(values) if values else None,
+                last_metric=values[-1] if values else None,
+                history=history,
+                run_dir=run_dir,
+                error=f"{type(result.error).__name__}: {result.error}"[:500] if result.error is not None else None,
+            )
+        )
+    return sorted(records, key=lambda record: record.trial_id)
+
+
+def best_trial(records: list[TrialRecord], tune_cfg: TuneConfig) -> TrialRecord | None:
+    """The trial whose best epoch scored best on ``tune.metric`` (None when no trial reported one)."""
+    scored = [record for record in records if record.best_metric is not None]
+    if not scored:
+        return None
+    sign = 1 if tune_cfg.direction == "min" else -1
+    return min(scored, key=lambda record: (sign * record.best_metric, record.trial_id))
+
+
+def experiment_dir(run_dir: str) -> str:
+    """Tune's experiment folder of the run in ``run_dir``."""
+    return join(run_dir, TUNE_DIR)
+
+
+def trials_dir(run_dir: str) -> str:
+    """Where the trials' Ray Train runs live in the run in ``run_dir``."""
+    return join(run_dir, TRIALS_DIR)
+
+
+
+BEST_CONFIG_FILE = "best_config.yaml"  # in the run folder
+
+
+class TuningResult(BaseModel):
+    """The tune stage's manifest: every trial, the best one and where its config file is."""
+
+    run_dir: str
+    experiment_dir: str
+    metric: str
+    mode: str
+    trials: list[TrialRecord]
+    best: TrialRecord
+    best_config: dict[str, Any]  # the fields the best trial sets (train.*, transform.*)
+    best_config_path: str
+    restored: bool
+    plan: TrialPlan
+
+    def stopped_early(self) -> int:
+        return sum(trial.status == "stopped early" for trial in self.trials)
+
+    def summary(self) -> dict[str, Any]:
+        """What summary.json says about the search."""
+        return {
+            "metric": self.metric,
+            "mode": self.mode,
+            "trials": len(self.trials),
+            "stopped_early": self.stopped_early(),
+            "errored": sum(trial.status == "errored" for trial in self.trials),
+            "restored": self.restored,
+            "concurrent_trials": self.plan.concurrent,
+            "experiment_dir": self.experiment_dir,
+            "best_trial": {
+                "trial_id": self.best.trial_id,
+                self.metric: self.best.best_metric,
+                "epochs_run": self.best.epochs_run,
+                "sampled": self.best.config,
+                "config": self.best_config,
+                "config_file": self.best_config_path,
+                "run_dir": self.best.run_dir,
+            },
+        }
+
+
+def best_config_yaml(values: dict[str, Any], best: TrialRecord, metric: str, run_name: str) -> str:
+    """The best trial's fields as YAML for ``python -m flows.mnist --config-file``, with where they came from."""
+    import yaml
+
+    header = (
+        f"# Best trial {best.trial_id} of tune run {run_name}: {metric} {best.best_metric:.4f} after "
+        f"{best.epochs_run} epoch(s).\n"
+        "# Train it: python -m flows.mnist --config-file <this file>  (presets, env vars and flags layer as usual)\n"
+    )
+    return header + yaml.safe_dump(values, sort_keys=True)
