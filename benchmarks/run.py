@@ -18,7 +18,9 @@ Rows:
   single-process loop on in-memory tensors, same model, batch and threads; ``train.mode=single``
   (our loop and data pipeline without Ray Train) in between splits the gap into data and distribution;
 * time to accuracy: seconds until the held-out accuracy first reaches 98%, our training stage
-  against a plain loop with the same recipe (``benchmarks/accuracy.py``).
+  against a plain loop with the same recipe (``benchmarks/accuracy.py``);
+* tune stage, per trial: the tune stage with one trial of the default recipe against the
+  training stage with the same recipe and epochs (``benchmarks/tune_trial.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import accuracy
+from benchmarks import accuracy, tune_trial
 from dataset.idx import read_idx
 from reporting import environment
 
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             # default 30 epochs, so both sides finish in minutes). Quick: one epoch to 50%, which
             # only exercises the code.
             rows_out.append(accuracy.measure(work, epochs=1 if args.quick else 10, target=0.5 if args.quick else 0.98))
+            # Tune's price per trial: one trial of the default recipe against the training stage.
+            rows_out.append(tune_trial.measure(work, epochs=1 if args.quick else 3, reps=1 if args.quick else 2))
     finally:
         ray.shutdown()
     result = {
@@ -282,6 +286,10 @@ def format_table(rows: list[dict]) -> str:
                          f"{reached(r['baseline_s'], r['baseline_epoch'], r['baseline_history'])} | "
                          f"{reached(r['ours_s'], r['ours_epoch'], r['ours_history'])} | "
                          f"{'' if r['ratio'] is None else str(r['ratio']) + 'x'} | {r['goal']} |")
+        elif r["benchmark"] == "tune stage, per trial":
+            lines.append(f"| tune stage, per trial | 1 trial, {r['epochs']} epoch(s), {r['workers']} worker | "
+                         f"{r['baseline_s']} s (training stage) | {r['ours_s']} s (tune stage) | "
+                         f"{r['ratio']}x (+{r['overhead_per_trial_s']} s per trial) | {r['goal']} |")
         else:
             lines.append(f"| {r['benchmark']} | | {r['baseline_images_per_s']} img/s | {r['ours_images_per_s']} img/s | "
                          f"{r['ratio']}x | {r['goal']} |")

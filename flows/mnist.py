@@ -272,7 +272,10 @@ def resume_hint(summary: dict[str, Any]) -> str:
     """Where the stopped run can go on from, and the command that does it."""
     kept = (summary.get("stopped") or {}).get("checkpoint_kept")
     where = f"its checkpoint {kept['path']} is kept" if kept else "no training checkpoint was written yet"
-    return f"{where}; resume with: {console.resume_command(summary.get('run_name') or '?', summary.get('storage_root'), None, summary.get('module', 'flows.mnist'))}"
+    command = console.resume_command(
+        summary.get("run_name") or "?", summary.get("storage_root"), None, summary.get("module", "flows.mnist")
+    )
+    return f"{where}; resume with: {command}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,7 +340,8 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
             lines = console.stopped_lines(summary or fallback, stop.reason, wall, argv, module)
             print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
             return stop.exit_code() or 1
-        lines = console.summary_lines(summary or {"run_name": config.run_name}, failed, wall, api_url, temporary, argv, module)
+        fallback = {"run_name": config.run_name, "storage_root": config.storage_root}
+        lines = console.summary_lines(summary or fallback, failed, wall, api_url, temporary, argv, module)
         print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
         return 1 if failed is not None else 0
 

@@ -58,14 +58,14 @@ def tune_search(spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfi
     )
     grid = search.fit()
     trials = trial_records(grid, tune_cfg, context.trials_dir)
-    errored = [(record, result.error) for record, result in zip(trials, sorted(grid, key=lambda r: r.path)) if result.error is not None]
-    lost = [error for _, error in errored if is_infrastructure_failure(error)]
+    errors = [result.error for result in grid if result.error is not None]
+    lost = [error for error in errors if is_infrastructure_failure(error)]
     if lost:
         raise TrialsFailed(f"{len(lost)} trial(s) lost their infrastructure; a retry restores the search: {lost[0]}") from lost[0]
     best = best_trial(trials, tune_cfg)
-    if best is None or len(errored) == len(trials):
-        first = errored[0][1] if errored else None
-        raise TrialsFailed(f"no trial of {len(trials)} finished an epoch: {errored[0][0].error if errored else 'none reported'}") from first
+    if best is None or len(errors) == len(trials):
+        first = errors[0] if errors else None
+        raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
     values = best_config_values(train_cfg, TransformConfig.model_validate(spec.config.model_dump()), best.config)
     path = f"{layout.run_dir}/{BEST_CONFIG_FILE}"
     with storage_writes("tune", path):

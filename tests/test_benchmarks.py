@@ -24,7 +24,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     kinds = [row["benchmark"] for row in result["rows"]]
-    assert kinds[0] == "data path" and "conversion peak RSS" in kinds and kinds[-1] == "time to accuracy"
+    assert kinds[0] == "data path" and "conversion peak RSS" in kinds and kinds[-2:] == ["time to accuracy", "tune stage, per trial"]
     data = result["rows"][0]
     assert data["rows"] == 4000 and data["baseline_s"] > 0 and data["ours_s"] > 0 and data["speedup"] > 0
     rss = result["rows"][1]
@@ -46,4 +46,9 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert 0 <= reach["ours_history"][0] <= 1 and reach["ours_stage_s"] > 0
     # Either side reaches the (quick) target or says it did not; a ratio only when both did.
     assert (reach["ratio"] is not None) == (reach["ours_s"] is not None and reach["baseline_s"] is not None)
+    tuned = result["rows"][7]  # one trial of the default recipe against the training stage, same epochs
+    assert tuned["epochs"] == 1 and tuned["baseline_s"] > 0 and tuned["ours_s"] > 0
+    assert tuned["overhead_per_trial_s"] == round(tuned["ours_s"] - tuned["baseline_s"], 2)
+    assert tuned["ratio"] == round(tuned["ours_s"] / tuned["baseline_s"], 3)
+    assert "| tune stage, per trial | 1 trial, 1 epoch(s)" in run.stdout
     assert "| data path | 4,000 rows |" in run.stdout  # the printed table

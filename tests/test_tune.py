@@ -184,6 +184,7 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its
     finished = {trial for trial, status in _trial_states(run_dir).items() if status == "TERMINATED"}
     pids = first.processes()
     first.kill()
+    first.proc.wait(timeout=30)  # reaped: a zombie's pid would still hold the run's lease
     assert not wait_gone(pids, 30)
     before = {trial: (run_dir / "trials" / trial / "history.jsonl").read_bytes() for trial in finished}
     attempts_before = {trial: (run_dir / "trials" / trial / "train_attempts.jsonl").read_text() for trial in finished}
