@@ -12,7 +12,7 @@ LOCK := requirements.lock
 PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.6.2
 
-.PHONY: install lock run smoke test test-fast bench clean
+.PHONY: install lock run smoke tune test test-fast bench clean
 
 install: $(STAMP)
 
@@ -38,6 +38,10 @@ run: install
 
 smoke: install
 	$(PY) -m flows.mnist --preset smoke $(ARGS)
+
+# The hyperparameter search (Ray Tune) on the same stages: `make tune ARGS="--preset smoke"`.
+tune: install
+	$(PY) -m flows.tune $(ARGS)
 
 test: install
 	$(PY) -m pytest $(ARGS)

@@ -47,6 +47,7 @@ from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training.loop import HISTORY_FILE
 from training.trainer import latest_checkpoint, plan_resources
+from training.tuning import TRIALS_DIR
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
 # the other stages only coordinate Ray Data / Ray Train work that reserves its own resources,
@@ -91,6 +92,9 @@ class StageRecorder:
         # Training says one line per epoch, read from the run's history on storage by this driver.
         history = join(self.layout.run_dir, HISTORY_FILE)
         watch = console.EpochWatcher(history, self.epochs()) if name == "train" else nullcontext()
+        tune_cfg = getattr(self.config, "tune", None)
+        if name == "tune" and tune_cfg is not None:  # one line per trial epoch, from the trials' histories
+            watch = console.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
         try:
             with remote_options(num_cpus=self.plan[name]):
                 future = self.runner.submit(stage, parameters=parameters)

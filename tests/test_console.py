@@ -57,6 +57,24 @@ def test_epoch_watcher_says_each_new_epoch_once_and_skips_a_resumed_runs_earlier
     assert ["left" in line for line in lines] == [False, True, False]
 
 
+def test_trial_watcher_says_each_trial_epoch_once_and_skips_a_restored_searchs_earlier_ones(tmp_path):
+    trials = tmp_path / "trials"
+    record_epoch(str(trials / "t_00000" / "history.jsonl"), {"epoch": 0, "val_ce": 0.9, "val_accuracy": 0.7})  # before a restore
+    collected = _Records()
+    logging.getLogger("flows.console").addHandler(collected)
+    try:
+        with console.TrialWatcher(str(trials), epochs=2, metric="val_ce", poll_s=0.05):
+            time.sleep(0.2)
+            record_epoch(str(trials / "t_00000" / "history.jsonl"), {"epoch": 1, "val_ce": 0.5, "val_accuracy": 0.8})
+            record_epoch(str(trials / "t_00001" / "history.jsonl"), {"epoch": 0, "val_ce": 1.5, "val_accuracy": 0.4})
+            time.sleep(0.3)
+    finally:
+        logging.getLogger("flows.console").removeHandler(collected)
+    lines = sorted(r.getMessage() for r in collected.records if getattr(r, console.CONSOLE_FLAG, False))
+    assert [line.split("  ")[:3] for line in lines] == [
+        ["trial t_00000 epoch 2/2", "val_ce 0.5000", "val acc 80.00%"], ["trial t_00001 epoch 1/2", "val_ce 1.5000", "val acc 40.00%"]]
+
+
 def _console_handler() -> PrefectConsoleHandler:
     from prefect.logging.configuration import ensure_logging_setup
 
