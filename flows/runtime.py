@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -127,7 +128,7 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
 
     def start_ray(url: str) -> None:
         address, kwargs = ray_init_args(cfg, url)
-        with sigterm_handler_kept():  # SIGTERM stays the CLI's (flows/stopping.py)
+        with sigterm_handler_kept(), local_gcs_port(kwargs):  # SIGTERM stays the CLI's (flows/stopping.py)
             context = ray.init(address, **kwargs)
         dashboard[0] = f"http://{context.dashboard_url}" if context.dashboard_url else None
         given.append(url)
@@ -192,10 +193,48 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
         if cfg.num_cpus:
             init_kwargs["num_cpus"] = cfg.num_cpus
         init_kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
+        # The workers get this Ray's address: code in them that looks the cluster up without one
+        # (Ray Train's placement group cleaner, through the State API) otherwise fails with "Found
+        # multiple active Ray instances" whenever a second local Ray runs on the machine, and the
+        # placement group of a trial ASHA stopped keeps its CPUs. `local_gcs_port` starts the GCS there.
+        env_vars["RAY_ADDRESS"] = f"{_node_ip()}:{_free_port()}"
     else:
         address = cfg.address
         init_kwargs.pop("include_dashboard")
     return address, init_kwargs
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _node_ip() -> str:
+    from ray._private.services import get_node_ip_address
+
+    return get_node_ip_address()
+
+
+@contextmanager
+def local_gcs_port(init_kwargs: dict) -> Iterator[None]:
+    """While a local Ray starts: its GCS on the port the workers' ``RAY_ADDRESS`` names (``RAY_GCS_SERVER_PORT``)."""
+    address = (init_kwargs.get("runtime_env") or {}).get("env_vars", {}).get("RAY_ADDRESS")
+    if not address:
+        yield
+        return
+    before = os.environ.get(GCS_PORT_ENV)
+    os.environ[GCS_PORT_ENV] = address.rsplit(":", 1)[1]
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GCS_PORT_ENV, None)
+        else:
+            os.environ[GCS_PORT_ENV] = before
+
+
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by ray.init when it starts a head node
 
 
 def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
@@ -217,5 +256,5 @@ class SignalKeepingRayTaskRunner(RayTaskRunner):
     """A RayTaskRunner whose ``ray.init`` leaves the flow's SIGTERM handler in place (``stopping.sigterm_handler_kept``)."""
 
     def __enter__(self):
-        with sigterm_handler_kept():
+        with sigterm_handler_kept(), local_gcs_port(self.init_kwargs):
             return super().__enter__()
