@@ -233,3 +233,55 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its
     assert config["train"]["learning_rate"] == chosen["train"]["learning_rate"]
     assert config["transform"]["shift_px"] == chosen["transform"]["shift_px"]
     print(f"main flow on the best config: {time.monotonic() - started:.1f}s, test accuracy {trained['test_accuracy']:.4f}")
+
+
+# --------------------------------------------------------------------------- the local Ray beside another one
+
+
+@pytest.mark.slow
+def test_local_ray_workers_find_their_own_cluster_beside_another_local_ray(tmp_path, monkeypatch):
+    """Ray Train's placement group cleaner looks its cluster up from inside a worker without an
+    address; with two local Rays on one machine that failed ("Found multiple active Ray
+    instances") until the flow's Ray handed its workers RAY_ADDRESS. A second real Ray runs here."""
+    import os
+    import tempfile
+
+    import ray
+
+    from flows.runtime import _free_port, local_gcs_port, ray_init_args
+    from pipeline_config import RayConfig
+
+    other_dir = tempfile.mkdtemp(dir="/tmp", prefix="r2-")  # short: Ray's socket paths must fit in 107 bytes
+    other = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "1",
+                            "--port", str(_free_port()), "--include-dashboard", "false", "--temp-dir", other_dir],
+                           capture_output=True, text=True, timeout=120)
+    other_pids = set()
+    try:
+        assert other.returncode == 0, other.stderr[-2000:]
+        other_pids = {int(pid) for pid in subprocess.run(["pgrep", "-f", other_dir], capture_output=True, text=True).stdout.split()}
+        assert other_pids
+        address, kwargs = ray_init_args(RayConfig(num_cpus=1), "http://127.0.0.1:1/api")
+        ray_address = kwargs["runtime_env"]["env_vars"]["RAY_ADDRESS"]
+        monkeypatch.delenv("RAY_GCS_SERVER_PORT", raising=False)
+        with local_gcs_port(kwargs):
+            assert os.environ["RAY_GCS_SERVER_PORT"] == ray_address.rsplit(":", 1)[1]
+            context = ray.init(address, **kwargs)
+        assert "RAY_GCS_SERVER_PORT" not in os.environ  # only while it starts
+        try:
+            assert context.address_info["gcs_address"].endswith(":" + ray_address.rsplit(":", 1)[1])
+
+            @ray.remote(num_cpus=0)
+            def cluster_seen_from_a_worker() -> str:
+                from ray.util.state import list_nodes  # no address: what the placement group cleaner does
+
+                return list_nodes()[0].node_id
+
+            assert ray.get(cluster_seen_from_a_worker.remote(), timeout=120) == ray.get_runtime_context().get_node_id()
+        finally:
+            ray.shutdown()
+    finally:
+        for pid in other_pids:
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
