@@ -59,7 +59,7 @@ def plan_trials(train: TrainConfig, tune_cfg: TuneConfig, cluster_cpus: float, c
     ``train.data_cpus`` are kept for Ray Data. Of the rest, every training worker of every running
     trial gets an equal share; with ``tune.max_concurrent_trials: 0`` as many trials run as give
     each worker one whole CPU (at least one trial). On 2 CPUs with one worker per trial: one trial
-    at a time, its worker on 1 CPU and Ray Data on the other, the main flow's split.
+    at a time, its worker on 0.99 CPU and Ray Data on the other, the main flow's split.
     """
     usable = cluster_cpus - train.data_cpus  # for the trials: their drivers and workers
     # Trials that give each worker a whole CPU; at least one, its workers sharing what there is.
