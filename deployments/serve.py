@@ -1,22 +1,27 @@
-"""Serve both deployments of the MNIST flow from one process: the simplest scheduled + UI setup.
+"""Serve the three MNIST deployments from one process: the simplest scheduled + UI setup.
 
     PREFECT_API_URL=http://127.0.0.1:4200/api python -m deployments.serve
     python -m deployments.serve --cron "30 1 * * *" --timezone Europe/Berlin
     python -m deployments.serve --manual-preset smoke     # the run form starts from the smoke values
+    python -m deployments.serve --tune-preset smoke       # the search's form starts from the tune smoke values
 
 Registers and serves, until Ctrl-C:
 
 - ``mnist-resnet18/nightly``: on a cron schedule (default 02:00 UTC), parameters from the
   ``nightly`` preset;
 - ``mnist-resnet18/manual``: no schedule; start it from the UI (Run > Custom run), with
-  ``prefect deployment run 'mnist-resnet18/manual'`` or through the API.
+  ``prefect deployment run 'mnist-resnet18/manual'`` or through the API;
+- ``mnist-resnet18-tune/manual``: the hyperparameter search (``flows.tune``), no schedule;
+  started the same ways (``prefect deployment run 'mnist-resnet18-tune/manual'``), its form
+  starting from the tune flow's ``--tune-preset`` (default ``default``).
 
-Runs execute one at a time (``--limit 1``: on a small machine two runs would fight over the
-same CPUs and Ray would start two local clusters) in subprocesses of this process, with its
-environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``) and working directory (the
-default ``storage_root`` "storage" is relative to it). On shutdown the nightly schedule is paused.
+Runs of all three execute one at a time (``--limit 1``: on a small machine two runs, a search
+included, would fight over the same CPUs and Ray would start two local clusters) in subprocesses
+of this process, with its environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``) and
+working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
+nightly schedule is paused.
 
-``deployments/prefect.yaml`` declares the same two deployments for ``prefect deploy`` and a
+``deployments/prefect.yaml`` declares the same three deployments for ``prefect deploy`` and a
 ``process`` work pool, when runs should be executed by a separate worker.
 """
 
@@ -26,7 +31,7 @@ import argparse
 import sys
 from typing import Any
 
-from pipeline_config import PipelineConfig
+from pipeline_config import PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
 
 NIGHTLY_CRON = "0 2 * * *"
@@ -47,26 +52,43 @@ def preset_parameters(preset: str) -> dict[str, Any]:
     return {"config": PipelineConfig.model_validate(load_preset(preset)).model_dump(mode="json")}
 
 
+def tune_preset_parameters(preset: str) -> dict[str, Any]:
+    """The tune flow's parameters for a preset (``tune-<preset>.yaml`` over ``<preset>.yaml``), whole and validated.
+
+    Args:
+        preset: A name from ``pipeline_config.settings.PRESETS``.
+
+    Returns:
+        ``{"config": <TunePipelineConfig as JSON>}``.
+    """
+    return {"config": TunePipelineConfig.model_validate(load_preset(preset, flow="tune")).model_dump(mode="json")}
+
+
 def build_deployments(
-    cron: str = NIGHTLY_CRON, timezone: str = NIGHTLY_TIMEZONE, manual_preset: str = "default"
+    cron: str = NIGHTLY_CRON,
+    timezone: str = NIGHTLY_TIMEZONE,
+    manual_preset: str = "default",
+    tune_preset: str = "default",
 ) -> list:
-    """The nightly (scheduled) and manual (no schedule) ``RunnerDeployment`` of the flow.
+    """The nightly (scheduled) and manual (no schedule) ``RunnerDeployment`` of the flow, and the search's manual one.
 
     Args:
         cron: When the nightly deployment runs.
         timezone: The cron's time zone (IANA name).
         manual_preset: Which preset the manual deployment's run form starts from.
+        tune_preset: Which tune preset the search deployment's run form starts from.
 
     Returns:
-        ``[nightly, manual]``.
+        ``[nightly, manual, tune]`` (``tune`` is ``mnist-resnet18-tune/manual``).
     """
     from prefect.client.schemas.schedules import CronSchedule
     from prefect.deployments.runner import EntrypointType
 
     from flows.mnist import mnist_pipeline
+    from flows.tune import mnist_tune
 
-    # Module-path entrypoints: runs load `flows.mnist` from the installed project, whatever
-    # the working directory of this process.
+    # Module-path entrypoints: runs load `flows.mnist` / `flows.tune` from the installed project,
+    # whatever the working directory of this process.
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "enforce_parameter_schema": True}
     nightly = mnist_pipeline.to_deployment(
         name="nightly",
@@ -83,7 +105,17 @@ def build_deployments(
         tags=[*TAGS, "manual"],
         **common,
     )
-    return [nightly, manual]
+    tune = mnist_tune.to_deployment(
+        name="manual",
+        parameters=tune_preset_parameters(tune_preset),
+        description=(
+            "Hyperparameter search (Ray Tune) started by hand: Run > Custom run in the UI. "
+            f"The form starts from tune preset '{tune_preset}'."
+        ),
+        tags=[*TAGS, "tune", "manual"],
+        **common,
+    )
+    return [nightly, manual, tune]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,16 +126,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--manual-preset", default="default", choices=PRESETS, help="preset the manual run form starts from"
     )
+    parser.add_argument(
+        "--tune-preset", default="default", choices=PRESETS, help="tune preset the search's run form starts from"
+    )
     parser.add_argument("--limit", type=int, default=1, help="flow runs executed at the same time (default: 1)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Register both deployments and execute their runs until interrupted."""
+    """Register the three deployments and execute their runs, one at a time by default, until interrupted."""
     from prefect import serve
 
     args = parse_args(argv)
-    serve(*build_deployments(args.cron, args.timezone, args.manual_preset), limit=args.limit)
+    serve(*build_deployments(args.cron, args.timezone, args.manual_preset, args.tune_preset), limit=args.limit)
     return 0
 
 

@@ -105,7 +105,9 @@ def failure_summary(
     completed = [name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "completed"]
     done = f" Stages completed before it: {', '.join(completed)}." if completed else ""
     evidence = gate_evidence(summary) if stage == "evaluate" else ""
-    text = f"MNIST pipeline run {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done}{evidence} {resume}"
+    searched = summary.get("module") == "flows.tune" or "tune" in config  # the tune flow's run
+    title = "MNIST tune run" if searched else "MNIST pipeline run"
+    text = f"{title} {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done}{evidence} {resume}"
     return {
         "text": text,
         "stage": stage,

@@ -122,6 +122,8 @@ class StageRecorder:
     def epochs(self) -> int | None:
         """The epochs training makes on this run's data (train.epochs capped by train.max_images), once it is known."""
         dataset = self.outputs.get("to-parquet")
+        if "train" not in self.plan:  # a search without training the best config (trials: tuning)
+            return None
         return self.config.train.epochs_for(dataset.rows["train"]) if dataset else None
 
     def record_stop(self, status: str, stage: str, reason: str) -> None:

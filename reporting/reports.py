@@ -41,9 +41,9 @@ KEYS = {
     "metrics": "mnist-test-metrics",
     "checkpoint": "mnist-checkpoint",
     "environment": "mnist-run-environment",
-    "trials": "mnist-tune-trials",
-    "trial_curves": "mnist-tune-curves",
 }
+# What the tune flow's search adds (its train_best stages publish the KEYS above too).
+TUNE_KEYS = {"trials": "mnist-tune-trials", "trial_curves": "mnist-tune-curves"}
 GRID = 3  # the seeds' 3x3 pictures
 IMAGE_SIDE = 28
 _T = TypeVar("_T")
@@ -481,10 +481,10 @@ def publish_tuning_report(trials: Sequence[dict[str, Any]], metric: str, best_id
 
     stopped = sum(trial.get("status") == "stopped early" for trial in trials)
     description = f"{len(trials)} trial(s), {stopped} stopped early; best {best_id}, its config: {config_path}"
-    table = create_table_artifact(trial_rows(trials, metric, best_id), key=KEYS["trials"], description=description)
+    table = create_table_artifact(trial_rows(trials, metric, best_id), key=TUNE_KEYS["trials"], description=description)
     caption = f"Dashed lines ending in x: trials ASHA stopped early. Best trial {best_id}; its config: {config_path}"
     picture = image_markdown(f"Trials: {metric} per epoch", trial_curves_png(trials, metric, best_id), caption)
-    curves = create_markdown_artifact(picture, key=KEYS["trial_curves"], description=f"{metric} per epoch for every trial")
+    curves = create_markdown_artifact(picture, key=TUNE_KEYS["trial_curves"], description=f"{metric} per epoch for every trial")
     return [table, curves]
 
 

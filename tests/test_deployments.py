@@ -1,10 +1,11 @@
 """Deployments against a real Prefect server on 127.0.0.1: served, scheduled, run like the UI's Run button.
 
 The fast checks (no server) compare prefect.yaml with the nightly preset and check the
-parameter schema against the known UI form bugs. The ``slow`` ones start ``prefect server
-start`` with a fresh SQLite database, serve both deployments with ``python -m
-deployments.serve``, start runs through the REST API with the body the UI's run form posts,
-and let the served process execute them on a real local Ray.
+parameter schemas (training flow and tune flow) against the known UI form bugs. The ``slow``
+ones start ``prefect server start`` with a fresh SQLite database, serve the three deployments
+(``mnist-resnet18/nightly``, ``mnist-resnet18/manual``, ``mnist-resnet18-tune/manual``) with
+``python -m deployments.serve``, start runs through the REST API with the body the UI's run form
+posts, and let the served process execute them on a real local Ray.
 
 The server, serve-process and UI-body helpers are in ``tests/support/prefect_server.py``
 (shared with ``test_ui_browser.py`` and ``test_stopping.py``); the ``server`` fixture is in
@@ -29,14 +30,24 @@ import pytest
 import yaml
 from PIL import Image
 
-from deployments.serve import NIGHTLY_CRON, NIGHTLY_PRESET, NIGHTLY_TIMEZONE, preset_parameters
+from deployments.serve import (
+    NIGHTLY_CRON,
+    NIGHTLY_PRESET,
+    NIGHTLY_TIMEZONE,
+    build_deployments,
+    parse_args,
+    preset_parameters,
+    tune_preset_parameters,
+)
 from flows.mnist import STAGE_CPUS, mnist_pipeline
-from pipeline_config import PipelineConfig
+from flows.tune import TUNE_STAGE_CPUS, mnist_tune
+from pipeline_config import PipelineConfig, TuneConfig, TunePipelineConfig
 from pipeline_config.settings import load_preset
-from reporting.reports import KEYS
+from reporting.reports import KEYS, TUNE_KEYS
 from tests.support.prefect_server import (
     PREFECT,
     RUN_TIMEOUT_S,
+    TUNE_FLOW,
     PrefectServer,
     clean_env,
     far_cron,
@@ -44,11 +55,13 @@ from tests.support.prefect_server import (
     serve_deployments,
     smoke_config,
     stop_group,
+    tune_smoke_config,
     ui_run_body,
     wait_for,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
+MNIST_ENTRYPOINT, TUNE_ENTRYPOINT = "flows/mnist.py:mnist_pipeline", "flows/tune.py:mnist_tune"
 
 
 def embedded_png(markdown: str) -> Image.Image:
@@ -66,14 +79,45 @@ def _schema() -> dict:
     return mnist_pipeline.parameters.model_dump_for_openapi()
 
 
+def _tune_schema() -> dict:
+    return mnist_tune.parameters.model_dump_for_openapi()
+
+
+def assert_tune_section(schema: dict) -> None:
+    """The tune flow's form has a ``tune`` section with typed, described fields and the search space's ranges."""
+    definitions = schema["definitions"]
+    assert schema["properties"]["config"]["$ref"] == "#/definitions/TunePipelineConfig"
+    tune = definitions["TunePipelineConfig"]["properties"]["tune"]
+    assert tune["$ref"] == "#/definitions/TuneConfig" and tune["description"]
+    assert set(definitions["TunePipelineConfig"]["properties"]) > {"tune", "train", "download", "storage_root"}
+    fields = definitions["TuneConfig"]["properties"]
+    assert fields["num_samples"]["type"] == "integer" and fields["num_samples"]["minimum"] == 1
+    assert fields["num_samples"]["description"] == TuneConfig.model_fields["num_samples"].description
+    assert fields["scheduler"]["enum"] == ["asha", "none"] and fields["scheduler"]["description"]
+    assert {"val_loss", "val_accuracy"} <= set(fields["metric"]["enum"])
+    assert fields["search_space"]["$ref"] == "#/definitions/SearchSpace"
+    space = definitions["SearchSpace"]["properties"]
+    assert space["learning_rate"]["$ref"] == "#/definitions/Range"
+    assert "log-uniformly" in space["learning_rate"]["description"]
+    assert space["global_batch_size"]["type"] == "array" and space["global_batch_size"]["items"]["type"] == "integer"
+    bounds = definitions["Range"]
+    assert bounds["required"] == ["low", "high"]
+    assert {name: prop["type"] for name, prop in bounds["properties"].items()} == {"low": "number", "high": "number"}
+
+
 def test_prefect_yaml_declares_the_nightly_schedule_and_preset():
     spec = yaml.safe_load((ROOT / "deployments" / "prefect.yaml").read_text())
-    by_name = {d["name"]: d for d in spec["deployments"]}
-    assert set(by_name) == {"nightly", "manual"}
-    nightly, manual = by_name["nightly"], by_name["manual"]
+    # Both flows have a deployment named "manual": a deployment is its flow (entrypoint) and its name.
+    by_key = {(d["entrypoint"], d["name"]): d for d in spec["deployments"]}
+    assert len(by_key) == len(spec["deployments"])
+    assert set(by_key) == {(MNIST_ENTRYPOINT, "nightly"), (MNIST_ENTRYPOINT, "manual"), (TUNE_ENTRYPOINT, "manual")}
+    nightly, manual = by_key[MNIST_ENTRYPOINT, "nightly"], by_key[MNIST_ENTRYPOINT, "manual"]
+    tune = by_key[TUNE_ENTRYPOINT, "manual"]
     assert nightly["schedules"] == [{"cron": NIGHTLY_CRON, "timezone": NIGHTLY_TIMEZONE, "active": True}]
-    assert manual["schedules"] == []
-    assert {d["work_pool"]["name"] for d in by_name.values()} == {"mnist-process"}
+    assert manual["schedules"] == [] and tune["schedules"] == []
+    assert tune["parameters"] == {} and "tune" in tune["tags"]
+    assert {d["work_pool"]["name"] for d in by_key.values()} == {"mnist-process"}
+    assert all(d["enforce_parameter_schema"] is True for d in by_key.values())
     # the same nightly values as the preset `python -m deployments.serve` uses
     assert PipelineConfig.model_validate(nightly["parameters"]["config"]) == PipelineConfig.model_validate(
         load_preset(NIGHTLY_PRESET)
@@ -94,10 +138,41 @@ def test_parameter_schema_is_the_same_from_the_entrypoint_as_from_the_flow():
     assert _schema()["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
 
 
-def test_parameter_schema_avoids_the_known_form_bugs():
+def test_tune_parameter_schema_from_the_entrypoint_has_the_typed_described_tune_section():
+    """`prefect deploy` (file entrypoint) and serve (module path) give the tune flow one form, with its tune section."""
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    assert parameter_schema_from_entrypoint(TUNE_ENTRYPOINT).model_dump_for_openapi() == _tune_schema()
+    assert parameter_schema_from_entrypoint("flows.tune.mnist_tune").model_dump_for_openapi() == _tune_schema()
+    assert_tune_section(parameter_schema_from_entrypoint(TUNE_ENTRYPOINT).model_dump_for_openapi())
+
+
+def test_build_deployments_adds_the_manual_tune_search_with_the_tune_preset():
+    nightly, manual, tune = build_deployments(manual_preset="smoke", tune_preset="smoke")
+    assert [(d.flow_name, d.name) for d in (nightly, manual, tune)] == [
+        ("mnist-resnet18", "nightly"), ("mnist-resnet18", "manual"), (TUNE_FLOW, "manual"),
+    ]
+    assert tune.entrypoint == "flows.tune.mnist_tune" and tune.enforce_parameter_schema is True
+    assert tune.schedules == [] and "tune" in tune.tags
+    assert tune.parameters == tune_preset_parameters("smoke")
+    config = TunePipelineConfig.model_validate(tune.parameters["config"])
+    assert config == TunePipelineConfig.model_validate(load_preset("smoke", flow="tune"))
+    # tune-smoke.yaml over smoke.yaml: the search's own values and the pipeline smoke values under them
+    assert (config.tune.num_samples, config.tune.epochs) == (4, 2)
+    assert (config.train.num_workers, config.download.source) == (1, "sample")
+    assert manual.parameters == preset_parameters("smoke")  # the training flow's form is unchanged
+    assert parse_args([]).tune_preset == "default" and parse_args(["--tune-preset", "smoke"]).tune_preset == "smoke"
+    assert parse_args([]).limit == 1  # runs, searches included, one at a time
+    with pytest.raises(SystemExit):
+        parse_args(["--tune-preset", "no-such-preset"])
+
+
+@pytest.mark.parametrize("schema", [_schema, _tune_schema], ids=["mnist", "tune"])
+def test_parameter_schema_avoids_the_known_form_bugs(schema):
     """No free-form dicts (prefect#17798), no unions of models (#18084); typed, described, with choices."""
-    definitions = _schema()["definitions"]
-    assert set(definitions) >= {"PipelineConfig", "TrainConfig", "DownloadConfig", "MirrorChecksums"}
+    definitions = schema()["definitions"]
+    assert set(definitions) >= {"TrainConfig", "DownloadConfig", "MirrorChecksums"}
+    assert "PipelineConfig" in definitions or "TunePipelineConfig" in definitions
     for model, spec in definitions.items():
         assert spec.get("additionalProperties") is False, model  # unknown keys refused, no dict fields
         for field, prop in spec["properties"].items():
@@ -144,9 +219,9 @@ def work(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(server, work, webhook) -> Iterator[dict]:
-    """Both deployments served from one process, the nightly one on a real (far-off) schedule."""
+    """The three deployments served from one process: nightly on a real (far-off) schedule, search form from tune smoke."""
     cron = far_cron()
-    proc = serve_deployments(server, work, "--cron", cron, MNIST_FAILURE_WEBHOOK_URL=webhook)
+    proc = serve_deployments(server, work, "--cron", cron, "--tune-preset", "smoke", MNIST_FAILURE_WEBHOOK_URL=webhook)
     try:
         yield {"cron": cron, "log": work / "serve.log"}
     finally:
@@ -185,6 +260,18 @@ def test_served_deployments_have_schedule_presets_and_the_typed_form(server, ser
 
 
 @pytest.mark.slow
+def test_served_tune_deployment_has_no_schedule_the_tune_preset_and_the_tune_form(server, served):
+    tune = server.deployment("manual", TUNE_FLOW)
+    assert tune["id"] != server.deployment("manual")["id"]  # the same name, another flow
+    assert tune["schedules"] == [] and not tune["paused"]
+    assert tune["parameters"] == tune_preset_parameters("smoke") != tune_preset_parameters("default")
+    assert tune["entrypoint"] == "flows.tune.mnist_tune"
+    assert tune["enforce_parameter_schema"] is True
+    assert tune["parameter_openapi_schema"] == _tune_schema()
+    assert_tune_section(tune["parameter_openapi_schema"])
+
+
+@pytest.mark.slow
 def test_invalid_parameters_are_refused_naming_the_field(server, served, work):
     deployment = server.deployment("manual")
     # Runs of the manual deployment only: the scheduler adds the nightly's upcoming runs at any moment.
@@ -206,6 +293,52 @@ def test_invalid_parameters_are_refused_naming_the_field(server, served, work):
 
 
 @pytest.mark.slow
+def test_invalid_tune_parameters_are_refused_naming_the_field(server, served, work):
+    deployment = server.deployment("manual", TUNE_FLOW)
+    tune_runs = {"deployments": {"id": {"any_": [deployment["id"]]}}}
+    before = len(server.post("/flow_runs/filter", tune_runs))
+    for field, value, reason in (
+        ("num_samples", 0, "less than the minimum of 1"),
+        ("scheduler", "hyperband", "is not one of ['asha', 'none']"),
+        ("search_space.learning_rate", {"low": 0.001}, "'high' is a required property"),
+    ):
+        config = tune_smoke_config(work / "storage", "tune-refused")
+        *path, last = field.split(".")
+        section = config["tune"]
+        for part in path:
+            section = section[part]
+        section[last] = value
+        response = server.request(
+            "POST", f"/deployments/{deployment['id']}/create_flow_run",
+            json=ui_run_body(deployment, {"config": config}, "tune-refused"),
+        )
+        assert response.status_code == 409, response.text
+        detail = response.json()["detail"]
+        assert f"'config.tune.{field}'" in detail and reason in detail, detail
+    assert len(server.post("/flow_runs/filter", tune_runs)) == before  # nothing was created
+
+
+@pytest.mark.slow
+def test_contradicting_tune_mode_passes_the_api_but_the_run_fails_before_any_work(server, served, work):
+    """tune.mode "max" with tune.metric "val_loss" is a cross-field rule (a pydantic validator), which the
+    JSON schema the API enforces cannot express: the API creates the run, and the run fails on its
+    parameters, naming the field, before the flow body writes anything. Pins today's behaviour."""
+    deployment = server.deployment("manual", TUNE_FLOW)
+    config = tune_smoke_config(work / "storage", "tune-mode", mode="max", metric="val_loss")
+    response = server.request(
+        "POST", f"/deployments/{deployment['id']}/create_flow_run",
+        json=ui_run_body(deployment, {"config": config}, "tune-mode"),
+    )
+    assert response.status_code == 201, response.text  # not refused: the schema has no cross-field rules
+    run = server.wait_final(response.json()["id"], served["log"], timeout_s=300)
+    assert run["state_type"] == "FAILED"
+    message = run["state"]["message"]
+    assert "config.tune" in message and "mode=max contradicts metric=val_loss" in message, message
+    assert server.task_runs(run["id"]) == []  # no stage started
+    assert not (work / "storage" / "runs" / "tune-mode").exists()
+
+
+@pytest.mark.slow
 def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, work):
     run = api_run["run"]
     print(f"API-triggered smoke run: {api_run['seconds']:.0f}s")
@@ -217,6 +350,7 @@ def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, w
 
     artifacts = {a["key"]: a for a in server.artifacts(run["id"])}
     assert set(KEYS.values()) <= set(artifacts)
+    assert not set(TUNE_KEYS.values()) & set(artifacts)
     assert artifacts[KEYS["progress"]]["type"] == "progress"
     assert artifacts[KEYS["progress"]]["data"] == 100  # moved by the Ray Train controller's callback
     assert "epoch 1/1" in artifacts[KEYS["progress"]]["description"]
@@ -281,8 +415,51 @@ def test_cancel_from_the_ui_ends_cancelled_and_the_summary_says_cancelled(server
     assert kept["epoch"] >= 0 and Path(kept["path"]).is_dir()  # the checkpoint stays to resume from
 
 
+@pytest.fixture(scope="module")
+def tune_run(server, served, work) -> dict:
+    """One search started like the UI's Run button: the tune smoke preset cut to 2 trials of 1 epoch
+    (the CLI's slow test runs the whole preset; this one is about the deployment path)."""
+    deployment = server.deployment("manual", TUNE_FLOW)
+    config = tune_smoke_config(work / "storage", "api-tune", num_samples=2, epochs=1)
+    started = time.monotonic()
+    body = ui_run_body(deployment, {"config": config}, "api-tune")
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", body)
+    run = server.wait_final(created["id"], served["log"])
+    return {"run": run, "seconds": time.monotonic() - started, "config": config}
+
+
 @pytest.mark.slow
-def test_prefect_yaml_deploys_both_deployments_to_a_process_work_pool(tmp_path):
+def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(server, tune_run, work):
+    run = tune_run["run"]
+    print(f"API-triggered tune smoke run: {tune_run['seconds']:.0f}s")
+    assert run["state_type"] == "COMPLETED", run["state"]["message"]
+    assert run["parameters"]["config"] == tune_run["config"]
+    task_runs = server.task_runs(run["id"])
+    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(TUNE_STAGE_CPUS)  # no train_best: the search only
+    assert all(t["state_type"] == "COMPLETED" for t in task_runs)
+
+    summary = json.loads((work / "storage" / "runs" / "api-tune" / "summary.json").read_text())
+    assert summary["status"] == "completed"
+    tuning = summary["tuning"]
+    assert tuning["trials"] == 2 and tuning["errored"] == 0
+    best_file = Path(tuning["best_trial"]["config_file"])
+    assert best_file.is_file() and best_file.parent == work / "storage" / "runs" / "api-tune"
+    best_values = yaml.safe_load(best_file.read_text())  # the recipe `python -m flows.mnist --config-file` trains
+    assert best_values["train"] and PipelineConfig.model_validate(best_values)
+
+    artifacts = {a["key"]: a for a in server.artifacts(run["id"])}
+    trials = artifacts[TUNE_KEYS["trials"]]
+    assert trials["type"] == "table"
+    rows = json.loads(trials["data"])
+    assert len(rows) == 2 and sum(row["trial"].endswith("(best)") for row in rows) == 1
+    assert tuning["best_trial"]["trial_id"] + " (best)" in {row["trial"] for row in rows}
+    curves = artifacts[TUNE_KEYS["trial_curves"]]
+    assert curves["type"] == "markdown" and "data:image/png;base64," in curves["data"]
+    assert embedded_png(curves["data"]).width > 100
+
+
+@pytest.mark.slow
+def test_prefect_yaml_deploys_the_three_deployments_to_a_process_work_pool(tmp_path):
     """`prefect deploy` with deployments/prefect.yaml, as the README says, against its own fresh server."""
     srv = PrefectServer(tmp_path / "prefect-home").start()
     try:
@@ -294,12 +471,17 @@ def test_prefect_yaml_deploys_both_deployments_to_a_process_work_pool(tmp_path):
             out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         nightly, manual = srv.deployment("nightly"), srv.deployment("manual")
+        tune = srv.deployment("manual", TUNE_FLOW)
     finally:
         srv.stop()
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == [NIGHTLY_CRON] and nightly["schedules"][0]["active"]
-    assert manual["schedules"] == []
-    for deployment in (nightly, manual):
+    assert manual["schedules"] == [] and tune["schedules"] == []
+    for deployment in (nightly, manual, tune):
         assert deployment["work_pool_name"] == "mnist-process"
-        assert deployment["parameter_openapi_schema"] == _schema()
+        assert deployment["enforce_parameter_schema"] is True
         assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
+    for deployment in (nightly, manual):
+        assert deployment["parameter_openapi_schema"] == _schema()
+    assert tune["entrypoint"] == TUNE_ENTRYPOINT and tune["parameters"] == {}
+    assert tune["parameter_openapi_schema"] == _tune_schema()  # built from the file entrypoint
     assert PipelineConfig.model_validate(nightly["parameters"]["config"]) == PipelineConfig.model_validate(load_preset(NIGHTLY_PRESET))

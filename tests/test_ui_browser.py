@@ -1,4 +1,4 @@
-"""The Prefect UI in a real headless Chromium: schedule, run form, a run started from the form, its reports.
+"""The Prefect UI in a real headless Chromium: schedule, run forms, a run started from the form, its reports.
 
 Everything is real: ``prefect server start`` on 127.0.0.1 (fresh SQLite), ``python -m
 deployments.serve`` executing runs on a local Ray, and Debian's Chromium driven by Playwright
@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from deployments.serve import tune_preset_parameters
+from pipeline_config import SearchSpace, TuneConfig, TunePipelineConfig
 from reporting.reports import KEYS
-from tests.support.prefect_server import PrefectServer, far_cron, serve_deployments, stop_group, wait_for
+from tests.support.prefect_server import TUNE_FLOW, PrefectServer, far_cron, serve_deployments, stop_group, wait_for
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +41,15 @@ FORM_FIELDS = {  # label -> its description, as the schema gives them
     "Min Accuracy (Optional)": "Gate: the flow fails (keeping every artifact) below this test accuracy.",
     "Storage Root (Optional)": "Folder every Ray node can reach",
 }
+# The tune deployment's form, label -> the start of its description (from the model, which is
+# still moving); the UI labels a nested section by its model's title ("TuneConfig").
+TUNE_FORM_FIELDS = {
+    "TuneConfig (Optional)": TunePipelineConfig.model_fields["tune"].description[:40],
+    "Num Samples (Optional)": TuneConfig.model_fields["num_samples"].description[:40],
+    "Scheduler (Optional)": TuneConfig.model_fields["scheduler"].description[:40],
+    "Grace Period (Optional)": TuneConfig.model_fields["grace_period"].description[:40],
+    "SearchSpace (Optional)": TuneConfig.model_fields["search_space"].description[:40],
+}
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +69,14 @@ def shots(work) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def served(server, work) -> Iterator[dict]:
-    """Both deployments served from ``work`` (so the form's default storage root lands there); the form starts from smoke."""
+    """The three deployments served from ``work`` (the forms' default storage root lands there), from smoke presets."""
     cron = far_cron()
-    proc = serve_deployments(server, work, "--cron", cron, "--manual-preset", "smoke")
+    proc = serve_deployments(server, work, "--cron", cron, "--manual-preset", "smoke", "--tune-preset", "smoke")
     try:
-        yield {"cron": cron, "log": work / "serve.log", "manual": server.deployment("manual"), "nightly": server.deployment("nightly")}
+        yield {
+            "cron": cron, "log": work / "serve.log", "manual": server.deployment("manual"),
+            "nightly": server.deployment("nightly"), "tune": server.deployment("manual", TUNE_FLOW),
+        }
     finally:
         stop_group(proc)
 
@@ -88,9 +102,10 @@ def page(browser):
     context.close()
 
 
-def open_run_form(page, server: PrefectServer, deployment: dict):
+def open_run_form(page, server: PrefectServer, deployment: dict, ready: str = "Epochs (Optional)"):
+    """The deployment's Run > Custom run form, once the field labelled ``ready`` shows."""
     page.goto(f"{server.url}/v2/deployments/deployment/{deployment['id']}/run", wait_until="networkidle")
-    page.get_by_label("Epochs (Optional)", exact=True).wait_for()
+    page.get_by_label(ready, exact=True).wait_for()
 
 
 def field_group(page, label: str):
@@ -128,6 +143,29 @@ def test_run_form_is_typed_described_and_refuses_invalid_values(page, server, se
     assert refused[0] is True and "1" in refused[1], refused
     assert page.url.endswith("/run")  # still on the form
     assert len(server.post("/flow_runs/filter", manual_runs)) == runs_before  # nothing was started
+
+
+def test_tune_run_form_shows_the_typed_described_tune_section(page, server, served, shots):
+    """The search's form (no run): the tune section with its fields' descriptions and the tune smoke values."""
+    tune_runs = {"deployments": {"id": {"any_": [served["tune"]["id"]]}}}
+    open_run_form(page, server, served["tune"], ready="Num Samples (Optional)")  # two "Epochs": train's and tune's
+    page.screenshot(path=shots / "tune-run-form.png", full_page=True)
+    for label, description in TUNE_FORM_FIELDS.items():
+        assert description in field_group(page, label).inner_text(), label
+    num_samples = page.get_by_label("Num Samples (Optional)", exact=True)
+    assert num_samples.get_attribute("type") == "number" and num_samples.get_attribute("min") == "1"
+    smoke = tune_preset_parameters("smoke")["config"]["tune"]  # the preset the deployment was served with
+    assert num_samples.input_value() == str(smoke["num_samples"]) != str(TuneConfig().num_samples)
+    assert page.get_by_label("Epochs (Optional)", exact=True).count() == 2  # train.epochs and tune.epochs
+    assert "asha" in field_group(page, "Scheduler (Optional)").inner_text()  # a choice (enum), not free text
+    # The search space: one Low and one High per range field, the learning rate's first (found by its description).
+    page.get_by_text(SearchSpace.model_fields["learning_rate"].description[:40], exact=False).wait_for()
+    lows, highs = page.get_by_label("Low", exact=True), page.get_by_label("High", exact=True)
+    ranges = [name for name, field in SearchSpace.model_fields.items() if field.annotation.__name__ == "Range"]
+    assert ranges[0] == "learning_rate" and lows.count() == highs.count() == len(ranges)
+    learning_rate = smoke["search_space"]["learning_rate"]
+    assert (float(lows.first.input_value()), float(highs.first.input_value())) == (learning_rate["low"], learning_rate["high"])
+    assert server.post("/flow_runs/filter", tune_runs) == []  # looking at the form starts nothing
 
 
 @pytest.fixture(scope="module")

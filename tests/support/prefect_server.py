@@ -1,7 +1,7 @@
 """A real Prefect server on 127.0.0.1 and the ``deployments.serve`` process, driven over its REST API.
 
 ``PrefectServer`` is ``prefect server start`` with a fresh SQLite database; ``serve_deployments``
-serves both deployments against it; ``ui_run_body`` is what the UI's run form posts;
+serves the three deployments against it; ``ui_run_body`` is what the UI's run form posts;
 ``wait_for``, ``stop_group`` and ``log_tail`` poll, stop and report on the processes a test starts.
 """
 
@@ -22,10 +22,13 @@ from typing import Any
 import httpx
 import pytest
 
-from deployments.serve import preset_parameters
+from deployments.serve import preset_parameters, tune_preset_parameters
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 FLOW = "mnist-resnet18"
+TUNE_FLOW = "mnist-resnet18-tune"
+# (flow, deployment) of everything ``python -m deployments.serve`` registers; both flows have a "manual".
+SERVED = ((FLOW, "nightly"), (FLOW, "manual"), (TUNE_FLOW, "manual"))
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 780  # a smoke run takes ~2-4 minutes on this 2-core machine
 
@@ -138,8 +141,9 @@ class PrefectServer:
         response.raise_for_status()
         return response.json()
 
-    def deployment(self, name: str) -> dict:
-        return self.get(f"/deployments/name/{FLOW}/{name}")
+    def deployment(self, name: str, flow: str = FLOW) -> dict:
+        """A deployment by name; ``flow`` tells the two "manual" ones apart (default: the training flow's)."""
+        return self.get(f"/deployments/name/{flow}/{name}")
 
     def flow_run(self, flow_run_id: str) -> dict:
         return self.get(f"/flow_runs/{flow_run_id}")
@@ -164,7 +168,7 @@ class PrefectServer:
 
 
 def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) -> subprocess.Popen:
-    """Start ``python -m deployments.serve`` against ``server``; return once both deployments exist."""
+    """Start ``python -m deployments.serve`` against ``server``; return once its three deployments exist."""
     log = cwd / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -176,10 +180,12 @@ def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) 
     def registered() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"deployments.serve exited with {proc.returncode}:\n{log_tail(log)}")
-        found = server.post("/deployments/filter", {"deployments": {"name": {"any_": ["nightly", "manual"]}}})
-        return len(found) == 2 and "being served" in log.read_text(errors="replace")
+        for flow, name in SERVED:
+            if server.request("GET", f"/deployments/name/{flow}/{name}").status_code != 200:
+                return False
+        return "being served" in log.read_text(errors="replace")
 
-    wait_for(registered, 180, f"both deployments to be served\n{log_tail(log)}")
+    wait_for(registered, 180, f"the three deployments to be served\n{log_tail(log)}")
     return proc
 
 
@@ -216,4 +222,12 @@ def smoke_config(storage: Path, run_name: str, **train: Any) -> dict:
     config = copy.deepcopy(preset_parameters("smoke")["config"])
     config.update(storage_root=str(storage), run_name=run_name)
     config["train"].update(train)
+    return config
+
+
+def tune_smoke_config(storage: Path, run_name: str, **tune: Any) -> dict:
+    """The tune flow's smoke preset as JSON (4 trials x 2 epochs, sample data) with storage root, run name, tune overrides."""
+    config = copy.deepcopy(tune_preset_parameters("smoke")["config"])
+    config.update(storage_root=str(storage), run_name=run_name)
+    config["tune"].update(tune)
     return config
