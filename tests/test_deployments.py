@@ -418,9 +418,10 @@ def test_cancel_from_the_ui_ends_cancelled_and_the_summary_says_cancelled(server
 @pytest.fixture(scope="module")
 def tune_run(server, served, work) -> dict:
     """One search started like the UI's Run button: the tune smoke preset cut to 2 trials of 1 epoch
-    (the CLI's slow test runs the whole preset; this one is about the deployment path)."""
+    (the CLI's slow test runs the whole preset; this one is about the deployment path), with
+    ``tune.train_best``: the best recipe then trains and is evaluated in the same flow run."""
     deployment = server.deployment("manual", TUNE_FLOW)
-    config = tune_smoke_config(work / "storage", "api-tune", num_samples=2, epochs=1)
+    config = tune_smoke_config(work / "storage", "api-tune", num_samples=2, epochs=1, train_best=True)
     started = time.monotonic()
     body = ui_run_body(deployment, {"config": config}, "api-tune")
     created = server.post(f"/deployments/{deployment['id']}/create_flow_run", body)
@@ -435,7 +436,7 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
     assert run["state_type"] == "COMPLETED", run["state"]["message"]
     assert run["parameters"]["config"] == tune_run["config"]
     task_runs = server.task_runs(run["id"])
-    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(TUNE_STAGE_CPUS)  # no train_best: the search only
+    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(TUNE_STAGE_CPUS) | {"train", "evaluate", "cleanup"}
     assert all(t["state_type"] == "COMPLETED" for t in task_runs)
 
     summary = json.loads((work / "storage" / "runs" / "api-tune" / "summary.json").read_text())
@@ -446,6 +447,12 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
     assert best_file.is_file() and best_file.parent == work / "storage" / "runs" / "api-tune"
     best_values = yaml.safe_load(best_file.read_text())  # the recipe `python -m flows.mnist --config-file` trains
     assert best_values["train"] and PipelineConfig.model_validate(best_values)
+    # train_best: the best trial's recipe trained in the run folder itself, evaluated, and passed the gate.
+    assert [summary["stages"][name]["status"] for name in ("train", "evaluate", "cleanup")] == ["completed"] * 3
+    assert summary["test_accuracy"] >= summary["evaluation"]["min_accuracy"]
+    run_dir = work / "storage" / "runs" / "api-tune"
+    assert len((run_dir / "history.jsonl").read_text().splitlines()) == summary["config"]["train"]["epochs"]
+    assert summary["best_checkpoint"].startswith(str(run_dir / "checkpoint_epoch-"))
 
     artifacts = {a["key"]: a for a in server.artifacts(run["id"])}
     trials = artifacts[TUNE_KEYS["trials"]]
