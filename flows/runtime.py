@@ -204,6 +204,9 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
     return address, init_kwargs
 
 
+GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by ray.init when it starts a head node
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("", 0))
@@ -232,9 +235,6 @@ def local_gcs_port(init_kwargs: dict) -> Iterator[None]:
             os.environ.pop(GCS_PORT_ENV, None)
         else:
             os.environ[GCS_PORT_ENV] = before
-
-
-GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by ray.init when it starts a head node
 
 
 def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
