@@ -125,28 +125,60 @@ def epoch_line(row: dict[str, Any], epochs: int, elapsed_s: float, seconds_per_e
     return "  ".join(parts) + "  " + timing
 
 
-class EpochWatcher:
-    """Says one line per finished epoch while the training stage runs, by polling ``history.jsonl``.
+class _Watcher:
+    """A daemon thread that says new lines every ``poll_s`` while a stage runs (a context manager).
 
-    Use as a context manager around the stage. Epochs already in the history when it starts
-    (a resumed run) are not repeated. Reading storage never fails the run: an unreadable
-    history just means no line this round.
+    Subclasses give `_seen` (what is on storage already) and `_say_new` (say what is new). What is
+    there when it starts (a resumed run) is not repeated; reading storage never fails the run.
     """
 
-    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0):
-        self.history_path, self.epochs, self.poll_s = history_path, epochs, poll_s
+    def __init__(self, poll_s: float):
+        self.poll_s = poll_s
         self.logger = run_logger()  # taken here, in the run's thread
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="epoch-watcher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=type(self).__name__, daemon=True)
+        self._start = time.monotonic()
+
+    def _seen(self) -> None:
+        raise NotImplementedError
+
+    def _say_new(self) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._say_new()
+
+    def __enter__(self):
+        self._seen()
+        self._start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        if exc_info[0] is None:
+            self._say_new()  # the last lines, when the stage finished between two polls
+
+
+class EpochWatcher(_Watcher):
+    """Says one line per finished epoch while the training stage runs, by polling ``history.jsonl``."""
+
+    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0):
+        super().__init__(poll_s)
+        self.history_path, self.epochs = history_path, epochs
         self._said: set[int] = set()
         self._finished: list[float] = []  # when each epoch was seen finished (monotonic seconds)
-        self._start = time.monotonic()
 
     def _rows(self) -> list[dict]:
         try:
             return read_history(self.history_path)
         except Exception:  # a half-written object, a storage hiccup: try again next round
             return []
+
+    def _seen(self) -> None:
+        self._said = {int(row["epoch"]) for row in self._rows()}  # a resumed run's earlier epochs
 
     def _seconds_per_epoch(self) -> float | None:
         """Mean time between the epochs seen finishing; None before two (the first carries the worker group's start)."""
@@ -163,37 +195,17 @@ class EpochWatcher:
             line = epoch_line(row, self.epochs, self._finished[-1] - self._start, self._seconds_per_epoch())
             say(line, logger=self.logger)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self._say_new()
 
-    def __enter__(self) -> EpochWatcher:
-        self._said = {int(row["epoch"]) for row in self._rows()}  # a resumed run's earlier epochs
-        self._start = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        if exc_info[0] is None:
-            self._say_new()  # the last epoch, when the stage finished between two polls
-
-
-class TrialWatcher:
+class TrialWatcher(_Watcher):
     """Says one line per finished trial epoch while the tune stage runs, by polling each trial's ``history.jsonl``.
 
-    ``trial 36bed_00001 epoch 2/2  val_ce 0.1838  val acc 97.00%  1m41s elapsed``. Epochs already
-    on storage when it starts (a restored search) are not repeated; reading storage never fails the run.
+    ``trial 36bed_00001 epoch 2/2  val_ce 0.1838  val acc 97.00%  1m41s elapsed``.
     """
 
     def __init__(self, trials_dir: str, epochs: int, metric: str, poll_s: float = 2.0):
-        self.trials_dir, self.epochs, self.metric, self.poll_s = trials_dir, epochs, metric, poll_s
-        self.logger = run_logger()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trial-watcher", daemon=True)
+        super().__init__(poll_s)
+        self.trials_dir, self.epochs, self.metric = trials_dir, epochs, metric
         self._said: set[tuple[str, int]] = set()
-        self._start = time.monotonic()
 
     def _rows(self) -> list[tuple[str, dict]]:
         try:
@@ -201,6 +213,9 @@ class TrialWatcher:
                     for row in read_history(join(self.trials_dir, trial, HISTORY_FILE))]
         except Exception:  # a half-written object, a storage hiccup: try again next round
             return []
+
+    def _seen(self) -> None:
+        self._said = {(trial, int(row["epoch"])) for trial, row in self._rows()}  # a restored search's
 
     def _say_new(self) -> None:
         for trial, row in self._rows():
@@ -215,22 +230,6 @@ class TrialWatcher:
                 parts.append(f"val acc {row['val_accuracy']:.2%}")
             parts.append(f"{duration(time.monotonic() - self._start)} elapsed")
             say("  ".join(parts), logger=self.logger)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            self._say_new()
-
-    def __enter__(self) -> TrialWatcher:
-        self._said = {(trial, int(row["epoch"])) for trial, row in self._rows()}
-        self._start = time.monotonic()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        if exc_info[0] is None:
-            self._say_new()
 
 
 def summary_lines(

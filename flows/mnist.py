@@ -223,45 +223,54 @@ def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
 @flow(name="mnist-resnet18", log_prints=True, on_failure=[hooks.report_failure])
 def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
-    layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name())
+    return run_flow(config, "mnist", check_cluster_fits, STAGE_CPUS, run_stages)
+
+
+def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConfig) -> None:
+    """The stage list."""
+    raw = stage(download, cfg=config.download, layout=layout)
+    dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+    lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
+    reports.publish_dataset_report(dataset)
+    spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
+    trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
+    reports.publish_training_report(trained)
+    # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
+    evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
+    stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+
+
+def run_flow(config: PipelineConfig, prefix: str, check_fits: Any, plan: dict[str, float], stages: Any) -> dict[str, Any] | Cancelled:
+    """What both flows do around their stage list ``stages(stage, layout, config)``.
+
+    The run folder (a ``<prefix>-...`` name when unset), the Ray task runner, ``check_fits``
+    before anything is written, the run's lease, and summary.json however it ends: on a stop
+    request (Ctrl-C, SIGTERM) the summary says interrupted and the flow run ends Cancelled.
+    """
+    layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name(prefix))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     try:
         with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
-            check_cluster_fits(config)  # before anything is written
+            check_fits(config)  # before anything is written
             with run_lease(layout):  # refuses a live run of the same name
-                return run_stages(runner, layout, config)
+                hooks.remember_run(layout)
+                env = environment.describe()
+                reports.publish_environment_report(env)
+                stage = StageRecorder(runner, layout, config, env, plan)
+                try:
+                    stages(stage, layout, config)
+                except stopping.RunStopped as stop:
+                    summary = stage.write_summary()
+                    return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}")
+                except BaseException:
+                    try:
+                        stage.write_summary()
+                    except OSError as exc:  # e.g. the storage root is full: keep the stage's own error
+                        print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
+                    raise
+                return stage.write_summary()
     finally:
         stopping.FLOW_BODY_DONE.set()
-
-
-def run_stages(runner, layout: StorageLayout, config: PipelineConfig) -> dict[str, Any] | Cancelled:
-    """The stage list; on a stop request (Ctrl-C, SIGTERM) the summary says interrupted and the flow run ends Cancelled."""
-    hooks.remember_run(layout)
-    env = environment.describe()
-    reports.publish_environment_report(env)
-    stage = StageRecorder(runner, layout, config, env)
-    try:
-        raw = stage(download, cfg=config.download, layout=layout)
-        dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
-        lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
-        reports.publish_dataset_report(dataset)
-        spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
-        trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
-        reports.publish_training_report(trained)
-        # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
-        evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
-        stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
-    except stopping.RunStopped as stop:
-        summary = stage.write_summary()
-        return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}")
-    except BaseException:
-        try:
-            stage.write_summary()
-        except OSError as exc:  # e.g. the storage root is full: keep the stage's own error
-            print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
-        raise
-    summary = stage.write_summary()
-    return summary
 
 
 def check_cluster_fits(config: PipelineConfig) -> None:

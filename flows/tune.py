@@ -17,15 +17,13 @@ import sys
 from typing import Any
 
 from prefect import flow
-from prefect.states import Cancelled
 
-from flows import hooks, stopping
-from flows.mnist import STAGE_CPUS, StageRecorder, default_run_name, resume_hint, run_cli, train_with_retries
-from flows.runtime import ray_task_runner
+from flows import hooks
+from flows.mnist import STAGE_CPUS, StageRecorder, run_cli, run_flow, train_with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
-from reporting import environment, reports
-from storage_io import StorageLayout, lease_uses, run_lease
+from reporting import reports
+from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
@@ -58,47 +56,24 @@ def tune_with_retries(config: TunePipelineConfig):
 @flow(name="mnist-resnet18-tune", log_prints=True, on_failure=[hooks.report_failure])
 def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> dict[str, Any]:
     """Download MNIST, convert to Parquet, transform with Ray Data, search the recipe with Ray Tune (each trial a Ray Train run)."""
-    layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name("tune"))
-    layout.check_reachable()
-    try:
-        with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
-            check_trials_fit(config)  # before anything is written
-            with run_lease(layout):
-                return run_stages(runner, layout, config)
-    finally:
-        stopping.FLOW_BODY_DONE.set()
+    return run_flow(config, "tune", check_trials_fit, stage_plan(config), run_stages)
 
 
-def run_stages(runner, layout: StorageLayout, config: TunePipelineConfig) -> dict[str, Any] | Cancelled:
-    """The stage list; a stop request (Ctrl-C, SIGTERM) ends the run Cancelled with a resumable search."""
-    hooks.remember_run(layout)
-    env = environment.describe()
-    reports.publish_environment_report(env)
-    stage = StageRecorder(runner, layout, config, env, stage_plan(config))
-    try:
-        raw = stage(download, cfg=config.download, layout=layout)
-        dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
-        lease_uses(layout, raw.directory, dataset.directory)
-        reports.publish_dataset_report(dataset)
-        spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
-        tuned = stage(tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout)
-        if config.tune.train_best:
-            best_train = trial_train_config(config.train, tuned.best.config)
-            best_spec = trial_spec(spec, tuned.best.config)
-            trained = stage(train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout)
-            reports.publish_training_report(trained)
-            evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout)
-            stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
-    except stopping.RunStopped as stop:
-        summary = stage.write_summary()
-        return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}")
-    except BaseException:
-        try:
-            stage.write_summary()
-        except OSError as exc:
-            print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
-        raise
-    return stage.write_summary()
+def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipelineConfig) -> None:
+    """The stage list: the data stages, the search, and with ``tune.train_best`` the winner trained and evaluated."""
+    raw = stage(download, cfg=config.download, layout=layout)
+    dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+    lease_uses(layout, raw.directory, dataset.directory)
+    reports.publish_dataset_report(dataset)
+    spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
+    tuned = stage(tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout)
+    if config.tune.train_best:
+        best_train = trial_train_config(config.train, tuned.best.config)
+        best_spec = trial_spec(spec, tuned.best.config)
+        trained = stage(train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout)
+        reports.publish_training_report(trained)
+        evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout)
+        stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 
 
 def check_trials_fit(config: TunePipelineConfig) -> None:
