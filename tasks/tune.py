@@ -22,7 +22,7 @@ from dataset.transform import TransformSpec
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig
 from reporting.logs import stage_logger
 from reporting.reports import publish_tuning_report
-from storage_io import StorageLayout, atomic_write_bytes, storage_writes
+from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
 from training.trainer import is_infrastructure_failure
 from training.tuning import (
     BEST_CONFIG_FILE,
@@ -67,7 +67,7 @@ def tune_search(spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfi
         first = errors[0] if errors else None
         raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
     values = best_config_values(train_cfg, TransformConfig.model_validate(spec.config.model_dump()), best.config)
-    path = f"{layout.run_dir}/{BEST_CONFIG_FILE}"
+    path = join(layout.run_dir, BEST_CONFIG_FILE)
     with storage_writes("tune", path):
         atomic_write_bytes(path, best_config_yaml(values, best, tune_cfg.metric, layout.run_name).encode())
     result = TuningResult(

@@ -20,6 +20,7 @@ from pipeline_config import TrainConfig, TransformConfig, TuneConfig, TunePipeli
 from pipeline_config.settings import PipelineSettings, parse_cli
 from reporting.reports import trial_curves_png, trial_rows
 from tests.support.cli import ROOT, CliRun, wait_gone
+from tests.support.prefect_server import free_port
 from training.tuning import (
     TrialRecord,
     best_config_values,
@@ -248,12 +249,12 @@ def test_local_ray_workers_find_their_own_cluster_beside_another_local_ray(tmp_p
 
     import ray
 
-    from flows.runtime import _free_port, local_gcs_port, ray_init_args
+    from flows.runtime import local_gcs_port, ray_init_args
     from pipeline_config import RayConfig
 
     other_dir = tempfile.mkdtemp(dir="/tmp", prefix="r2-")  # short: Ray's socket paths must fit in 107 bytes
     other = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "1",
-                            "--port", str(_free_port()), "--include-dashboard", "false", "--temp-dir", other_dir],
+                            "--port", str(free_port()), "--include-dashboard", "false", "--temp-dir", other_dir],
                            capture_output=True, text=True, timeout=120)
     other_pids = set()
     try:
