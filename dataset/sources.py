@@ -31,18 +31,36 @@ from typing import Literal, NamedTuple
 from urllib.parse import urlparse
 
 import pydantic
-from torchvision.datasets import MNIST
-from torchvision.datasets.utils import calculate_md5, download_url
-
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
 from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file
 
 logger = logging.getLogger(__name__)
 
-# Read from torchvision (not copied) so the official source stays whatever torchvision maintains.
-# Module-level on purpose: tests point them at loopback servers or closed ports.
-OFFICIAL_MIRRORS: tuple[str, ...] = tuple(MNIST.mirrors)
-OFFICIAL_MD5: dict[str, str] = dict(MNIST.resources)
+# The official mirrors and checksums are read from torchvision (not copied), so the official
+# source stays whatever torchvision maintains. Read when first needed: importing torchvision costs
+# 2.3 s, on the critical path of every run's first stage even when the files are already verified
+# (benchmarks/deployment_overhead.py). Module-level on purpose: tests point them at loopback
+# servers or closed ports by setting them.
+OFFICIAL_MIRRORS: tuple[str, ...] | None = None
+OFFICIAL_MD5: dict[str, str] | None = None
+
+
+def official_mirrors() -> tuple[str, ...]:
+    """torchvision's MNIST mirrors, in its order of preference (or what a test set)."""
+    if OFFICIAL_MIRRORS is not None:
+        return OFFICIAL_MIRRORS
+    from torchvision.datasets import MNIST
+
+    return tuple(MNIST.mirrors)
+
+
+def official_md5() -> dict[str, str]:
+    """torchvision's md5 of each official MNIST file (or what a test set)."""
+    if OFFICIAL_MD5 is not None:
+        return OFFICIAL_MD5
+    from torchvision.datasets import MNIST
+
+    return dict(MNIST.resources)
 
 Source = Literal["official", "mirror", "sample"]
 
@@ -103,15 +121,15 @@ def resolve_source(cfg: DownloadConfig, layout: StorageLayout | None = None) -> 
     if cfg.source == "sample":
         return _sample_plan()
 
-    official_md5 = _prefixed("md5", {name: OFFICIAL_MD5[name] for name in MNIST_FILES})
+    expected_md5 = _prefixed("md5", {name: official_md5()[name] for name in MNIST_FILES})
     if cfg.source == "auto" and layout is not None:
         with local_copy(layout.raw_dir("official")) as official:
-            if verified_files(official, official_md5):
-                return SourcePlan("official", OFFICIAL_MIRRORS[0], official_md5)
+            if verified_files(official, expected_md5):
+                return SourcePlan("official", official_mirrors()[0], expected_md5)
 
-    mirror, failures = _probe_mirrors(OFFICIAL_MIRRORS, cfg.connect_timeout_s)
+    mirror, failures = _probe_mirrors(official_mirrors(), cfg.connect_timeout_s)
     if mirror is not None:
-        return SourcePlan("official", mirror, official_md5)
+        return SourcePlan("official", mirror, expected_md5)
     if cfg.source == "auto":
         return _sample_plan()._replace(fell_back=True)
     tried = "; ".join(f"{url} ({why})" for url, why in failures.items())
@@ -136,12 +154,12 @@ def official_reachable(timeout: float, mirrors: Sequence[str] | None = None) -> 
 
     Args:
         timeout: Seconds the whole probe may take, DNS resolution included.
-        mirrors: Base URLs to probe; defaults to ``OFFICIAL_MIRRORS``.
+        mirrors: Base URLs to probe; defaults to `official_mirrors`.
 
     Returns:
         The mirror's base URL, or None when none answered in time.
     """
-    return _probe_mirrors(OFFICIAL_MIRRORS if mirrors is None else mirrors, timeout)[0]
+    return _probe_mirrors(official_mirrors() if mirrors is None else mirrors, timeout)[0]
 
 
 def _probe_mirrors(mirrors: Sequence[str], timeout: float) -> tuple[str | None, dict[str, str]]:
@@ -205,6 +223,8 @@ def _prefixed(algorithm: str, digests: dict[str, str]) -> dict[str, str]:
 def file_checksum(path: str | os.PathLike[str], algorithm: str) -> str:
     """Hex digest of a file with ``algorithm`` (``md5`` or ``sha256``)."""
     if algorithm == "md5":
+        from torchvision.datasets.utils import calculate_md5
+
         return calculate_md5(path)  # torchvision's, so official files are checked exactly as it does
     if algorithm == "sha256":
         return sha256_file(path)
@@ -368,6 +388,8 @@ def _transfer(url: str, tmp: Path, read_timeout_s: float = 30.0) -> None:
         # download_url takes no timeout and a stalled server would hang it forever; the socket
         # default applies to the sockets urllib opens inside it. Process-wide, but this stage
         # runs alone in its Ray worker, and the previous value is restored.
+        from torchvision.datasets.utils import download_url
+
         previous = socket.getdefaulttimeout()
         socket.setdefaulttimeout(read_timeout_s)
         try:

@@ -23,6 +23,9 @@ always asks for a whole CPU) waiting forever, and training waits on it.
 
 from __future__ import annotations
 
+import hashlib
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -36,7 +39,7 @@ from ray.data import RandomSeedConfig
 
 from dataset.parquet import ParquetDataset, images_from_column
 from pipeline_config import TransformConfig
-from storage_io import filesystem
+from storage_io import filesystem, join, read_json
 
 
 class TransformSpec(BaseModel):
@@ -46,6 +49,39 @@ class TransformSpec(BaseModel):
     config: TransformConfig
     checks: dict[str, dict]
     manifest: str
+    skipped: bool = False  # the checks were recorded for this very dataset and config by an earlier run
+
+
+CHECKS_RECORD_PREFIX = "transform-checks-"
+
+
+def checks_record_path(spec: TransformSpec) -> str:
+    """Where the transform stage records its checks of ``spec.dataset`` under ``spec.config``.
+
+    Beside the Parquet files (it goes when the dataset goes), one file per transform config, so
+    a later run with the same verified dataset and config reuses the checks instead of running
+    every split through Ray Data again.
+    """
+    config = json.dumps(spec.config.model_dump(mode="json"), sort_keys=True)
+    return join(spec.dataset.directory, f"{CHECKS_RECORD_PREFIX}{hashlib.sha256(config.encode()).hexdigest()[:16]}.json")
+
+
+def checks_record(spec: TransformSpec, checks: dict[str, dict]) -> dict:
+    """What `checks_record_path` holds: the dataset's fingerprint, the config and the checks."""
+    return {"fingerprint": spec.dataset.fingerprint, "config": spec.config.model_dump(mode="json"), "checks": checks}
+
+
+def recorded_checks(spec: TransformSpec, splits: tuple[str, ...]) -> dict[str, dict] | None:
+    """The checks an earlier run recorded for this dataset (same fingerprint, same rows) and config, else None."""
+    record = read_json(checks_record_path(spec))
+    if not isinstance(record, dict) or record != checks_record(spec, record.get("checks")):
+        return None
+    checks = record["checks"]
+    if not isinstance(checks, dict) or set(checks) != set(splits):
+        return None
+    if any(not isinstance(checks[split], dict) or checks[split].get("rows") != spec.dataset.rows.get(split) for split in splits):
+        return None
+    return checks
 
 
 def normalize(images: np.ndarray, mean: float, std: float) -> np.ndarray:

@@ -191,6 +191,8 @@ def _stage_detail(name: str, result: Any, config: PipelineConfig) -> str:
     if name == "to-parquet":
         rows = result.rows
         return f": {rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows{reused}"
+    if name == "transform":
+        return " (checks of this dataset and config reused)" if result.skipped else ""
     if name == "train":
         return f": best validation accuracy {result.best_val_accuracy:.2%}"
     if name == "tune":

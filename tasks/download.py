@@ -29,7 +29,7 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
             "official MNIST mirrors %s unreachable within %gs; falling back to the bundled 5,000-digit "
             "sample (4,000 train / 1,000 test), so accuracy will differ from full MNIST. "
             "Set download.source=official to fail instead.",
-            ", ".join(sources.OFFICIAL_MIRRORS), cfg.connect_timeout_s,
+            ", ".join(sources.official_mirrors()), cfg.connect_timeout_s,
         )
     directory = layout.raw_dir(source_key(plan))
     # On an S3 root the files are checked and fetched in a local folder, then uploaded.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import numpy as np
@@ -100,6 +102,32 @@ def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs):
     assert abs(spec.checks["test"]["pixel_mean"]) < 0.05
     assert spec.checks["test"]["pixel_std"] == pytest.approx(1 / np.sqrt(3), abs=0.03)
     assert sum(spec.checks["train"]["label_counts"]) == 160
+
+
+def test_checks_are_reused_for_the_same_dataset_and_config_and_run_again_otherwise(local_ray, spec_inputs, tmp_path):
+    """The stage records its checks beside the Parquet files; a later run with the same verified
+    dataset and config reuses them, another config or a record that does not match runs them."""
+    from dataset.transform import checks_record_path
+    from storage_io import StorageLayout
+
+    dataset, layout = spec_inputs
+    cfg = TransformConfig(shift_px=1, rotate_deg=5, scale=0.05)
+    first = transform.fn(dataset, cfg, layout)
+    record = Path(checks_record_path(first))
+    assert record.parent == Path(dataset.directory) and json.loads(record.read_text())["checks"] == first.checks
+    later = StorageLayout.create(layout.root, "later-run")
+    again = transform.fn(dataset, cfg, later)
+    assert again.skipped and not first.skipped and again.checks == first.checks
+    assert json.loads(Path(again.manifest).read_text())["checks"] == first.checks  # the later run's transform.json
+    other = transform.fn(dataset, cfg.model_copy(update={"shift_px": 2}), later)
+    assert not other.skipped and Path(checks_record_path(other)) != record
+    # A record that no longer matches the dataset (here: a row count) is not trusted: the checks run again.
+    tampered = json.loads(record.read_text())
+    tampered["checks"]["test"]["rows"] += 1
+    record.write_text(json.dumps(tampered))
+    rerun = transform.fn(dataset, cfg, later)
+    assert not rerun.skipped and rerun.checks == first.checks
+    assert json.loads(record.read_text())["checks"] == first.checks  # written again
 
 
 def _run(ds) -> tuple[np.ndarray, np.ndarray]:

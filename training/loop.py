@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -165,9 +166,26 @@ def record_epoch(path: str, metrics: dict) -> list[dict]:
     return rows
 
 
+def process_start_time() -> float | None:
+    """Wall-clock time this process started (Linux: /proc/self/stat field 22 after the boot time), None elsewhere."""
+    try:
+        with open("/proc/self/stat") as handle:
+            ticks = int(handle.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as handle:
+            boot = next(int(line.split()[1]) for line in handle if line.startswith("btime"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
 def record_attempt(path: str, start: Position, world_size: int) -> None:
-    """Append one line per training attempt (Ray Train restart or Prefect retry) to ``train_attempts.jsonl``."""
-    append_line(path, {"start_epoch": start.epoch, "start_step": start.step, "world_size": world_size, "time": time.time()})
+    """Append one line per training attempt (Ray Train restart or Prefect retry) to ``train_attempts.jsonl``.
+
+    ``time`` is when the attempt's model is ready; ``process_started_at`` when its (rank 0) worker
+    process started, which splits a worker group's start (benchmarks/deployment_overhead.py).
+    """
+    append_line(path, {"start_epoch": start.epoch, "start_step": start.step, "world_size": world_size, "time": time.time(),
+                       "process_started_at": process_start_time()})
 
 
 def wait_for_committed_reports() -> None:
@@ -256,10 +274,12 @@ def train_epoch(
     earlier = [start.consumed] if start is not None and start.consumed is not None else []
     consumed: list[torch.Tensor] = []
     loss_sum, correct, seen, start_time = 0.0, 0.0, 0.0, time.perf_counter()
-    data_wait, mark = 0.0, start_time
+    data_wait, mark, first_step_at = 0.0, start_time, None
     lr = one_cycle_lr(epoch / epochs, peak_lr)
     for step, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device), start=first_step):
         data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
+        if first_step_at is None:
+            first_step_at = time.time()  # wall clock: the fixed overhead ends here (benchmarks/deployment_overhead.py)
         if guard is not None:
             guard.before_step(epoch, step)
         lr = one_cycle_lr((epoch + min(step / steps_per_epoch, 1.0)) / epochs, peak_lr)
@@ -294,6 +314,7 @@ def train_epoch(
         # Of the epoch's seconds, how many this rank spent waiting for data (the rest is compute).
         "epoch_train_s": elapsed,
         "data_wait_s": data_wait,
+        "first_step_at": first_step_at,
         "lr": lr,
     }
 
