@@ -11,6 +11,11 @@ fresh process with its defaults, so ``train.max_images`` picks the epochs as it 
 full MNIST (3). Peak memory is each process's high-water mark (``VmHWM`` in ``/proc``), polled
 while the run goes: the driver (the CLI process) and the Ray Train worker. Test accuracy on
 these derived digits says the run works, not how well the recipe does on real MNIST.
+
+``benchmarks.run`` makes one mirror per invocation (`make_mirror`), reads it in its other
+full-size rows (`mirror_download` is the ``download`` config section that names it) and calls
+`measure`: this run with ``--train.epochs 1`` and the gate off (``--evaluate.min-accuracy 0``;
+the row is about time and memory), split by stage, as a table row.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Self
 
 import numpy as np
 
@@ -91,6 +97,12 @@ def mirror_flags(folder: Path, checksums: dict[str, str]) -> list[str]:
     return flags
 
 
+def mirror_download(folder: Path, checksums: dict[str, str]) -> dict:
+    """The ``download`` config section that makes ``folder`` the run's data source (as `mirror_flags` does on the CLI)."""
+    return {"source": "mirror", "mirror_url": folder.resolve().as_uri() + "/",
+            "mirror_sha256": {CHECKSUM_FLAGS[name].replace("-", "_"): digest for name, digest in checksums.items()}}
+
+
 class PeakMemory:
     """Polls ``/proc`` for the high-water RSS of the driver (a pid) and of Ray Train workers (by process title)."""
 
@@ -126,7 +138,7 @@ class PeakMemory:
         while not self._stop.wait(self.poll_s):
             self._poll()
 
-    def __enter__(self) -> PeakMemory:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -153,10 +165,12 @@ def run_default(mirror: Path, checksums: dict[str, str], storage: Path, extra: l
         raise RuntimeError(f"the run failed (exit {code}):\n{stderr[-3000:]}")
     summary = json.loads(stdout[stdout.index("{") : stdout.rindex("}") + 1])
     history = [json.loads(line) for line in (storage / "runs" / "full-size" / "history.jsonl").read_text().splitlines()]
+    config = json.loads((storage / "runs" / "full-size" / "summary.json").read_text())["config"]  # not in the printed summary
     return {
         "wall_s": round(wall, 1),
         "stages_s": {name: stage["seconds"] for name, stage in summary["stages"].items()},
         "epochs": summary["epochs"],
+        "workers": config["train"]["num_workers"],
         "epoch_s": [round(row["epoch_seconds"], 1) for row in history],
         "images_per_s": [round(row["images_per_s"], 1) for row in history],
         "rows": summary["data"]["rows"],
@@ -164,6 +178,16 @@ def run_default(mirror: Path, checksums: dict[str, str], storage: Path, extra: l
         "peak_rss_mb": {role: round(mb) for role, mb in memory.peak_mb.items()},
         "environment": summary.get("environment"),
     }
+
+
+def measure(mirror: Path, checksums: dict[str, str], storage: Path, epochs: int, extra: tuple[str, ...] = ()) -> dict:
+    """One row: `run_default` with ``--train.epochs epochs`` (and ``extra`` flags), split by stage."""
+    result = run_default(mirror, checksums, storage, ["--train.epochs", str(epochs), *extra])
+    result.pop("environment", None)  # the suite's JSON describes the machine once
+    # The rest of the wall time: imports, the temporary Prefect server and the local Ray, shutdown.
+    outside = round(result["wall_s"] - sum(result["stages_s"].values()), 1)
+    return {"benchmark": "full-size default flow, by stage", **result, "outside_stages_s": outside,
+            "cli_flags": ["--train.epochs", str(epochs), *extra], "goal": "(split reported)"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from typing import Literal, NamedTuple
 from urllib.parse import urlparse
 
 import pydantic
+
 from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
 from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file
 

@@ -17,7 +17,14 @@ from __future__ import annotations
 from prefect import task
 
 from dataset.parquet import ParquetDataset
-from dataset.transform import TransformSpec, build_datasets, check_split, checks_record, checks_record_path, recorded_checks
+from dataset.transform import (
+    TransformSpec,
+    build_datasets,
+    check_split,
+    checks_record,
+    checks_record_path,
+    recorded_checks,
+)
 from pipeline_config import TransformConfig
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_json, join, storage_writes

@@ -20,11 +20,21 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_quick_benchmark_writes_every_row(tmp_path):
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     kinds = [row["benchmark"] for row in result["rows"]]
-    assert kinds[0] == "data path" and "conversion peak RSS" in kinds and kinds[-2:] == ["time to accuracy", "tune stage, per trial"]
+    assert kinds == [
+        "data path", "conversion peak RSS", "fixed overhead", "deployment path, flow start to first training step",
+        "training throughput, train.mode=single (no Ray Train)", "training throughput (1 worker x 2 threads, batch 128)",
+        "training throughput (2 workers x 1 thread, DDP, global batch 128)", "time to accuracy", "tune stage, per trial",
+        "training throughput at full size (1 worker x 2 threads, batch 128)", "time to accuracy at full size",
+        "full-size default flow, by stage",
+    ]
+    # What the suite took, in total and row by row (rows added together take 0 s after the first).
+    per_row = result["suite_wall_s_per_row"]
+    assert len(per_row) == len(kinds) and all(s >= 0 for s in per_row) and sum(per_row) > 0
+    assert result["suite_wall_s"] >= sum(per_row) - 0.5  # each rounded to 0.1 s
     data = result["rows"][0]
     assert data["rows"] == 4000 and data["baseline_s"] > 0 and data["ours_s"] > 0 and data["speedup"] > 0
     rss = result["rows"][1]
@@ -35,20 +45,57 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     parts = overhead["worker_group_parts"]  # the worker group split at the worker's start and the function's start
     assert set(parts) == {"to_worker_process_s", "worker_process_to_train_fn_s", "train_fn_to_fit_return_s"}
     assert all(v > 0 for v in parts.values()), parts  # in order: fit, worker process start, function start, return
-    single, train = result["rows"][3], result["rows"][4]
+    deploy = result["rows"][3]  # quick: one run on an empty root, the one quoted
+    assert deploy["reused_runs"] == 0 and deploy["runs_s"] == [deploy["to_first_step_s"]] and deploy["to_first_step_s"] > 0
+    assert set(deploy["parts"]) == {"ray_and_runner_s", "stages_before_training_s", "worker_group_s", "first_batch_s"}
+    assert all(v > 0 for v in deploy["parts"].values()), deploy["parts"]  # in order: run start, download, train, attempt, step
+    assert abs(sum(deploy["parts"].values()) - deploy["to_first_step_s"]) <= 0.05  # the parts add up to the total
+    assert deploy["first_run"]["to_first_step_s"] == deploy["to_first_step_s"] and not deploy["first_run"]["data_reused"]
+    single, train = result["rows"][4], result["rows"][5]
     assert "single" in single["benchmark"] and single["ours_images_per_s"] > 0 and single["ratio"] > 0
     assert train["baseline_images_per_s"] > 0 and train["ours_images_per_s"] > 0 and train["ratio"] > 0
     assert train["ratio_to_single_mode"] > 0
-    two = result["rows"][5]
-    assert "2 workers" in two["benchmark"] and two["ours_images_per_s"] > 0 and two["ratio"] > 0
-    reach = result["rows"][6]
+    two = result["rows"][6]  # against plain DDP (2 processes outside Ray), and against the plain loop
+    assert "DDP" in two["baseline"] and len(two["baseline_runs"]) == 1 and two["baseline_images_per_s"] > 0
+    assert two["workers"] == 2 and two["epochs"] == 1 and two["train_rows"] == 3800 and two["ours_images_per_s"] > 0
+    assert two["ratio"] == pytest.approx(two["ours_images_per_s"] / two["baseline_images_per_s"], rel=0.01)
+    assert two["plain_loop_images_per_s"] == train["baseline_images_per_s"]  # the plain loop's median of this run
+    assert two["ratio_to_plain_loop"] == pytest.approx(two["ours_images_per_s"] / two["plain_loop_images_per_s"], rel=0.01)
+    reach = result["rows"][7]
     assert reach["epochs"] == 1 and len(reach["baseline_history"]) >= 1 and len(reach["ours_history"]) == 1
     assert 0 <= reach["ours_history"][0] <= 1 and reach["ours_stage_s"] > 0
+    assert reach["train_rows"] == 3800 and reach["val_rows"] == 200  # the bundled sample's split
     # Either side reaches the (quick) target or says it did not; a ratio only when both did.
     assert (reach["ratio"] is not None) == (reach["ours_s"] is not None and reach["baseline_s"] is not None)
-    tuned = result["rows"][7]  # one trial of the default recipe against the training stage, same epochs
+    tuned = result["rows"][8]  # one trial of the default recipe against the training stage, same epochs
     assert tuned["epochs"] == 1 and tuned["baseline_s"] > 0 and tuned["ours_s"] > 0
     assert tuned["overhead_per_trial_s"] == round(tuned["ours_s"] - tuned["baseline_s"], 2)
     assert tuned["ratio"] == round(tuned["ours_s"] / tuned["baseline_s"], 3)
+    # Full size, on the quick mirror (2,000 / 500 rows): every 20th training row is held out.
+    big = result["rows"][9]  # plain loop, ours, plain loop
+    assert big["train_rows"] == 1900 and big["epochs"] == 1 and big["workers"] == 1 and big["threads"] == 2
+    assert len(big["baseline_runs"]) == 2 and all(p > 0 for p in big["baseline_runs"])
+    assert big["baseline_images_per_s"] > 0 and big["ours_images_per_s"] > 0 and len(big["ours_epochs"]) == 1
+    assert big["ratio"] == pytest.approx(big["ours_images_per_s"] / big["baseline_images_per_s"], rel=0.01)
+    reach_big = result["rows"][10]  # both sides on the mirror's rows, the same held-out split
+    assert "mirror" in reach_big["data"] and reach_big["train_rows"] == 1900 and reach_big["val_rows"] == 100
+    assert reach_big["epochs"] == 1 and reach_big["target"] == 0.5 and len(reach_big["ours_history"]) == 1
+    assert len(reach_big["baseline_history"]) == 1 and reach_big["ours_stage_s"] > 0
+    assert all(0 <= a <= 1 for a in reach_big["baseline_history"] + reach_big["ours_history"])
+    assert (reach_big["ratio"] is not None) == (reach_big["ours_s"] is not None and reach_big["baseline_s"] is not None)
+    flow = result["rows"][11]  # python -m flows.mnist on the mirror, split by stage
+    assert flow["rows"] == {"train": 1900, "val": 100, "test": 500} and flow["epochs"] == 1 and flow["workers"] == 1
+    assert {"download", "to-parquet", "transform", "train", "evaluate"} <= set(flow["stages_s"])
+    assert all(s >= 0 for s in flow["stages_s"].values()) and flow["stages_s"]["train"] > 0
+    assert flow["wall_s"] >= sum(flow["stages_s"].values())  # the stages are part of the run's wall time
+    assert len(flow["epoch_s"]) == 1 and flow["epoch_s"][0] > 0 and flow["images_per_s"][0] > 0
+    assert flow["peak_rss_mb"]["driver"] > 0 and flow["peak_rss_mb"]["train_worker"] > 0
+    assert 0 <= flow["test_accuracy_on_derived_digits"] <= 1 and flow["goal"] == "(split reported)"
+    # The printed table has a line for every row.
+    assert "| data path | 4,000 rows |" in run.stdout
     assert "| tune stage, per trial | 1 trial, 1 epoch(s)" in run.stdout
-    assert "| data path | 4,000 rows |" in run.stdout  # the printed table
+    assert "| deployment path: flow run start to first training step (server already up) |" in run.stdout
+    assert "| 3,800 training rows (sample), 1 epoch(s), 2 workers |" in run.stdout and "img/s (plain DDP)" in run.stdout
+    assert "| 1,900 training rows (full-size mirror), 1 epoch(s), 1 worker x 2 threads |" in run.stdout
+    assert "| time to 50% validation accuracy | 1,900 training rows (full-size mirror), 1 epochs, 1 worker(s) |" in run.stdout
+    assert "| full-size default flow, by stage (`python -m flows.mnist`) | 1,900 train / 100 val / 500 test rows" in run.stdout

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +10,15 @@ import pytest
 
 from dataset.parquet import to_table
 from dataset.sources import RawData
-from dataset.transform import build_datasets, build_split, epoch_seed, normalize, prepare_batch, random_affine, row_draws
+from dataset.transform import (
+    build_datasets,
+    build_split,
+    epoch_seed,
+    normalize,
+    prepare_batch,
+    random_affine,
+    row_draws,
+)
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.to_parquet import to_parquet
 from tasks.transform import transform

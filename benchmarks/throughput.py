@@ -1,0 +1,67 @@
+"""Training throughput, the two sides the training rows of ``benchmarks.run`` compare.
+
+* `plain_images_per_s`: a plain single-process PyTorch loop on one in-memory batch of random
+  tensors (ResNet-18 of ``training.model``, AdamW lr 1e-3, ``CrossEntropyLoss(label_smoothing=0.1)``),
+  ``threads`` torch threads; two warm-up steps are not timed, then images/s over ``steps`` steps.
+* `ray_train_images_per_s`: our training stage (``tasks.train``, Ray Train with ``workers`` workers
+  or ``train.mode=single``) on a data source (the bundled sample unless told otherwise, e.g. the
+  full-size mirror of ``benchmarks.full_size``), with the default recipe but no weight EMA; the
+  stages before it (download, conversion, transform) run first and are not timed. It reports
+  the images/s the loop measured per epoch: the median of the epochs after the first (the first
+  pays the data pipeline's cold start), or the only epoch's.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+SAMPLE = {"source": "sample"}
+
+
+def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
+    """A plain single-process loop on in-memory tensors: the same model, optimizer and batch."""
+    import torch
+
+    from training.model import build_resnet18
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = build_resnet18()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
+    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
+    model.train()
+    for step in range(steps + 2):
+        if step == 2:  # warm-up steps are not timed
+            start = time.perf_counter()
+        loss = criterion(model(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    return steps * batch / (time.perf_counter() - start)
+
+
+def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", workers: int = 1,
+                           download: dict | None = None) -> dict:
+    """Our training stage (Ray Train with ``workers`` workers, or ``train.mode=single``; same global batch) on ``download``.
+
+    ``download`` is the run's ``download`` config section (default: the bundled sample). Returns
+    the median images/s of its epochs after the first (the first pays the data pipeline's cold
+    start), or the only epoch's.
+    """
+    from benchmarks.stages import stage_inputs
+    from pipeline_config import PipelineConfig
+    from tasks.train import train
+
+    config = PipelineConfig.model_validate(
+        {"download": download or SAMPLE, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode}}
+    )
+    spec, layout = stage_inputs(config, work, f"bench-{mode}-{workers}")
+    start = time.perf_counter()
+    trained = train.fn(spec, config.train, layout)
+    history = sorted(trained.history, key=lambda row: row["epoch"])
+    rates = [row["images_per_s"] for row in history[1:] or history]
+    return {"images_per_s": statistics.median(rates), "epochs_images_per_s": rates, "epochs": len(history),
+            "train_rows": spec.dataset.rows["train"], "stage_seconds": time.perf_counter() - start}
