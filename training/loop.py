@@ -314,9 +314,8 @@ def train_epoch(
         # Of the epoch's seconds, how many this rank spent waiting for data (the rest is compute).
         "epoch_train_s": elapsed,
         "data_wait_s": data_wait,
-        "first_step_at": first_step_at,
         "lr": lr,
-    }
+    } | ({"first_step_at": first_step_at} if first_step_at is not None else {})  # no step: a resumed epoch already done
 
 
 @torch.no_grad()
