@@ -32,7 +32,8 @@ ROOT = Path(__file__).resolve().parent.parent
 WARMUP_STEPS = 2
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nobody listens on right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
@@ -74,7 +75,7 @@ def rank_images_per_s(rank: int, world: int, port: int, steps: int, global_batch
 
 def measure(processes: int = 2, steps: int = 30, global_batch: int = 128, timeout_s: float = 600) -> dict:
     """Plain DDP with ``processes`` processes x 1 thread; rank 0's global images/s."""
-    port = _free_port()
+    port = free_port()
     env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     with tempfile.TemporaryDirectory(prefix="bench-ddp-") as tmp:
         outs = [Path(tmp) / f"rank{rank}.out" for rank in range(processes)]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -109,9 +108,10 @@ def running_ray_cluster(temp: Path) -> Iterator[tuple[str, dict]]:
     (``flows.runtime.LOCAL_RAY_SYSTEM_CONFIG``); token authentication is off in its processes and
     the runs' (it is about who may join, not what is measured here).
     """
+    from benchmarks.ddp import free_port
     from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG
 
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env |= {"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(temp)}
     env |= {f"RAY_{key}": str(value) for key, value in LOCAL_RAY_SYSTEM_CONFIG.items()}
@@ -138,12 +138,6 @@ def running_ray_cluster(temp: Path) -> Iterator[tuple[str, dict]]:
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def measure(reused_runs: int = 2, ray_cluster: bool = False) -> dict:
