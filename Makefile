@@ -19,7 +19,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install --quiet pip==$(PIP_VERSION)
-	$(PY) -m pip install --quiet -r $(LOCK)
+	$(PY) -m pip install --quiet --no-cache-dir -r $(LOCK)
 	# PYTHONWARNINGS: setuptools' generic warning about editable installs is not for our users.
 	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)

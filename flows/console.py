@@ -253,6 +253,7 @@ def summary_lines(
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
+    lines += promotion_lines(summary.get("promotion"), summary.get("storage_root"))
     lines += tuning_lines(summary.get("tuning"))
     if summary.get("run_dir"):
         lines.append(f"  run folder     {summary['run_dir']}")
@@ -271,6 +272,23 @@ def summary_lines(
             + " (verified stages are skipped, training goes on from its latest checkpoint)"
         )
     return lines
+
+
+def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None) -> list[str]:
+    """Whether the run's model became the champion, why, and how to score images with the champion."""
+    if not promotion:
+        return []
+    model = promotion.get("model", "?")
+    if promotion.get("promoted"):
+        line = f"  model          promoted: {model} v{promotion.get('version')} is the champion ({promotion.get('reason')})"
+    else:
+        line = f"  model          not promoted: {promotion.get('reason')}"
+    options = ["--storage-root", storage_root] if storage_root else []
+    options += ["--model", model] if model != "mnist-resnet18" else []
+    command = shlex.join(["python", "-m", "flows.predict", *options])
+    if promotion.get("version") is None:  # no champion yet to predict with
+        return [line]
+    return [line, f"  predict        {command} --input <folder of IDX or Parquet digits>"]
 
 
 def tuning_lines(tuning: dict[str, Any] | None) -> list[str]:

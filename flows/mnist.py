@@ -169,6 +169,7 @@ class StageRecorder:
             "training_attempts": trained.attempts if trained else None,
             "resumed_from_epoch": trained.resumed_from_epoch if trained else None,
             "test_accuracy": metrics.get("accuracy"),
+            "promotion": metrics.get("promotion"),
             "evaluation": metrics,
             **({"tuning": tuned.summary() if tuned else None} if "tune" in self.plan else {}),
             "config": self.config.model_dump(mode="json"),
@@ -200,10 +201,15 @@ def _stage_detail(name: str, result: Any, config: PipelineConfig) -> str:
         return (f": best trial {best.trial_id}, {result.metric} {best.best_metric:.4f} ({len(result.trials)} trials, "
                 f"{result.stopped_early()} stopped early){' (search restored)' if result.restored else ''}")
     if name == "evaluate":
-        return f": test accuracy {result.accuracy:.2%} (gate {config.evaluate.min_accuracy:.2%} passed)"
+        promotion = result.promotion
+        promoted = ""
+        if promotion is not None:
+            promoted = f", promoted to {promotion.model} v{promotion.version}" if promotion.promoted else ", not promoted"
+        return f": test accuracy {result.accuracy:.2%} (gate {config.evaluate.min_accuracy:.2%} passed){promoted}"
     if name == "cleanup":
         verb = "would delete" if result.dry_run else "deleted"
-        return f": {verb} {len(result.paths)} item(s)"
+        kept = f", kept {len(result.kept)} for the model registry" if result.kept else ""
+        return f": {verb} {len(result.paths)} item(s){kept}"
     return ""
 
 
@@ -238,7 +244,11 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
     trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
     reports.publish_training_report(trained)
     # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
-    evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout)
+    # Evaluation ends with champion promotion (config.promote): the model replaces the champion only when better.
+    evaluation = stage(
+        evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout,
+        promote=config.promote, run_config=config.model_dump(mode="json"), raw_dir=raw.directory,
+    )
     stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 
 

@@ -72,7 +72,11 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
         best_spec = trial_spec(spec, tuned.best.config)
         trained = stage(train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout)
         reports.publish_training_report(trained)
-        evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout)
+        recipe = config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")}  # what the model card names
+        evaluation = stage(
+            evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout,
+            promote=config.promote, run_config=recipe, raw_dir=raw.directory,
+        )
         stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 
 

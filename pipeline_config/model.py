@@ -27,6 +27,7 @@ MNIST_FILES = (
 )
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
+_MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect artifact keys
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
@@ -311,6 +312,37 @@ class EvaluateConfig(_Section):
     )
 
 
+class PromoteConfig(_Section):
+    """Champion promotion, the evaluation stage's last step: a model that passed the gate becomes the
+    champion under <storage_root>/models/<model_name>/ only when it beats the current one on the same test set."""
+
+    enabled: bool = Field(
+        True,
+        description="Compare every model that passed the gate with the champion and promote it when better; off: compare nothing.",
+    )
+    model_name: str = Field(
+        "mnist-resnet18",
+        description="Names the folder models/<model_name>/ (numbered versions, the champion pointer) and the run-comparison artifacts.",
+    )
+    min_improvement: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description=(
+            "Test accuracy (0..1) a candidate must gain over the champion to replace it: promoted only when "
+            "accuracy > champion's + min_improvement. A tie is not promoted."
+        ),
+    )
+    recent_runs: int = Field(20, ge=1, le=1000, description="Runs listed in the run-comparison table and picture.")
+
+    @field_validator("model_name")
+    @classmethod
+    def _check_model_name(cls, value: str) -> str:
+        if not _MODEL_NAME.match(value):
+            raise ValueError(f"{value!r}: use lowercase letters, digits and '-', starting with a letter or digit (at most 63)")
+        return value
+
+
 class CleanupConfig(_Section):
     """Retention policy, applied after a successful evaluation; deletes only inside the storage root."""
 
@@ -381,6 +413,7 @@ class PipelineConfig(_Section):
     transform: TransformConfig = Field(default_factory=TransformConfig, description="Ray Data transform stage.")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
+    promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Champion promotion (end of the evaluation stage).")
     cleanup: CleanupConfig = Field(default_factory=CleanupConfig, description="Cleanup stage.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
 

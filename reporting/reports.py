@@ -223,6 +223,83 @@ def confusion_matrix_png(confusion: Sequence[Sequence[int]]) -> bytes:
     return png_bytes(fig)
 
 
+def comparison_keys(model: str) -> dict[str, str]:
+    """Artifact keys of a model's run comparison (table and picture), stable across its runs."""
+    return {"table": f"{model}-run-comparison", "picture": f"{model}-accuracy-over-runs"}
+
+
+def comparison_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Recent runs of one model, newest first, as rows of the run-comparison table.
+
+    Args:
+        runs: Run rows as the evaluation stage records them (``training.registry.record_run``),
+            each possibly marked ``champion`` (the current one).
+
+    Returns:
+        Rows with date, run, data hash, test accuracy, validation loss, epochs, train images/s,
+        wall time and whether the run was promoted (its version, and ``champion`` for the current one).
+    """
+
+    def rounded(value: Any, digits: int) -> Any:
+        return round(value, digits) if isinstance(value, (int, float)) else None
+
+    table = []
+    for run in reversed(runs):
+        promoted = "no: gate failed" if not run.get("passed_gate") else "no"
+        if run.get("version") and run.get("promoted"):
+            promoted = f"v{run['version']}" + (" (champion)" if run.get("champion") else "")
+        table.append({
+            "date": str(run.get("finished_at", ""))[:19].replace("T", " "),
+            "run": run.get("run"),
+            "data": str(run.get("data_hash") or "")[:12],
+            "test_accuracy": rounded(run.get("test_accuracy"), 4),
+            "val_loss": rounded(run.get("val_loss"), 4),
+            "epochs": run.get("epochs"),
+            "train_images_per_s": rounded(run.get("train_images_per_s"), 1),
+            "wall_s": rounded(run.get("wall_s"), 1),
+            "promoted": promoted,
+        })
+    return table
+
+
+def accuracy_over_runs_png(runs: Sequence[dict[str, Any]]) -> bytes:
+    """Test accuracy of each run in finish order: promoted runs as stars, the current champion ringed,
+    gate failures as red crosses.
+
+    Args:
+        runs: Run rows oldest first (``training.registry.recent_runs``).
+
+    Returns:
+        PNG bytes.
+    """
+    points = [(i + 1, run) for i, run in enumerate(runs) if isinstance(run.get("test_accuracy"), (int, float))]
+    if not points:
+        raise ValueError("no run has a test accuracy")
+    fig = _figure(8, 4)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot([x for x, _ in points], [run["test_accuracy"] for _, run in points], "-", color="lightgray", zorder=1)
+    groups = (
+        ("not promoted", "o", "tab:blue", lambda r: r.get("passed_gate") and not r.get("promoted")),
+        ("promoted", "*", "tab:orange", lambda r: r.get("promoted")),
+        ("gate failed", "x", "tab:red", lambda r: not r.get("passed_gate")),
+    )
+    for label, marker, color, chosen in groups:
+        picked = [(x, run["test_accuracy"]) for x, run in points if chosen(run)]
+        if picked:
+            ax.scatter(*zip(*picked), marker=marker, s=140 if marker == "*" else 50, color=color, label=label, zorder=2)
+    for x, run in points:
+        if run.get("champion"):
+            ax.scatter([x], [run["test_accuracy"]], s=420, facecolors="none", edgecolors="black", label="champion", zorder=3)
+            ax.annotate(f"v{run.get('version')}", (x, run["test_accuracy"]), textcoords="offset points", xytext=(0, 12), ha="center")
+    ax.set_xlabel("run (oldest first)")
+    ax.set_ylabel("test accuracy")
+    ax.set_xticks([x for x, _ in points])
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return png_bytes(fig)
+
+
 def data_uri(png: bytes) -> str:
     """A ``data:image/png;base64`` URI the Prefect UI's markdown keeps on ``<img>``."""
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
@@ -522,6 +599,23 @@ def publish_evaluation_report(evaluation, dataset, trained) -> list:
             description=f"Path of the checkpoint evaluation used; {gate}",
         ),
     ]
+
+
+@_best_effort
+def publish_run_comparison(model: str, runs: Sequence[dict[str, Any]], promotion: dict[str, Any] | None) -> list:
+    """Publish a model's recent runs as a table and the accuracy-over-runs picture (stable keys per model)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    keys = comparison_keys(model)
+    verdict = f"this run: {'promoted' if promotion and promotion.get('promoted') else 'not promoted'}"
+    if promotion:
+        verdict += f" ({promotion.get('reason')})"
+    description = f"Recent runs of {model}, newest first; {verdict}"
+    table = create_table_artifact(comparison_rows(runs), key=keys["table"], description=description)
+    caption = f"Stars: promoted runs; ringed: the current champion; red crosses: gate failed. {verdict.capitalize()}."
+    picture = image_markdown(f"{model}: test accuracy over runs", accuracy_over_runs_png(runs), caption)
+    chart = create_markdown_artifact(picture, key=keys["picture"], description=f"Test accuracy of recent runs of {model}")
+    return [table, chart]
 
 
 def progress_percent(epoch: int, epochs: int) -> float:

@@ -6,6 +6,10 @@ evaluation used, and is not (nor contains) a folder another live run on the same
 reads (its lease in ``<root>/leases/``). A path that breaks a rule stops the stage with its name;
 nothing is deleted. The dry run applies the same checks, so it lists exactly what a real run deletes.
 
+The model registry is never touched: nothing under ``<root>/models/`` and none of the data a
+promoted version's model card names (`training.registry.protected_data`). A selected path that
+is, holds or lies inside such a folder is kept, listed with why in the report (dry run or not).
+
 Whatever the policy, incomplete checkpoint folders in the run folder go too (`incomplete_checkpoints`):
 debris of an upload that failed or was cut short, which Ray Train never registered. A checkpoint
 Ray Train knows (its snapshot, the training result, the evaluated one) is never touched here.
@@ -37,6 +41,7 @@ from storage_io import (
     total_bytes,
 )
 from tasks.evaluate import Evaluation
+from training import registry
 from training.model import checkpoint_problem
 from training.trainer import TrainedModel, UnreadableSnapshot, checkpoint_rank, ray_train_checkpoints
 
@@ -51,6 +56,8 @@ class CleanupReport(BaseModel):
     # Of ``paths``: checkpoint folders removed (or, in a dry run, to remove) because they were
     # incomplete, each with the reason ("model.pt does not match its sha256 ...").
     incomplete_checkpoints: dict[str, str] = {}
+    # Selected by the policy but kept for the model registry, each with why ("named by the model card of ...").
+    kept: dict[str, str] = {}
 
 
 def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: TrainedModel, evaluation: Evaluation) -> list[str]:
@@ -121,6 +128,12 @@ def check_deletable(
             raise ValueError(f"refusing to delete {path}: another live run on this storage root reads {used}")
 
 
+def _overlaps(path: str, folder: str) -> bool:
+    """``path`` is ``folder``, lies inside it, or holds it (symlinks resolved locally)."""
+    a, b = _canonical(path), _canonical(folder)
+    return _within(a, b) or _within(b, a)
+
+
 @task(name="cleanup")
 def cleanup(
     cfg: CleanupConfig,
@@ -140,6 +153,9 @@ def cleanup(
         logger.warning("Not looking for incomplete checkpoints: %s", exc)
         debris = {}
     selected += [path for path in debris if path not in selected]
+    registry_folders = registry.protected_data(layout.root)
+    kept = {path: why for path in selected for folder, why in registry_folders.items() if _overlaps(path, folder)}
+    selected = [path for path in selected if path not in kept]
     in_use = paths_in_use(layout)
     for path in selected:  # every check passes before the first deletion (also for paths already gone)
         check_deletable(path, layout, [evaluation.checkpoint], in_use)
@@ -152,10 +168,12 @@ def cleanup(
     for path, problem in debris.items():
         logger.warning("%s incomplete checkpoint %s: %s (Ray Train never registered it: a failed or cut-short upload)",
                        verb, path, problem)
+    for path, why in kept.items():
+        logger.info("Keeping %s: %s", path, why)
     logger.info("%s %d path(s), %d bytes: %s", verb, len(paths), total, paths)
     report = CleanupReport(
         dry_run=cfg.dry_run, paths=paths, bytes=total, report_path=join(layout.run_dir, "cleanup.json"),
-        incomplete_checkpoints=debris,
+        incomplete_checkpoints=debris, kept=kept,
     )
     atomic_write_json(report.report_path, report.model_dump())
     return report

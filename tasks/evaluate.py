@@ -1,12 +1,20 @@
-"""Stage 5: batch inference on the test split with a pool of model actors, metrics, and the gate.
+"""Stage 5: batch inference on the test split with a pool of model actors, metrics, the gate, promotion.
 
 The best checkpoint scores the test split through a pool of model actors (`training.inference`,
 the seeds' ``ModelWorker`` idea, batched). Results land in ``<run>/evaluation/`` and the reports
 (confusion matrix, predictions, metrics, checkpoint) are published to the Prefect UI before the
 gate decides, so a failed gate keeps every artifact and shows its evidence.
+
+Last, champion promotion (`training.registry`): a model that passed the gate replaces the
+champion under ``<root>/models/<promote.model_name>/`` only when it is better on the same test
+set; every run, gate failed or not, adds its row to the model's run-comparison table.
 """
 
 from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -14,10 +22,11 @@ from prefect import task
 from pydantic import BaseModel
 
 from dataset.transform import TransformSpec
-from pipeline_config import EvaluateConfig
-from reporting import reports
+from pipeline_config import EvaluateConfig, PromoteConfig
+from reporting import environment, reports
 from reporting.logs import stage_logger
-from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
+from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, lease_path, read_json, storage_writes
+from training import registry
 from training.inference import confusion_matrix, metrics_from_confusion, predict
 from training.trainer import TrainedModel
 
@@ -41,11 +50,24 @@ class Evaluation(BaseModel):
     min_accuracy: float = 0.0  # the gate it was held to
     tta: bool = False
     accuracy_without_tta: float | None = None
+    promotion: registry.Promotion | None = None  # None: promotion is off (promote.enabled)
 
 
 @task(name="evaluate")
-def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, layout: StorageLayout) -> Evaluation:
-    """Score the best checkpoint on the held-out test split and apply the accuracy gate."""
+def evaluate(
+    trained: TrainedModel,
+    spec: TransformSpec,
+    cfg: EvaluateConfig,
+    layout: StorageLayout,
+    promote: PromoteConfig | None = None,
+    run_config: dict[str, Any] | None = None,
+    raw_dir: str | None = None,
+) -> Evaluation:
+    """Score the best checkpoint on the held-out test split, apply the accuracy gate, promote a better model.
+
+    ``promote``: the promotion settings (None: no promotion); ``run_config``: the run's whole
+    configuration, for the model card; ``raw_dir``: the raw data the dataset was built from.
+    """
     logger = stage_logger(__name__)
     out = predict(spec, trained.best_checkpoint, cfg)
     if len(out["row_id"]) != spec.dataset.rows["test"]:
@@ -79,9 +101,95 @@ def evaluate(trained: TrainedModel, spec: TransformSpec, cfg: EvaluateConfig, la
     )
     # The evidence first, the verdict second: a failed gate's run page shows why it failed.
     reports.publish_evaluation_report(result, spec.dataset, trained)
+    if promote is not None and promote.enabled:
+        result.promotion = promote_model(result, trained, spec, cfg, layout, promote, run_config or {}, raw_dir)
+        with storage_writes("evaluate"):
+            atomic_write_json(result.metrics_path, result.model_dump())
+        logger.info("Model %s: %s", promote.model_name, promotion_line(result.promotion))
     if not result.passed_gate:
         raise QualityGateError(
             f"test accuracy {result.accuracy:.4f} is below evaluate.min_accuracy {cfg.min_accuracy:.4f}; "
             f"every artifact is kept: metrics in {result.metrics_path}, checkpoint {result.checkpoint}"
         )
     return result
+
+
+def promotion_line(promotion: registry.Promotion) -> str:
+    """``promoted to v3 (...)`` or ``not promoted (...)``: the decision and its reason in one phrase."""
+    if promotion.promoted:
+        return f"promoted to v{promotion.version}: {promotion.reason}"
+    return f"not promoted: {promotion.reason}"
+
+
+def promote_model(
+    result: Evaluation,
+    trained: TrainedModel,
+    spec: TransformSpec,
+    cfg: EvaluateConfig,
+    layout: StorageLayout,
+    promote: PromoteConfig,
+    run_config: dict[str, Any],
+    raw_dir: str | None,
+) -> registry.Promotion:
+    """Compare the evaluated model with the champion, promote it when better, and publish the run comparison."""
+    from prefect.runtime import flow_run
+
+    candidate = registry.Candidate(
+        run_name=layout.run_name,
+        flow_run_id=str(flow_run.id) if flow_run.id else None,
+        checkpoint=result.checkpoint,
+        accuracy=result.accuracy,
+        passed_gate=result.passed_gate,
+        data_hash=registry.data_hash(spec.dataset.directory),
+        dataset_dir=spec.dataset.directory,
+        raw_dir=raw_dir,
+        metrics={
+            "rows": result.rows,
+            "accuracy_without_tta": result.accuracy_without_tta,
+            "precision": result.precision,
+            "recall": result.recall,
+            "best_val_accuracy": trained.best_val_accuracy,
+        },
+        config=run_config,
+        code_version=environment.git_commit(),
+    )
+    pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion)}
+    if trained.history:
+        pictures["training_curves.png"] = reports.training_curves_png(trained.history)
+
+    def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
+        out = predict(spec, folder, cfg)
+        return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
+
+    promotion = registry.promote(layout, promote.model_name, candidate, promote.min_improvement, pictures, rescore)
+    with storage_writes("evaluate"):
+        registry.record_run(layout.root, promote.model_name, run_row(result, trained, candidate, promotion, layout))
+    runs = registry.recent_runs(layout.root, promote.model_name, promote.recent_runs)
+    reports.publish_run_comparison(promote.model_name, runs, promotion.model_dump())
+    return promotion
+
+
+def run_row(
+    result: Evaluation, trained: TrainedModel, candidate: registry.Candidate, promotion: registry.Promotion, layout: StorageLayout
+) -> dict[str, Any]:
+    """This run's row of the model's comparison table."""
+    epochs = [row for row in trained.history if "epoch" in row]
+    last = epochs[-1] if epochs else {}
+    speeds = [row["images_per_s"] for row in epochs if isinstance(row.get("images_per_s"), (int, float))]
+    lease = read_json(lease_path(layout))
+    started = lease.get("started") if isinstance(lease, dict) else None
+    return {
+        "run": layout.run_name,
+        "flow_run_id": candidate.flow_run_id,
+        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "data_hash": candidate.data_hash,
+        "test_accuracy": result.accuracy,
+        "passed_gate": result.passed_gate,
+        "val_loss": last.get("val_loss"),
+        "epochs": len(epochs),
+        "train_images_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "wall_s": time.time() - started if isinstance(started, (int, float)) else None,  # run start to this decision
+        "promoted": promotion.promoted,
+        "version": promotion.version if promotion.promoted else None,
+        "reason": promotion.reason,
+    }

@@ -14,8 +14,8 @@ import ray.data
 import torch
 import torch.nn.functional as F
 
-from dataset.transform import TransformSpec, build_datasets
-from pipeline_config import EvaluateConfig
+from dataset.transform import TransformSpec, blocks, build_datasets, prepare_batch
+from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
 
 NUM_CLASSES = 10
@@ -92,14 +92,31 @@ def actor_resources(cluster_cpus: float, num_actors: int, data_cpus: float = 1.0
 def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[str, np.ndarray]:
     """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays."""
     test = build_datasets(spec, splits=("test",))["test"]
+    return score(test, checkpoint, cfg, spec.config)
+
+
+def predict_table(table: pa.Table, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig) -> dict[str, np.ndarray]:
+    """Score Parquet-schema rows (row_id, image, label; label -1 when unknown) the way evaluation scores the test split."""
+    rows = blocks(table, transform.block_rows).map_batches(
+        prepare_batch,
+        batch_format="pyarrow",
+        batch_size=transform.batch_rows,
+        fn_kwargs={"mean": transform.mean, "std": transform.std},
+        num_cpus=transform.cpus_per_task,
+    )
+    return score(rows, checkpoint, cfg, transform)
+
+
+def score(images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig) -> dict[str, np.ndarray]:
+    """The actor pool over normalized batches (image, label, row_id): row_id, label, pred and pred_plain, by row_id."""
     actor_cpus, threads = actor_resources(float(ray.cluster_resources().get("CPU", 1)), cfg.num_actors)
-    predictions = test.map_batches(
+    predictions = images.map_batches(
         Predictor,
         fn_constructor_kwargs={
             "checkpoint_dir": checkpoint,
             "torch_threads": threads,
             "tta": cfg.tta,
-            "background": (0.0 - spec.config.mean) / spec.config.std,  # a black pixel, normalized
+            "background": (0.0 - transform.mean) / transform.std,  # a black pixel, normalized
         },
         batch_size=cfg.batch_rows,
         batch_format="numpy",
