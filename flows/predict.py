@@ -13,6 +13,7 @@ started for the command (or ``--ray-address`` joins a cluster); no Prefect API i
 
 from __future__ import annotations
 
+import logging
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -78,12 +79,16 @@ def main(argv: list[str] | None = None) -> int:
 
     address, kwargs = ray_init_args(ray_cfg, api_url="")
     kwargs["runtime_env"]["env_vars"].pop("PREFECT_API_URL", None)  # no Prefect here
+    kwargs["logging_level"] = logging.ERROR  # this terminal shows the result; Ray's session logs keep the rest
     if ray_cfg.address is None:
         kwargs["include_dashboard"] = False  # a short command: no dashboard to look at
     with local_gcs_port(kwargs):
         ray.init(address, **kwargs)
     try:
-        out = predict_table(table, folder, evaluate, transform)
+        # Driven from a Ray task, as the evaluation stage is: Ray Data's progress lines go to the
+        # worker's log, not this terminal (ray.log_to_driver is off).
+        scoring = ray.remote(num_cpus=0)(predict_table)
+        out = ray.get(scoring.remote(table, folder, evaluate, transform))
     finally:
         ray.shutdown()
     result = pa.table({"row_id": out["row_id"], "label": out["label"], "pred": out["pred"]})

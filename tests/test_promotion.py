@@ -1,0 +1,270 @@
+"""Champion promotion and the model registry (`training.registry`), without training.
+
+Real checkpoints (a ResNet-18's weights written by torch), real storage roots (a local folder,
+and moto's S3 server on 127.0.0.1), real processes racing for the root's lock, and the real
+cleanup task. The end-to-end runs through the flow are in tests/test_promotion_flow.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from dataset.inputs import read_folder
+from dataset.parquet import to_table
+from pipeline_config import CleanupConfig, PipelineConfig, PromoteConfig
+from reporting.reports import accuracy_over_runs_png, comparison_rows
+from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, exists, join, read_json
+from training import registry
+from training.model import MODEL_FILE, build_resnet18, load_model
+from tests.support.cli import ROOT
+from tests.support.digits import idx_bytes, synthetic_digits
+from tests.support.runs import torchvision_resnet18_seed_style
+
+MODEL = "mnist-resnet18"
+
+
+def make_checkpoint(folder: str, seed: int = 0) -> str:
+    """A checkpoint folder holding a real ResNet-18's model.pt (seeded weights)."""
+    torch.manual_seed(seed)
+    buffer = io.BytesIO()
+    torch.save(build_resnet18().state_dict(), buffer)
+    atomic_write_bytes(join(folder, MODEL_FILE), buffer.getvalue())
+    return folder
+
+
+def make_dataset(layout: StorageLayout, name: str) -> str:
+    """A dataset folder with a manifest (what data_hash reads)."""
+    folder = join(layout.root, "datasets", name)
+    atomic_write_json(join(folder, MANIFEST), {"fingerprint": name})
+    return folder
+
+
+def candidate(layout: StorageLayout, run: str, accuracy: float, dataset: str, passed: bool = True, seed: int = 0):
+    checkpoint = make_checkpoint(join(layout.runs_dir, run, "checkpoint_000000"), seed)
+    return registry.Candidate(
+        run_name=run, flow_run_id=f"id-{run}", checkpoint=checkpoint, accuracy=accuracy, passed_gate=passed,
+        data_hash=registry.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"),
+        metrics={"rows": 1000}, config={"train": {"epochs": 1}}, code_version="abc123",
+    )
+
+
+def test_promoted_only_when_better_than_the_champion(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    data = make_dataset(layout, "mnist-a")
+    first = registry.promote(layout, MODEL, candidate(layout, "r1", 0.90, data), files={"confusion_matrix.png": b"png"})
+    assert (first.promoted, first.version, first.champion_before) == (True, 1, None)
+    assert "first model" in first.reason
+
+    worse = registry.promote(layout, MODEL, candidate(layout, "r2", 0.85, data))
+    assert not worse.promoted and worse.version == 1 and worse.champion_accuracy == 0.90
+    assert "does not beat champion v1's 90.00%" in worse.reason
+    tie = registry.promote(layout, MODEL, candidate(layout, "r3", 0.90, data))
+    assert not tie.promoted
+    short = registry.promote(layout, MODEL, candidate(layout, "r4", 0.93, data), min_improvement=0.05)
+    assert not short.promoted and "by more than 5.00%" in short.reason
+    better = registry.promote(layout, MODEL, candidate(layout, "r5", 0.96, data, seed=5), min_improvement=0.05)
+    assert (better.promoted, better.version, better.champion_before) == (True, 2, 1)
+
+    assert registry.versions(layout.root, MODEL) == [1, 2]
+    pointer = registry.read_champion(layout.root, MODEL)
+    assert pointer["version"] == 2 and pointer["run_name"] == "r5" and pointer["test_accuracy"] == 0.96
+    card = registry.read_card(layout.root, MODEL, 2)
+    assert card["run_name"] == "r5" and card["flow_run_id"] == "id-r5" and card["code_version"] == "abc123"
+    assert card["data"]["manifest_hash"] == registry.data_hash(data) and card["data"]["dataset_dir"] == data
+    assert card["config"] == {"train": {"epochs": 1}} and card["metrics"]["test_accuracy"] == 0.96
+    assert card["previous_champion"] == {"version": 1, "test_accuracy_on_this_data": 0.90, "rescored": False}
+    assert registry.read_card(layout.root, MODEL, 1)["files"] == ["_checksums.json", "confusion_matrix.png", "model.pt"]
+
+    # model.pt loads the seeds' way (plain torch.load into torchvision's one-channel ResNet-18) and ours (checksum verified)
+    folder = Path(registry.version_dir(layout.root, MODEL, 2))
+    seed_style = torchvision_resnet18_seed_style()
+    seed_style.load_state_dict(torch.load(folder / MODEL_FILE, weights_only=True))
+    torch.manual_seed(5)
+    expected = build_resnet18().state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in load_model(str(folder)).state_dict().items())
+
+
+def test_a_gate_failure_is_never_promoted_and_writes_nothing(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    data = make_dataset(layout, "mnist-a")
+    result = registry.promote(layout, MODEL, candidate(layout, "r1", 0.99, data, passed=False))
+    assert not result.promoted and result.version is None and "gate failed" in result.reason
+    assert not exists(registry.model_dir(layout.root, MODEL))
+
+
+def test_changed_data_scores_the_champion_again_on_the_new_test_set(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    old, new = make_dataset(layout, "mnist-old"), make_dataset(layout, "mnist-new")
+    registry.promote(layout, MODEL, candidate(layout, "r1", 0.99, old))
+    asked: list[str] = []
+
+    def rescore(accuracy):
+        def score(folder: str) -> float:
+            asked.append(folder)
+            return accuracy
+        return score
+
+    # 0.95 < the champion's recorded 0.99, but on the new test set the champion scores 0.90
+    won = registry.promote(layout, MODEL, candidate(layout, "r2", 0.95, new), rescore=rescore(0.90))
+    assert won.promoted and won.version == 2 and won.champion_rescored and won.champion_accuracy == 0.90
+    assert "scored again" in won.reason and asked == [registry.version_dir(layout.root, MODEL, 1)]
+    lost = registry.promote(layout, MODEL, candidate(layout, "r3", 0.96, old), rescore=rescore(0.97))
+    assert not lost.promoted and lost.champion_accuracy == 0.97 and asked[-1] == registry.version_dir(layout.root, MODEL, 2)
+    kept = registry.promote(layout, MODEL, candidate(layout, "r4", 0.99, old))  # no way to rescore: the champion stays
+    assert not kept.promoted and "could not be scored again" in kept.reason
+
+
+def test_evaluating_the_champion_again_keeps_it(tmp_path):
+    """A resumed run evaluates again: it is already the champion, nothing new is published."""
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    data = make_dataset(layout, "mnist-a")
+    first = candidate(layout, "r1", 0.9, data)
+    registry.promote(layout, MODEL, first)
+    again = registry.promote(layout, MODEL, first)
+    assert again.promoted and again.version == 1 and "already the champion" in again.reason
+    assert registry.versions(layout.root, MODEL) == [1]
+
+
+RACER = """
+import sys
+from storage_io import StorageLayout
+from training import registry
+from tests.test_promotion import candidate
+layout = StorageLayout.create(sys.argv[1], "unused")
+result = registry.promote(layout, "mnist-resnet18", candidate(layout, sys.argv[2], float(sys.argv[3]), sys.argv[4]))
+print(result.model_dump_json())
+"""
+
+
+def check_one_consistent_champion(layout: StorageLayout, accuracies: dict[str, float], results: list[dict]) -> None:
+    """Whatever the order, the champion is the best run, versions are 1..n, and the pointer names a whole version."""
+    promoted = sorted(r["version"] for r in results if r["promoted"])
+    assert promoted == list(range(1, len(promoted) + 1)) == registry.versions(layout.root, MODEL)
+    pointer = registry.read_champion(layout.root, MODEL)
+    best = max(accuracies, key=accuracies.get)
+    assert pointer["run_name"] == best and pointer["version"] == promoted[-1]
+    card = registry.read_card(layout.root, MODEL, pointer["version"])
+    assert card["run_name"] == best and exists(join(pointer["path"], MODEL_FILE))
+
+
+def test_runs_finishing_at_once_leave_one_consistent_champion(tmp_path):
+    """Four processes promote at the same moment on one local root (the root's fcntl lock)."""
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    data = make_dataset(layout, "mnist-a")
+    accuracies = {"r1": 0.91, "r2": 0.94, "r3": 0.92, "r4": 0.93}
+    racers = [
+        subprocess.Popen([sys.executable, "-c", RACER, layout.root, run, str(acc), data], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        for run, acc in accuracies.items()
+    ]
+    results = [json.loads(proc.communicate(timeout=300)[0]) for proc in racers]
+    assert all(proc.returncode == 0 for proc in racers)
+    check_one_consistent_champion(layout, accuracies, results)
+
+
+def test_concurrent_promotions_on_s3_leave_one_consistent_champion(s3_root):
+    """The same race on a bucket: the S3 lock (a conditional PUT) serializes the decisions."""
+    layout = StorageLayout.create(s3_root, "unused")
+    data = make_dataset(layout, "mnist-a")
+    accuracies = {"r1": 0.91, "r2": 0.94, "r3": 0.92}
+    candidates = {run: candidate(layout, run, acc, data) for run, acc in accuracies.items()}
+    results: list[dict] = []
+    threads = [
+        threading.Thread(target=lambda c=c: results.append(registry.promote(layout, MODEL, c).model_dump()))
+        for c in candidates.values()
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert len(results) == 3
+    check_one_consistent_champion(layout, accuracies, results)
+
+
+def test_cleanup_keeps_the_registry_and_the_data_a_model_card_names(run_tree):
+    from tasks.cleanup import cleanup
+
+    layout, raw, dataset, trained, evaluation = run_tree
+    atomic_write_json(join(dataset.directory, MANIFEST), {"fingerprint": "abc"})
+    champion = candidate(layout, "older-run", 0.9, dataset.directory).model_copy(update={"raw_dir": raw.directory})
+    assert registry.promote(layout, MODEL, champion).promoted
+    policy = CleanupConfig(delete_raw=True, delete_parquet=True, keep_checkpoints=1)
+    dry = cleanup.fn(policy.model_copy(update={"dry_run": True}), raw, dataset, trained, evaluation, layout)
+    assert set(dry.kept) == {raw.directory, dataset.directory}
+    assert "named by the model card of mnist-resnet18 v1" in dry.kept[dataset.directory]
+    real = cleanup.fn(policy, raw, dataset, trained, evaluation, layout)
+    assert real.kept == dry.kept and real.paths == dry.paths and len(real.paths) == 2  # the two other checkpoints
+    assert exists(raw.directory) and exists(dataset.directory)
+    assert exists(join(registry.version_dir(layout.root, MODEL, 1), MODEL_FILE))
+    assert read_json(real.report_path)["kept"] == real.kept
+
+
+def test_run_comparison_rows_and_picture(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    data = make_dataset(layout, "mnist-a")
+    registry.promote(layout, MODEL, candidate(layout, "r2", 0.95, data))
+    rows = [
+        {"run": "r1", "finished_at": "2026-11-24T01:00:00+00:00", "test_accuracy": 0.40, "passed_gate": False, "promoted": False},
+        {"run": "r2", "finished_at": "2026-11-25T01:00:00+00:00", "test_accuracy": 0.95, "passed_gate": True, "promoted": True,
+         "version": 1, "data_hash": "f" * 64, "val_loss": 0.61234, "epochs": 3, "train_images_per_s": 401.26, "wall_s": 88.04},
+        {"run": "r3", "finished_at": "2026-11-26T01:00:00+00:00", "test_accuracy": 0.93, "passed_gate": True, "promoted": False},
+    ]
+    for row in rows:
+        registry.record_run(layout.root, MODEL, row)
+    recent = registry.recent_runs(layout.root, MODEL, limit=2)
+    assert [r["run"] for r in recent] == ["r2", "r3"] and [r["champion"] for r in recent] == [True, False]
+    table = comparison_rows(registry.recent_runs(layout.root, MODEL))
+    assert [r["run"] for r in table] == ["r3", "r2", "r1"]  # newest first
+    assert [r["promoted"] for r in table] == ["no", "v1 (champion)", "no: gate failed"]
+    assert table[1] == {
+        "date": "2026-11-25 01:00:00", "run": "r2", "data": "f" * 12, "test_accuracy": 0.95, "val_loss": 0.6123, "epochs": 3,
+        "train_images_per_s": 401.3, "wall_s": 88.0, "promoted": "v1 (champion)",
+    }
+    png = accuracy_over_runs_png(registry.recent_runs(layout.root, MODEL))
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    with pytest.raises(ValueError, match="no run has a test accuracy"):
+        accuracy_over_runs_png([{"run": "x"}])
+
+
+def test_model_name_is_checked_before_any_work():
+    with pytest.raises(ValueError, match="promote.model_name"):
+        PipelineConfig(promote={"model_name": "My Model"})
+    assert PromoteConfig().model_name == MODEL and PromoteConfig().min_improvement == 0.0
+
+
+def test_prediction_inputs_from_idx_and_parquet_folders(tmp_path):
+    images, labels = synthetic_digits(30, seed=1)
+    idx = tmp_path / "idx"
+    idx.mkdir()
+    (idx / "new-images-idx3-ubyte").write_bytes(idx_bytes(images.reshape(-1, 28, 28)))  # not gzipped, no labels
+    table = read_folder(idx)
+    assert len(table) == 30 and table.column("label").to_pylist() == [-1] * 30
+    assert np.array_equal(table.column("row_id").to_numpy(), np.arange(30))
+    (idx / "new-labels-idx1-ubyte").write_bytes(idx_bytes(labels.astype(np.uint8)))
+    assert read_folder(idx).column("label").to_pylist() == labels.tolist()
+    bundled = read_folder(ROOT / "data" / "mnist-sample")  # the shipped .gz files: train and test, with labels
+    assert len(bundled) == 5000 and min(bundled.column("label").to_pylist()) == 0
+
+    parquet = tmp_path / "parquet" / "test"
+    parquet.mkdir(parents=True)
+    pq.write_table(to_table(np.arange(100, 130), images.reshape(30, -1), labels), parquet / "part-0.parquet")
+    table = read_folder(tmp_path / "parquet")
+    assert table.column("row_id").to_pylist() == list(range(100, 130)) and table.column("label").to_pylist() == labels.tolist()
+    pq.write_table(pa.table({"pixels": [b"x"]}), parquet / "part-1.parquet")
+    with pytest.raises(ValueError, match="part-1.parquet: needs an 'image' column"):
+        read_folder(tmp_path / "parquet")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="empty: no digits found"):
+        read_folder(tmp_path / "empty")
+    with pytest.raises(ValueError, match="missing: not a folder"):
+        read_folder(tmp_path / "missing")
