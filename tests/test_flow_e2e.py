@@ -5,6 +5,7 @@ Slow (minutes): marked ``slow``; ``make test`` runs it, ``make test-fast`` skips
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,6 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from prefect.client.orchestration import get_client
@@ -60,6 +62,10 @@ def test_smoke_run_completes_every_stage(smoke_run, storage):
     metrics = json.loads((storage / "runs" / "smoke-e2e" / "evaluation" / "metrics.json").read_text())
     assert summary["test_accuracy"] == metrics["accuracy"] >= 0.5  # one short epoch on real digits
     assert metrics["rows"] == 1000 and sum(map(sum, metrics["confusion"])) == 1000
+    # The first model of its name on this root becomes the champion
+    assert summary["promotion"]["promoted"] is True and summary["promotion"]["version"] == 1
+    pointer = json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())
+    assert pointer["run_name"] == "smoke-e2e" and pointer["test_accuracy"] == metrics["accuracy"]
 
 
 def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
@@ -127,6 +133,87 @@ def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smok
     assert rows[0]["class"] == "all" and rows[0]["gate"] == verdict and verdict in metrics.description
     paragraph = next(log.message for log in logs if "failed in stage 'evaluate'" in log.message)
     assert verdict in paragraph and KEYS["confusion"] in paragraph and KEYS["metrics"] in paragraph
+    # A failed gate is never promoted: the champion stays the first run's
+    assert printed["promotion"]["promoted"] is False and printed["promotion"]["reason"].startswith("gate failed")
+    assert json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())["run_name"] == "smoke-e2e"
+    assert "not promoted: gate failed" in out.stderr
+
+
+def _cli(storage: Path, run_name: str, *args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage), "--run-name", run_name,
+         "--summary-out", str(storage.parent / f"{run_name}.json"), *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out, json.loads((storage.parent / f"{run_name}.json").read_text())
+
+
+def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_with_the_champion(smoke_run, storage):
+    """After the first run (champion v1) and the failed gate: a worse run is not promoted; a better one
+    on changed data (the champion scored again on its test set) is, and its cleanup keeps the data its
+    model card names. The comparison table in the Prefect API lists all four runs; `flows.predict`
+    on the champion's test split gives exactly the evaluation's predictions. Single-process training
+    keeps the two extra runs short (about a minute each)."""
+    from pyarrow import parquet as pq
+
+    champion = json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())
+    with prefect_test_harness(server_startup_timeout=120):
+        api_url = get_current_settings().api.url
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")} | {"PREFECT_API_URL": api_url}
+        worse_out, worse = _cli(
+            storage, "worse", "--train.mode", "single", "--train.learning-rate", "1e-6", "--evaluate.min-accuracy", "0", env=env
+        )
+        better_out, better = _cli(
+            storage, "better", "--train.mode", "single", "--train.epochs", "2", "--parquet.validation-every", "10",
+            "--cleanup.delete-parquet", "--cleanup.delete-raw", env=env,
+        )
+        table = httpx.get(f"{api_url}/artifacts/mnist-resnet18-run-comparison/latest").raise_for_status().json()
+        picture = httpx.get(f"{api_url}/artifacts/mnist-resnet18-accuracy-over-runs/latest").raise_for_status().json()
+
+    assert worse["test_accuracy"] < champion["test_accuracy"]
+    assert worse["promotion"]["promoted"] is False and "does not beat champion v1" in worse["promotion"]["reason"]
+    assert "not promoted: test accuracy" in worse_out.stdout
+    assert better["test_accuracy"] > champion["test_accuracy"], "two epochs should beat one; the test cannot judge otherwise"
+    promotion = better["promotion"]
+    assert promotion["promoted"] is True and promotion["version"] == 2 and promotion["champion_rescored"] is True
+    assert "promoted: mnist-resnet18 v2 is the champion" in better_out.stdout
+    assert "python -m flows.predict" in better_out.stdout
+
+    models = storage / "models" / "mnist-resnet18"
+    pointer = json.loads((models / "champion").read_text())
+    card = json.loads((models / "v2" / "model_card.json").read_text())
+    assert pointer["version"] == 2 and pointer["run_name"] == card["run_name"] == "better"
+    manifest = Path(better["data"]["dataset_dir"]) / "_manifest.json"
+    assert card["data"]["dataset_dir"] == better["data"]["dataset_dir"] != json.loads((models / "v1" / "model_card.json").read_text())["data"]["dataset_dir"]
+    assert card["data"]["manifest_hash"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
+    assert card["config"]["train"]["epochs"] == 2 and card["config"]["parquet"]["validation_every"] == 10
+    assert card["flow_run_id"] == better["flow_run_id"]
+    # cleanup asked to delete the raw files and the Parquet dataset: both are named by a model card, so kept
+    cleanup = json.loads((storage / "runs" / "better" / "cleanup.json").read_text())
+    assert set(cleanup["kept"]) == {better["data"]["raw_dir"], better["data"]["dataset_dir"]} and manifest.is_file()
+
+    assert table["flow_run_id"] == better["flow_run_id"] == picture["flow_run_id"]
+    rows = json.loads(table["data"]) if isinstance(table["data"], str) else table["data"]
+    promoted = {row["run"]: row["promoted"] for row in rows}
+    assert [row["run"] for row in rows][:2] == ["better", "worse"] and rows[-1]["run"] == "smoke-e2e"  # newest first
+    assert promoted["better"] == "v2 (champion)" and promoted["worse"] == "no" and promoted["smoke-e2e"] == "v1"
+    assert promoted.get("gate", "no: gate failed") == "no: gate failed"  # the failed gate's run, when it ran first
+    assert rows[0]["test_accuracy"] == round(better["test_accuracy"], 4) and rows[0]["epochs"] == 2
+    assert "data:image/png;base64," in picture["data"]
+
+    predictions = storage.parent / "champion-predictions.parquet"
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.predict", "--storage-root", str(storage),
+         "--input", str(Path(better["data"]["dataset_dir"]) / "test"), "--output", str(predictions)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"Accuracy: {better['test_accuracy']:.2%} on 1,000 labelled digits" in out.stdout
+    ours = pq.read_table(predictions).sort_by("row_id")
+    evaluation = pq.read_table(Path(better["run_dir"]) / "evaluation" / "predictions.parquet").sort_by("row_id")
+    assert ours.column("pred").to_pylist() == evaluation.column("pred").to_pylist()
+    assert ours.schema.metadata[b"version"] == b"2"
 
 
 def _ray_env(temp: str) -> dict[str, str]:

@@ -181,7 +181,7 @@ def promote(
                 champion_accuracy, rescored = float(rescore(version_dir(layout.root, model, champion["version"]))), True
         promoted, reason = decide(candidate, champion, champion_accuracy, min_improvement)
         if rescored:
-            reason += " (champion scored again on this run's test set: the data changed)"
+            reason += "; the champion was scored again on this run's test set (the data changed)"
         before = champion["version"] if champion else None
         if not promoted:
             return Promotion(
