@@ -134,3 +134,19 @@ def test_epochs_follow_the_data_size(rows, epochs):
 def test_max_images_zero_keeps_every_epoch():
     assert TrainConfig(max_images=0, epochs=30).epochs_for(57_000) == 30
     assert json.loads(TrainConfig().model_dump_json())["max_images"] == 150_000
+
+
+def test_summary_lines_say_whether_the_model_was_promoted_and_how_to_predict_with_the_champion():
+    summary = {"run_name": "r2", "storage_root": "/data/my root", "run_dir": "/data/my root/runs/r2"}
+    promoted = {"model": "mnist-resnet18", "promoted": True, "version": 3, "reason": "test accuracy 99.10% beats champion v2's 98.90%"}
+    text = "\n".join(console.summary_lines(summary | {"promotion": promoted}, None, 61, None, True))
+    assert "  model          promoted: mnist-resnet18 v3 is the champion (test accuracy 99.10% beats champion v2's 98.90%)" in text
+    assert "  predict        python -m flows.predict --storage-root '/data/my root' --input <folder" in text
+    lost = {"model": "digits", "promoted": False, "version": 2, "reason": "test accuracy 98.00% does not beat champion v2's 98.90%"}
+    text = "\n".join(console.summary_lines(summary | {"promotion": lost}, None, 61, None, True))
+    assert "  model          not promoted: test accuracy 98.00% does not beat champion v2's 98.90%" in text
+    assert "--model digits" in text
+    first_failed = {"model": "mnist-resnet18", "promoted": False, "version": None, "reason": "gate failed (test accuracy 40.00%)"}
+    lines = console.summary_lines(summary | {"promotion": first_failed}, RuntimeError("gate"), 61, None, True)
+    assert "  model          not promoted: gate failed (test accuracy 40.00%)" in lines
+    assert not any("flows.predict" in line for line in lines)  # no champion to predict with

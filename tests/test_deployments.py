@@ -43,7 +43,7 @@ from flows.mnist import STAGE_CPUS, mnist_pipeline
 from flows.tune import TUNE_STAGE_CPUS, mnist_tune
 from pipeline_config import PipelineConfig, TuneConfig, TunePipelineConfig
 from pipeline_config.settings import load_preset
-from reporting.reports import KEYS, TUNE_KEYS
+from reporting.reports import KEYS, TUNE_KEYS, comparison_keys
 from tests.support.prefect_server import (
     PREFECT,
     RUN_TIMEOUT_S,
@@ -366,6 +366,12 @@ def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, w
     assert summary["config"]["train"]["seed"] == 3 and summary["status"] == "completed"
     assert summary["best_checkpoint"] in artifacts[KEYS["checkpoint"]]["data"]
     assert rows[0]["accuracy"] == round(summary["test_accuracy"], 4)
+    # The model's run comparison: this run's row (newest first) and the picture, under keys stable across runs
+    comparison = comparison_keys("mnist-resnet18")
+    runs = json.loads(artifacts[comparison["table"]]["data"])
+    assert runs[0]["run"] == "api-run" and runs[0]["test_accuracy"] == round(summary["test_accuracy"], 4)
+    assert runs[0]["promoted"].startswith("v") == summary["promotion"]["promoted"]
+    assert embedded_png(artifacts[comparison["picture"]]["data"]).width > 100
 
 
 @pytest.mark.slow

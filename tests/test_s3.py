@@ -332,4 +332,10 @@ def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
     assert first["test_accuracy"] == metrics["accuracy"] >= 0.5 and metrics["rows"] == 1000
     model = load_model(best)  # downloaded from the bucket, checksums verified
     assert sum(p.numel() for p in model.parameters()) > 11_000_000
+    # Promoted in the bucket: a whole version (card uploaded last), then the champion pointer
+    assert {"models/mnist-resnet18/v1/model.pt", "models/mnist-resnet18/v1/model_card.json",
+            "models/mnist-resnet18/champion", "models/mnist-resnet18/runs/s3-first.json"} <= set(keys)
+    champion = read_json(join(s3_root, "models", "mnist-resnet18", "champion"))
+    assert champion["run_name"] == "s3-first" and champion["path"] == f"{s3_root}/models/mnist-resnet18/v1"
+    assert load_model(champion["path"]).state_dict()["fc.weight"].equal(model.state_dict()["fc.weight"])
     assert list(tmp_path.iterdir()) == []

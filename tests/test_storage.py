@@ -180,3 +180,13 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
     assert not [f for f in files if f.startswith("leases/")]  # both leases released
     if where == "s3":  # the S3 build lock is an object, deleted on release (a local fcntl lock file stays)
         assert not [f for f in files if f.startswith("locks/")]
+    # Both passed their gate and finished together: they took turns on the model's lock, so the
+    # champion is the better of the two (the first on a tie) and every version it names is whole.
+    champion = read_json(join(storage, "models", "mnist-resnet18", "champion"))
+    promoted = sorted(s["promotion"]["version"] for s in summaries.values() if s["promotion"]["promoted"])
+    assert promoted in ([1], [1, 2]) and champion["version"] == promoted[-1]
+    assert champion["test_accuracy"] == max(s["test_accuracy"] for s in summaries.values())
+    assert champion["run_name"] in runs
+    for version in promoted:
+        card = read_json(join(storage, "models", "mnist-resnet18", f"v{version}", "model_card.json"))
+        assert f"models/mnist-resnet18/v{version}/model.pt" in files and card["version"] == version

@@ -19,7 +19,7 @@ import pytest
 
 from deployments.serve import tune_preset_parameters
 from pipeline_config import SearchSpace, TuneConfig, TunePipelineConfig
-from reporting.reports import KEYS
+from reporting.reports import KEYS, comparison_keys
 from tests.support.prefect_server import TUNE_FLOW, PrefectServer, far_cron, serve_deployments, stop_group, wait_for
 
 pytestmark = pytest.mark.slow
@@ -222,6 +222,25 @@ def test_report_pictures_render_in_the_browser(page, server, form_run, shots):
         width, height, src = image.evaluate("e => [e.naturalWidth, e.naturalHeight, e.getAttribute('src').slice(0, 22)]")
         page.screenshot(path=shots / f"artifact-{KEYS[name]}.png", full_page=True)
         assert src == "data:image/png;base64," and width > 100 and height > 100, (name, width, height, src)
+
+
+def test_run_comparison_table_and_picture_show_in_the_browser(page, server, form_run, shots):
+    """The model's run-comparison artifacts (stable keys) as the UI shows them: this run's row, the picture."""
+    artifacts = {a["key"]: a for a in server.artifacts(form_run["id"])}
+    keys = comparison_keys("mnist-resnet18")
+    page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[keys['table']]['id']}", wait_until="networkidle")
+    table = page.get_by_role("table")
+    table.get_by_role("cell", name="ui-run", exact=True).wait_for()
+    headers = [h.strip() for h in table.locator("th").all_inner_texts()]
+    assert headers == ["date", "run", "data", "test_accuracy", "val_loss", "epochs", "train_images_per_s", "wall_s", "promoted"]
+    page.screenshot(path=shots / "artifact-run-comparison.png", full_page=True)
+    page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[keys['picture']]['id']}", wait_until="networkidle")
+    image = page.get_by_role("img", name="mnist-resnet18: test accuracy over runs")
+    image.wait_for()
+    page.wait_for_function("e => e.complete", arg=image.element_handle())
+    width, height = image.evaluate("e => [e.naturalWidth, e.naturalHeight]")
+    page.screenshot(path=shots / "artifact-accuracy-over-runs.png", full_page=True)
+    assert width > 100 and height > 100
 
 
 def test_progress_and_metrics_show_in_the_browser(page, server, form_run, shots):
