@@ -248,16 +248,16 @@ def comparison_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         promoted = "no: gate failed" if not run.get("passed_gate") else "no"
         if run.get("version") and run.get("promoted"):
             promoted = f"v{run['version']}" + (" (champion)" if run.get("champion") else "")
-        table.append({
+        table.append({  # what decides first (the UI cuts a wide table at the right)
             "date": str(run.get("finished_at", ""))[:19].replace("T", " "),
             "run": run.get("run"),
-            "data": str(run.get("data_hash") or "")[:12],
             "test_accuracy": rounded(run.get("test_accuracy"), 4),
+            "promoted": promoted,
             "val_loss": rounded(run.get("val_loss"), 4),
             "epochs": run.get("epochs"),
             "train_images_per_s": rounded(run.get("train_images_per_s"), 1),
             "wall_s": rounded(run.get("wall_s"), 1),
-            "promoted": promoted,
+            "data": str(run.get("data_hash") or "")[:12],
         })
     return table
 

@@ -226,6 +226,7 @@ def test_run_comparison_rows_and_picture(tmp_path):
     table = comparison_rows(registry.recent_runs(layout.root, MODEL))
     assert [r["run"] for r in table] == ["r3", "r2", "r1"]  # newest first
     assert [r["promoted"] for r in table] == ["no", "v1 (champion)", "no: gate failed"]
+    assert list(table[1]) == ["date", "run", "test_accuracy", "promoted", "val_loss", "epochs", "train_images_per_s", "wall_s", "data"]
     assert table[1] == {
         "date": "2026-11-25 01:00:00", "run": "r2", "data": "f" * 12, "test_accuracy": 0.95, "val_loss": 0.6123, "epochs": 3,
         "train_images_per_s": 401.3, "wall_s": 88.0, "promoted": "v1 (champion)",

@@ -232,7 +232,7 @@ def test_run_comparison_table_and_picture_show_in_the_browser(page, server, form
     table = page.get_by_role("table")
     table.get_by_role("cell", name="ui-run", exact=True).wait_for()
     headers = [h.strip() for h in table.locator("th").all_inner_texts()]
-    assert headers == ["date", "run", "data", "test_accuracy", "val_loss", "epochs", "train_images_per_s", "wall_s", "promoted"]
+    assert headers == ["date", "run", "test_accuracy", "promoted", "val_loss", "epochs", "train_images_per_s", "wall_s", "data"]
     page.screenshot(path=shots / "artifact-run-comparison.png", full_page=True)
     page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[keys['picture']]['id']}", wait_until="networkidle")
     image = page.get_by_role("img", name="mnist-resnet18: test accuracy over runs")
