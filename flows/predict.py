@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
         update={"num_actors": settings.num_actors, "batch_rows": settings.batch_rows}
     )
-    stamp = f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S}"
     output = settings.output or join(layout.root, "predictions", f"{settings.model}-v{version}-{stamp}.parquet")
     print(f"Scoring {len(table):,} digits from {settings.input} with {settings.model} v{version} (run {card.get('run_name')})", flush=True)
 

@@ -13,7 +13,7 @@ set; every run, gate failed or not, adds its row to the model's run-comparison t
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
@@ -181,7 +181,7 @@ def run_row(
     return {
         "run": layout.run_name,
         "flow_run_id": candidate.flow_run_id,
-        "finished_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "data_hash": candidate.data_hash,
         "test_accuracy": result.accuracy,
         "passed_gate": result.passed_gate,

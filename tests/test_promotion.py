@@ -25,11 +25,11 @@ from dataset.parquet import to_table
 from pipeline_config import CleanupConfig, PipelineConfig, PromoteConfig
 from reporting.reports import accuracy_over_runs_png, comparison_rows
 from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, exists, join, read_json
-from training import registry
-from training.model import MODEL_FILE, build_resnet18, load_model
 from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
 from tests.support.runs import torchvision_resnet18_seed_style
+from training import registry
+from training.model import MODEL_FILE, build_resnet18, load_model
 
 MODEL = "mnist-resnet18"
 

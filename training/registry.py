@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel
@@ -28,7 +28,6 @@ from pydantic import BaseModel
 from storage_io import (
     MANIFEST,
     StorageLayout,
-    atomic_write_bytes,
     atomic_write_json,
     building,
     file_lock,
@@ -132,7 +131,7 @@ def resolve(root: str, model: str, version: int | None = None) -> tuple[int, str
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def decide(candidate: Candidate, champion: dict | None, champion_accuracy: float | None, min_improvement: float) -> tuple[bool, str]:
