@@ -285,7 +285,7 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None) 
         line = f"  model          not promoted: {promotion.get('reason')}"
     options = ["--storage-root", storage_root] if storage_root else []
     options += ["--model", model] if model != "mnist-resnet18" else []
-    command = shlex.join(["python", "-m", "flows.predict", *options])
+    command = shlex.join([interpreter(), "-m", "flows.predict", *options])
     if promotion.get("version") is None:  # no champion yet to predict with
         return [line]
     return [line, f"  predict        {command} --input <folder of IDX or Parquet digits>"]
@@ -347,10 +347,13 @@ def resume_command(run_name: str, storage_root: str | None, argv: Sequence[str] 
         return f"python -m {module} {shlex.join(options)}"
     if module == "flows.mnist" and _started_by_make():
         return f"make run ARGS={shlex.quote(shlex.join(options))}"
+    return f"{shlex.quote(interpreter())} -m {module} {shlex.join(options)}"
+
+
+def interpreter() -> str:
+    """The Python running now, relative to the working directory when inside it (``.venv/bin/python``)."""
     python = Path(sys.executable)
-    if python.is_relative_to(Path.cwd()):
-        python = python.relative_to(Path.cwd())
-    return f"{shlex.quote(str(python))} -m {module} {shlex.join(options)}"
+    return str(python.relative_to(Path.cwd()) if python.is_relative_to(Path.cwd()) else python)
 
 
 def _without(args: list[str], names: tuple[str, ...]) -> list[str]:

@@ -141,7 +141,7 @@ def test_summary_lines_say_whether_the_model_was_promoted_and_how_to_predict_wit
     promoted = {"model": "mnist-resnet18", "promoted": True, "version": 3, "reason": "test accuracy 99.10% beats champion v2's 98.90%"}
     text = "\n".join(console.summary_lines(summary | {"promotion": promoted}, None, 61, None, True))
     assert "  model          promoted: mnist-resnet18 v3 is the champion (test accuracy 99.10% beats champion v2's 98.90%)" in text
-    assert "  predict        python -m flows.predict --storage-root '/data/my root' --input <folder" in text
+    assert "-m flows.predict --storage-root '/data/my root' --input <folder" in text
     lost = {"model": "digits", "promoted": False, "version": 2, "reason": "test accuracy 98.00% does not beat champion v2's 98.90%"}
     text = "\n".join(console.summary_lines(summary | {"promotion": lost}, None, 61, None, True))
     assert "  model          not promoted: test accuracy 98.00% does not beat champion v2's 98.90%" in text
