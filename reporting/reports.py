@@ -291,6 +291,8 @@ def accuracy_over_runs_png(runs: Sequence[dict[str, Any]]) -> bytes:
         if run.get("champion"):
             ax.scatter([x], [run["test_accuracy"]], s=420, facecolors="none", edgecolors="black", label="champion", zorder=3)
             ax.annotate(f"v{run.get('version')}", (x, run["test_accuracy"]), textcoords="offset points", xytext=(0, 12), ha="center")
+    low, high = ax.get_ylim()
+    ax.set_ylim(low, min(high, 1.005))  # no accuracy above 100%
     ax.set_xlabel("run (oldest first)")
     ax.set_ylabel("test accuracy")
     ax.set_xticks([x for x, _ in points])
