@@ -26,8 +26,8 @@ MNIST_FILES = (
     "t10k-labels-idx1-ubyte.gz",
 )
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-# S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
 _MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect artifact keys
+# S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
