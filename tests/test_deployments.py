@@ -473,7 +473,7 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
 
 @pytest.mark.slow
 def test_prefect_yaml_deploys_the_three_deployments_to_a_process_work_pool(tmp_path):
-    """`prefect deploy` with deployments/prefect.yaml, as the README says, against its own fresh server."""
+    """`prefect deploy` with deployments/prefect.yaml, as docs/operations.md says, against its own fresh server."""
     srv = PrefectServer(tmp_path / "prefect-home").start()
     try:
         env = clean_env(PREFECT_HOME=str(srv.home), PREFECT_API_URL=srv.api)
