@@ -30,6 +30,7 @@ from storage_io import (
     StorageLayout,
     atomic_write_json,
     building,
+    exists,
     file_lock,
     is_remote,
     join,
@@ -98,11 +99,8 @@ def data_hash(dataset_dir: str) -> str:
 
 def versions(root: str, model: str) -> list[int]:
     """Published version numbers of ``model`` (folders v<N> holding a model card), ascending."""
-    found = []
-    for name in list_dirs(model_dir(root, model)):
-        if name.startswith("v") and name[1:].isdigit() and CARD_FILE in list_files(join(model_dir(root, model), name)):
-            found.append(int(name[1:]))
-    return sorted(found)
+    names = [name for name in list_dirs(model_dir(root, model)) if name.startswith("v") and name[1:].isdigit()]
+    return sorted(int(name[1:]) for name in names if exists(join(model_dir(root, model), name, CARD_FILE)))
 
 
 def read_card(root: str, model: str, version: int) -> dict | None:
