@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 
 IMAGE_BYTES = 28 * 28
+# What every dataset converted from IDX files holds: one-channel 28x28 images of the digits 0-9.
+IMAGE_SHAPE = (1, 28, 28)
+NUM_CLASSES = 10
 
 
 SOURCE_FILES = {

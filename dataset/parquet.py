@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
-from dataset.idx import IMAGE_BYTES, SOURCE_FILES, iter_idx_rows
+from dataset.idx import IMAGE_BYTES, IMAGE_SHAPE, NUM_CLASSES, SOURCE_FILES, iter_idx_rows
 from pipeline_config import ParquetConfig
 from storage_io import MANIFEST, join, list_files, read_json, sha256_file
 
@@ -59,6 +59,16 @@ class ParquetDataset(BaseModel):
 
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of every image: what the model is built for."""
+        return IMAGE_SHAPE
+
+    @property
+    def num_classes(self) -> int:
+        """Labels run 0..num_classes-1."""
+        return NUM_CLASSES
 
 
 def to_table(row_ids: np.ndarray, images: np.ndarray, labels: np.ndarray) -> pa.Table:

@@ -45,6 +45,7 @@ from tasks.evaluate import evaluate
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
+from training import models
 from training.loop import HISTORY_FILE
 from training.trainer import latest_checkpoint, plan_resources
 from training.tuning import TRIALS_DIR
@@ -241,7 +242,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
     reports.publish_dataset_report(dataset)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
-    trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout)
+    trained = stage(train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout, model=config.model)
     reports.publish_training_report(trained)
     # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
     # Evaluation ends with champion promotion (config.promote): the model replaces the champion only when better.
@@ -259,6 +260,7 @@ def run_flow(config: PipelineConfig, prefix: str, check_fits: Any, plan: dict[st
     before anything is written, the run's lease, and summary.json however it ends: on a stop
     request (Ctrl-C, SIGTERM) the summary says interrupted and the flow run ends Cancelled.
     """
+    models.check_name(config.model.name)  # ValueError naming model.name: an unknown model, a module that does not import
     layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name(prefix))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     try:
@@ -321,6 +323,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     try:
         settings = parse_cli(argv, settings_class)
         config = settings.pipeline_config()
+        models.check_name(config.model.name)
     except (ValidationError, ValueError) as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         # Driven from a Ray task, as the evaluation stage is: Ray Data's progress lines go to the
         # worker's log, not this terminal (ray.log_to_driver is off).
         scoring = ray.remote(num_cpus=0)(predict_table)
-        out = ray.get(scoring.remote(table, folder, evaluate, transform))
+        out = ray.get(scoring.remote(table, folder, evaluate, transform, registry.card_model(card)))
     finally:
         ray.shutdown()
     result = pa.table({"row_id": out["row_id"], "label": out["label"], "pred": out["pred"]})

@@ -66,11 +66,13 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
     lease_uses(layout, raw.directory, dataset.directory)
     reports.publish_dataset_report(dataset)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
-    tuned = stage(tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout)
+    tuned = stage(
+        tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout, model=config.model,
+    )
     if config.tune.train_best:
         best_train = trial_train_config(config.train, tuned.best.config)
         best_spec = trial_spec(spec, tuned.best.config)
-        trained = stage(train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout)
+        trained = stage(train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout, model=config.model)
         reports.publish_training_report(trained)
         recipe = config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")}  # what the model card names
         evaluation = stage(

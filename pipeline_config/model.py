@@ -26,6 +26,9 @@ MNIST_FILES = (
     "t10k-labels-idx1-ubyte.gz",
 )
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+# model.name: a torchvision model's name or package.module:function (whether it exists is checked
+# before any work by training.models.check_name, which imports what it names).
+_MODEL_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
 _MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect artifact keys
 # S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
@@ -167,6 +170,30 @@ class TransformConfig(_Section):
             "(see train.data_cpus), or the data pipeline starves while training waits for it."
         ),
     )
+
+
+class ModelConfig(_Section):
+    """Which network is trained, evaluated and promoted (training.models builds it)."""
+
+    name: str = Field(
+        "resnet18",
+        description=(
+            "resnet18 (the seeds' model), any torchvision classification model by name (e.g. mobilenet_v3_small; "
+            "built without weights, first layer and head fitted to the data), or your own function as "
+            "package.module:function, called with in_channels= and num_classes= and returning a torch.nn.Module "
+            "(importable on every Ray worker). training.models:small_cnn is a small CNN for quick runs."
+        ),
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        value = value.strip()
+        if not _MODEL_REF.match(value):
+            raise ValueError(
+                f"{value!r}: use resnet18, a torchvision model's name (e.g. mobilenet_v3_small) or package.module:function"
+            )
+        return value
 
 
 class TrainConfig(_Section):
@@ -411,6 +438,7 @@ class PipelineConfig(_Section):
     download: DownloadConfig = Field(default_factory=DownloadConfig, description="Download stage.")
     parquet: ParquetConfig = Field(default_factory=ParquetConfig, description="Parquet conversion stage.")
     transform: TransformConfig = Field(default_factory=TransformConfig, description="Ray Data transform stage.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The network (model.name).")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
     promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Champion promotion (end of the evaluation stage).")

@@ -69,10 +69,10 @@ def evaluate(
     configuration, for the model card; ``raw_dir``: the raw data the dataset was built from.
     """
     logger = stage_logger(__name__)
-    out = predict(spec, trained.best_checkpoint, cfg)
+    out = predict(spec, trained.best_checkpoint, cfg, trained.model)
     if len(out["row_id"]) != spec.dataset.rows["test"]:
         raise RuntimeError(f"evaluation saw {len(out['row_id'])} test rows, expected {spec.dataset.rows['test']}")
-    confusion = confusion_matrix(out["label"], out["pred"])
+    confusion = confusion_matrix(out["label"], out["pred"], spec.dataset.num_classes)
     scores = metrics_from_confusion(confusion)
     plain_accuracy = float((out["label"] == out["pred_plain"]).mean()) if len(out["label"]) else 0.0
     folder = layout.evaluation_dir
@@ -151,6 +151,7 @@ def promote_model(
             "best_val_accuracy": trained.best_val_accuracy,
         },
         config=run_config,
+        model=trained.model.model_dump(),
         code_version=environment.git_commit(),
     )
     pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion)}
@@ -158,7 +159,7 @@ def promote_model(
         pictures["training_curves.png"] = reports.training_curves_png(trained.history)
 
     def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
-        out = predict(spec, folder, cfg)
+        out = predict(spec, folder, cfg, registry.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 
     promotion = registry.promote(layout, promote.model_name, candidate, promote.min_improvement, pictures, rescore)

@@ -34,10 +34,11 @@ import ray
 from prefect import task
 
 from dataset.transform import TransformSpec
-from pipeline_config import TrainConfig
+from pipeline_config import ModelConfig, TrainConfig
 from reporting.logs import stage_logger
 from reporting.reports import training_progress_callbacks
 from storage_io import StorageLayout
+from training.models import ModelSpec
 from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, plan_resources, torch_trainer
 
 
@@ -51,20 +52,22 @@ def retry_infrastructure_failures(task, task_run, state) -> bool:
 
 
 @task(name="train")
-def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout) -> TrainedModel:
-    """Train ResNet-18 with Ray Train on the transformed data; checkpoints go to the run folder."""
+def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, model: ModelConfig | None = None) -> TrainedModel:
+    """Train ``model.name`` (default ResNet-18) with Ray Train on the transformed data; checkpoints go to the run folder."""
     logger = stage_logger(__name__)
+    network = ModelSpec.for_data((model or ModelConfig()).name, spec.dataset)
     resources = ray.cluster_resources()
     if cfg.mode == "single":
         threads = max(1, int(resources.get("CPU", 1)))
         logger.info("Training in one process without Ray Train (train.mode=single), %d torch threads", threads)
-        trained = fit_in_process(spec, cfg, layout.run_dir, threads)
+        trained = fit_in_process(spec, cfg, network, layout.run_dir, threads)
     else:
         use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
         logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
         # Live progress in the Prefect UI: the callback runs in the Train controller process.
         callbacks = training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name)
-        trained = fit(torch_trainer(spec, cfg, layout.run_dir, use_gpu, cpus, threads, callbacks), cfg, layout.run_dir, cpus)
+        trainer = torch_trainer(spec, cfg, network, layout.run_dir, use_gpu, cpus, threads, callbacks)
+        trained = fit(trainer, cfg, layout.run_dir, cpus)
     if len(trained.attempts) > 1:
         logger.info("Training took %d attempts, starting at epochs %s", len(trained.attempts), [a["start_epoch"] for a in trained.attempts])
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)

@@ -19,10 +19,11 @@ import ray
 from prefect import task
 
 from dataset.transform import TransformSpec
-from pipeline_config import TrainConfig, TransformConfig, TuneConfig
+from pipeline_config import ModelConfig, TrainConfig, TransformConfig, TuneConfig
 from reporting.logs import stage_logger
 from reporting.reports import publish_tuning_report
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
+from training.models import ModelSpec
 from training.trainer import is_infrastructure_failure
 from training.tuning import (
     BEST_CONFIG_FILE,
@@ -44,12 +45,20 @@ class TrialsFailed(RuntimeError):
 
 
 @task(name="tune")
-def tune_search(spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfig, layout: StorageLayout) -> TuningResult:
-    """Run (or restore) the search in the run folder; write the best config; publish the trial table and curves."""
+def tune_search(
+    spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfig, layout: StorageLayout, model: ModelConfig | None = None,
+) -> TuningResult:
+    """Run (or restore) the search in the run folder; write the best config; publish the trial table and curves.
+
+    Every trial trains ``model.name`` (default ResNet-18), built for the dataset's channels and classes.
+    """
     logger = stage_logger(__name__)
     resources = ray.cluster_resources()
     plan = plan_trials(train_cfg, tune_cfg, resources.get("CPU", 0), resources.get("GPU", 0))
-    context = TrialContext(spec=spec, train=train_cfg, epochs=tune_cfg.epochs, trials_dir=trials_dir(layout.run_dir), plan=plan)
+    network = ModelSpec.for_data((model or ModelConfig()).name, spec.dataset)
+    context = TrialContext(
+        spec=spec, train=train_cfg, model=network, epochs=tune_cfg.epochs, trials_dir=trials_dir(layout.run_dir), plan=plan,
+    )
     search, restored = tuner(context, tune_cfg, layout.run_dir)
     logger.info(
         "%s %d trial(s) of up to %d epoch(s), %d at a time, each %d worker(s) x %.3g CPUs; %s decides by %s (%s)",
@@ -66,7 +75,7 @@ def tune_search(spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfi
     if best is None or len(errors) == len(trials):
         first = errors[0] if errors else None
         raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
-    values = best_config_values(train_cfg, TransformConfig.model_validate(spec.config.model_dump()), best.config)
+    values = best_config_values(train_cfg, TransformConfig.model_validate(spec.config.model_dump()), best.config, network.name)
     path = join(layout.run_dir, BEST_CONFIG_FILE)
     with storage_writes("tune", path):
         atomic_write_bytes(path, best_config_yaml(values, best, tune_cfg.metric, layout.run_name).encode())

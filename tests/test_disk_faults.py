@@ -39,7 +39,9 @@ from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.parquet import read_split
 from training.loop import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
-from training.model import CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, checkpoint_problem, load_state, save_checkpoint_files
+from training.model import (
+    CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, SEEDS_MODEL, checkpoint_problem, load_state, save_checkpoint_files,
+)
 from training.trainer import (
     RAY_TRAIN_SNAPSHOT,
     CheckpointInfo,
@@ -227,7 +229,7 @@ def test_cleanup_removes_incomplete_checkpoints_and_lists_them(tmp_path):
     outside = write_checkpoint(tmp_path / "elsewhere" / "checkpoint_epoch-0002", width=8)
     (outside / MODEL_FILE).write_bytes(b"")
     trained = TrainedModel(
-        run_dir=layout.run_dir, best_checkpoint=str(best), best_val_accuracy=0.9,
+        run_dir=layout.run_dir, model=SEEDS_MODEL, best_checkpoint=str(best), best_val_accuracy=0.9,
         checkpoints=[CheckpointInfo(path=str(best), epoch=1, val_accuracy=0.9)], history=[], num_workers=2, cpus_per_worker=0.5,
     )
     evaluation = Evaluation(

@@ -92,7 +92,10 @@ def test_promoted_only_when_better_than_the_champion(tmp_path):
     seed_style.load_state_dict(torch.load(folder / MODEL_FILE, weights_only=True))
     torch.manual_seed(5)
     expected = build_resnet18().state_dict()
-    assert all(torch.equal(value, expected[name]) for name, value in load_model(str(folder)).state_dict().items())
+    card = registry.read_card(layout.root, MODEL, 2)
+    assert card["architecture"] == {"name": "resnet18", "in_channels": 1, "num_classes": 10}  # what load_model builds
+    loaded = load_model(str(folder), registry.version_model(str(folder)))
+    assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())
 
 
 def test_a_gate_failure_is_never_promoted_and_writes_nothing(tmp_path):

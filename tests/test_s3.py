@@ -47,6 +47,8 @@ from tasks.download import download
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import to_parquet
 from tests.support.digits import write_raw
+from training import registry
+from training.model import SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,7 +199,7 @@ def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp
     save_checkpoint_files(tmp_path / "other", other, torch.optim.AdamW(other.parameters()), {"epoch": 0})
     foreign = join(s3_root, "runs", "r", "checkpoint_000001")
     upload_dir(tmp_path / "other", foreign)
-    with pytest.raises(ValueError, match=f"{foreign}/{MODEL_FILE} does not hold a one-channel ResNet-18"):
+    with pytest.raises(ValueError, match=f"{foreign}/{MODEL_FILE} does not hold a model.name=resnet18 with 1 input channel"):
         load_model(foreign)
 
 
@@ -210,7 +212,7 @@ def _run_tree(s3_root: str):
         ckpts.append(CheckpointInfo(path=path, epoch=epoch, val_accuracy=acc))
     atomic_write_bytes(join(layout.raw_dir("sample"), "f.gz"), b"y" * 5)
     atomic_write_bytes(join(layout.dataset_dir("abc"), "part.parquet"), b"z" * 7)
-    trained = TrainedModel(run_dir=layout.run_dir, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
+    trained = TrainedModel(run_dir=layout.run_dir, model=SEEDS_MODEL, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
                            checkpoints=ckpts, history=[], num_workers=1, cpus_per_worker=1.0)
     evaluation = Evaluation(checkpoint=ckpts[1].path, accuracy=0.9, precision=[], recall=[], confusion=[], rows=1,
                             metrics_path="m", predictions_path="p", passed_gate=True)
@@ -337,5 +339,6 @@ def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
             "models/mnist-resnet18/champion", "models/mnist-resnet18/runs/s3-first.json"} <= set(keys)
     champion = read_json(join(s3_root, "models", "mnist-resnet18", "champion"))
     assert champion["run_name"] == "s3-first" and champion["path"] == f"{s3_root}/models/mnist-resnet18/v1"
-    assert load_model(champion["path"]).state_dict()["fc.weight"].equal(model.state_dict()["fc.weight"])
+    champion_model = load_model(champion["path"], registry.version_model(champion["path"]))  # the card says what to build
+    assert champion_model.state_dict()["fc.weight"].equal(model.state_dict()["fc.weight"])
     assert list(tmp_path.iterdir()) == []

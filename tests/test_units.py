@@ -109,7 +109,7 @@ def test_checkpoint_of_another_architecture_is_refused(tmp_path):
 
     other = resnet18(num_classes=10)  # 3-channel stem
     save_checkpoint_files(tmp_path, other, torch.optim.AdamW(other.parameters()), {"epoch": 0})
-    with pytest.raises(ValueError, match="does not hold a one-channel ResNet-18"):
+    with pytest.raises(ValueError, match="does not hold a model.name=resnet18 with 1 input channel"):
         load_model(tmp_path)
 
 

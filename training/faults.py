@@ -7,6 +7,11 @@ each ``<action>:key=value:...``::
 
     MNIST_FAULT_INJECT="kill:rank=1:epoch=0:step=12"   # SIGKILL rank 1 at step 12 of epoch 0
     MNIST_FAULT_INJECT="stall:rank=1:step=3"           # rank 1 stops responding at step 3 (any epoch)
+    MNIST_FAULT_INJECT="pause:epoch=1:step=2"          # rank 0 waits at step 2 of epoch 1 until released
+
+A pause holds training still so a test can act while it is surely running (kill the driver,
+Ctrl-C, SIGTERM, cancel from the UI) however fast the model trains: the rank writes its marker,
+then waits until ``<run>/faults/<fault>.release`` exists (`release_pauses`) or `PAUSE_MAX_S` pass.
 
 ``rank`` defaults to 0; ``epoch`` and ``step`` left out match any. Each fault fires once per run:
 before acting, the rank writes a marker ``<run>/faults/<fault>.fired`` on shared storage, so the
@@ -29,7 +34,8 @@ FAULT_ENV = "MNIST_FAULT_INJECT"
 # under <run>/row_log/ so a test can prove each epoch saw every row exactly once.
 ROW_LOG_ENV = "MNIST_RECORD_ROWS"
 TEST_HOOK_ENVS = (FAULT_ENV, ROW_LOG_ENV)
-ACTIONS = ("kill", "stall")
+ACTIONS = ("kill", "stall", "pause")
+PAUSE_MAX_S = 600.0  # a pause nobody releases ends by itself: a forgotten test hook cannot hang a run forever
 
 
 @dataclass(frozen=True)
@@ -93,5 +99,23 @@ class FaultInjector:
             print(f"[fault injection] {fault.action} rank {self.rank} at epoch {epoch} step {step}", flush=True)
             if fault.action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.action == "pause":
+                release, deadline = join(self.marker_dir, f"{fault.key}.release"), time.monotonic() + PAUSE_MAX_S
+                while not exists(release) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                continue
             while True:  # stall: stop responding, as a deadlocked worker would
                 time.sleep(3600)
+
+
+def paused(marker_dir: str) -> list[str]:
+    """The markers of the pauses that have fired in the run whose faults folder is ``marker_dir`` (local folders)."""
+    from pathlib import Path
+
+    return sorted(str(path) for path in Path(marker_dir).glob("pause-*.fired"))
+
+
+def release_pauses(marker_dir: str) -> None:
+    """Let every fired pause of the run go on (a later attempt never pauses again: the marker stays)."""
+    for marker in paused(marker_dir):
+        atomic_write_bytes(marker.removesuffix(".fired") + ".release", b"released\n")

@@ -17,8 +17,7 @@ import torch.nn.functional as F
 from dataset.transform import TransformSpec, blocks, build_datasets, prepare_batch
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
-
-NUM_CLASSES = 10
+from training.models import ModelSpec
 
 
 # Test-time augmentation: the image itself and its four one-pixel shifts (dy, dx).
@@ -42,9 +41,12 @@ class Predictor:
     ``pred_plain`` is always the plain argmax, so both accuracies are reported.
     """
 
-    def __init__(self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0):
+    def __init__(
+        self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0, model: dict | None = None,
+    ):
         torch.set_num_threads(torch_threads)
-        self.model = load_model(checkpoint_dir)  # a folder or an s3:// URI
+        # A folder or an s3:// URI; ``model`` (a ModelSpec's fields) says what to build, else the checkpoint's record.
+        self.model = load_model(checkpoint_dir, ModelSpec.model_validate(model) if model else None)
         self.tta, self.background = tta, background
 
     @torch.inference_mode()
@@ -63,7 +65,7 @@ class Predictor:
         }
 
 
-def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int = NUM_CLASSES) -> np.ndarray:
+def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
     """counts[true, predicted]."""
     return np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
 
@@ -89,13 +91,17 @@ def actor_resources(cluster_cpus: float, num_actors: int, data_cpus: float = 1.0
     return logical, max(1, int(cluster_cpus // num_actors))
 
 
-def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig) -> dict[str, np.ndarray]:
-    """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays."""
+def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: ModelSpec | None = None) -> dict[str, np.ndarray]:
+    """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays.
+
+    ``model``: what the checkpoint holds (unset: what its extra_state.pt records)."""
     test = build_datasets(spec, splits=("test",))["test"]
-    return score(test, checkpoint, cfg, spec.config)
+    return score(test, checkpoint, cfg, spec.config, model)
 
 
-def predict_table(table: pa.Table, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig) -> dict[str, np.ndarray]:
+def predict_table(
+    table: pa.Table, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig, model: ModelSpec | None = None,
+) -> dict[str, np.ndarray]:
     """Score Parquet-schema rows (row_id, image, label; label -1 when unknown) the way evaluation scores the test split."""
     rows = blocks(table, transform.block_rows).map_batches(
         prepare_batch,
@@ -104,10 +110,12 @@ def predict_table(table: pa.Table, checkpoint: str, cfg: EvaluateConfig, transfo
         fn_kwargs={"mean": transform.mean, "std": transform.std},
         num_cpus=transform.cpus_per_task,
     )
-    return score(rows, checkpoint, cfg, transform)
+    return score(rows, checkpoint, cfg, transform, model)
 
 
-def score(images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig) -> dict[str, np.ndarray]:
+def score(
+    images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig, model: ModelSpec | None = None,
+) -> dict[str, np.ndarray]:
     """The actor pool over normalized batches (image, label, row_id): row_id, label, pred and pred_plain, by row_id."""
     actor_cpus, threads = actor_resources(float(ray.cluster_resources().get("CPU", 1)), cfg.num_actors)
     predictions = images.map_batches(
@@ -117,6 +125,7 @@ def score(images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, transf
             "torch_threads": threads,
             "tta": cfg.tta,
             "background": (0.0 - transform.mean) / transform.std,  # a black pixel, normalized
+            "model": model.model_dump() if model is not None else None,
         },
         batch_size=cfg.batch_rows,
         batch_format="numpy",

@@ -38,11 +38,11 @@ from torch.optim.swa_utils import AveragedModel
 from dataset.transform import TransformSpec, build_split, fits_in_memory
 from storage_io import append_line, atomic_write_bytes, exists, join, read_lines, remove, storage_write_error, storage_writes
 from training.faults import FaultInjector
+from training.models import ModelSpec
 from training.model import (
     EXTRA_STATE_FILE,
     MODEL_FILE,
     OPTIMIZER_FILE,
-    build_resnet18,
     load_state,
     save_checkpoint_files,
     unwrap,
@@ -135,9 +135,14 @@ def load_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: tor
     return Position(int(extra["epoch"]) + 1)
 
 
-def checkpoint_extra(metrics: dict, model, epoch: int, ema: AveragedModel | None, position: dict | None = None) -> dict[str, Any]:
-    """``extra_state.pt``: the seeds' ``epoch`` (last completed), metrics, and what an exact resume needs."""
+def checkpoint_extra(
+    metrics: dict, model, epoch: int, ema: AveragedModel | None, position: dict | None = None, model_spec: dict | None = None,
+) -> dict[str, Any]:
+    """``extra_state.pt``: the seeds' ``epoch`` (last completed), metrics, what an exact resume needs, and
+    ``model``: the `training.models.ModelSpec` the weights belong to (``model_spec``)."""
     extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
+    if model_spec is not None:
+        extra["model"] = dict(model_spec)
     if position is not None:
         extra["position"] = position
     if ema is not None:
@@ -261,6 +266,7 @@ def gather_rows(local: list[torch.Tensor]) -> torch.Tensor:
 def train_epoch(
     model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None,
     start: Position | None = None, checkpoint_every: int = 0, row_log: RowLog | None = None, run_dir: str | None = None,
+    model_spec: dict | None = None,
 ) -> dict:
     """One pass over this rank's shard; returns global loss, accuracy, images/s and this rank's data wait.
 
@@ -303,7 +309,7 @@ def train_epoch(
         if checkpoint_every and (step + 1) % checkpoint_every == 0:
             rows = gather_rows(consumed)
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
-            report_mid_epoch(position, model, optimizer, ema, run_dir)
+            report_mid_epoch(position, model, optimizer, ema, run_dir, model_spec)
         mark = time.perf_counter()
     elapsed = time.perf_counter() - start_time
     loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)
@@ -396,7 +402,7 @@ def discard_failed_upload(path: str) -> None:
 
 def report(
     metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None,
-    run_dir: str | None = None,
+    run_dir: str | None = None, model_spec: dict | None = None,
 ) -> None:
     """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state).
 
@@ -419,7 +425,7 @@ def report(
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, name, target = None, None, None
         if ray.train.get_context().get_world_rank() == 0:
-            extra = checkpoint_extra(metrics, model, epoch, ema, position)
+            extra = checkpoint_extra(metrics, model, epoch, ema, position, model_spec)
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
             if run_dir is not None:  # only rank 0's name counts: Ray Train broadcasts it to the others
@@ -437,10 +443,12 @@ def report(
             raise error from exc
 
 
-def report_mid_epoch(position: dict, model, optimizer, ema: AveragedModel | None, run_dir: str | None = None) -> None:
+def report_mid_epoch(
+    position: dict, model, optimizer, ema: AveragedModel | None, run_dir: str | None = None, model_spec: dict | None = None,
+) -> None:
     """Report a mid-epoch checkpoint carrying the data position (see `report`)."""
     metrics = {"epoch": position["epoch"], "step": position["step"], "mid_epoch": 1, **MID_EPOCH_SCORES}
-    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir)
+    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir, model_spec)
 
 
 class EpochShards:
@@ -494,7 +502,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     steps_per_epoch = max(1, math.ceil(config["train_rows"] / world_size / batch_size))
     device = ray.train.torch.get_device()
 
-    model = ray.train.torch.prepare_model(build_resnet18(), parallel_strategy=config["strategy"])
+    model = ray.train.torch.prepare_model(ModelSpec.model_validate(config["model"]).build(), parallel_strategy=config["strategy"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=config["weight_decay"])
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
     ema = make_ema(model, config["ema_decay"])
@@ -519,7 +527,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         metrics |= train_epoch(
             model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard,
             start=start if resuming else None, checkpoint_every=config.get("checkpoint_every_steps", 0), row_log=row_log,
-            run_dir=config.get("run_dir"),
+            run_dir=config.get("run_dir"), model_spec=config["model"],
         )
         metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
         metrics["epoch_seconds"] = time.perf_counter() - begin
@@ -527,4 +535,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rank == 0 and config.get("history_path"):
             with storage_writes("train", config["history_path"]):
                 record_epoch(config["history_path"], metrics)
-        report(metrics, model, optimizer, epoch, ema, run_dir=config.get("run_dir"))
+        report(metrics, model, optimizer, epoch, ema, run_dir=config.get("run_dir"), model_spec=config["model"])

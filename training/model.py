@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torchvision.models import resnet18
 
 from storage_io import exists, join, local_copy, read_bytes, sha256_file
+from training.models import ModelSpec, resnet18_for
 
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -35,11 +35,18 @@ class IntegrityError(RuntimeError):
     """A checkpoint file does not match the checksum written with it."""
 
 
-def build_resnet18(num_classes: int = 10) -> torch.nn.Module:
-    """torchvision ResNet-18 with a one-channel 7x7/stride-2 stem, as in the seeds."""
-    model = resnet18(num_classes=num_classes)
-    model.conv1 = torch.nn.Conv2d(1, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)
-    return model
+# What a checkpoint holds when its extra_state.pt names no model: every checkpoint written before
+# model.name existed, all of them the seeds' one-channel, ten-class ResNet-18.
+SEEDS_MODEL = ModelSpec(name="resnet18", in_channels=1, num_classes=10)
+
+
+def build_resnet18() -> torch.nn.Module:
+    """The seeds' model exactly: torchvision ResNet-18 with a one-channel 7x7/stride-2 stem and 10 classes.
+
+    For the seeds' contract (their restore code loads our model.pt into it) and the benchmarks'
+    plain PyTorch baselines; the pipeline builds through `training.models.ModelSpec`.
+    """
+    return resnet18_for(SEEDS_MODEL.in_channels, SEEDS_MODEL.num_classes)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -140,9 +147,22 @@ def checkpoint_problem(directory: str | os.PathLike[str]) -> str | None:
     return None
 
 
-def load_model(directory: str | os.PathLike[str]) -> torch.nn.Module:
-    """A ResNet-18 in eval mode with the weights of the checkpoint in ``directory`` (a folder or ``s3://`` URI)."""
-    model = build_resnet18()
+def checkpoint_model(directory: str | os.PathLike[str]) -> ModelSpec:
+    """The `ModelSpec` a checkpoint folder's extra_state.pt records (`SEEDS_MODEL` for one written before it did)."""
+    with local_copy(directory, names=(EXTRA_STATE_FILE, CHECKSUMS_FILE)) as local:
+        extra = load_state(local, EXTRA_STATE_FILE, origin=str(directory))
+    recorded = extra.get("model") if isinstance(extra, dict) else None
+    return ModelSpec.model_validate(recorded) if recorded else SEEDS_MODEL
+
+
+def load_model(directory: str | os.PathLike[str], spec: ModelSpec | None = None) -> torch.nn.Module:
+    """The model in eval mode with the weights of the checkpoint in ``directory`` (a folder or ``s3://`` URI).
+
+    ``spec``: what to build; unset, what the checkpoint's extra_state.pt records (`checkpoint_model`).
+    A registry version has no extra_state.pt: its model card's ``architecture`` is the spec.
+    """
+    spec = spec or checkpoint_model(directory)
+    model = spec.build()
     # From S3 only the weights and their checksums are downloaded, then verified like local files.
     with local_copy(directory, names=(MODEL_FILE, CHECKSUMS_FILE)) as local:
         state = load_state(local, MODEL_FILE, origin=str(directory))
@@ -150,6 +170,7 @@ def load_model(directory: str | os.PathLike[str]) -> torch.nn.Module:
         model.load_state_dict(state)
     except RuntimeError as exc:
         raise ValueError(
-            f"{join(directory, MODEL_FILE)} does not hold a one-channel ResNet-18 with 10 classes: {exc}"
+            f"{join(directory, MODEL_FILE)} does not hold a model.name={spec.name} with {spec.in_channels} input "
+            f"channel(s) and {spec.num_classes} classes: {exc}"
         ) from exc
     return model.eval()

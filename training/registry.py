@@ -42,7 +42,8 @@ from storage_io import (
     sha256_file,
     upload_dir,
 )
-from training.model import CHECKSUMS_FILE, MODEL_FILE
+from training.model import CHECKSUMS_FILE, MODEL_FILE, SEEDS_MODEL
+from training.models import ModelSpec
 
 MODELS_DIR = "models"
 CHAMPION_FILE = "champion"
@@ -63,6 +64,7 @@ class Candidate(BaseModel):
     raw_dir: str | None = None
     metrics: dict[str, Any] = {}
     config: dict[str, Any] = {}
+    model: dict[str, Any] = {}  # the training.models.ModelSpec that was trained (the card's architecture)
     code_version: str | None = None
 
 
@@ -106,6 +108,18 @@ def versions(root: str, model: str) -> list[int]:
 def read_card(root: str, model: str, version: int) -> dict | None:
     card = read_json(join(version_dir(root, model, version), CARD_FILE))
     return card if isinstance(card, dict) else None
+
+
+def card_model(card: dict) -> ModelSpec:
+    """The model a version's model.pt holds: its card's ``architecture`` (the seeds' ResNet-18 for a card written before it)."""
+    recorded = card.get("architecture")
+    return ModelSpec.model_validate(recorded) if isinstance(recorded, dict) else SEEDS_MODEL
+
+
+def version_model(folder: str) -> ModelSpec:
+    """`card_model` of the version in ``folder``."""
+    card = read_json(join(folder, CARD_FILE))
+    return card_model(card if isinstance(card, dict) else {})
 
 
 def read_champion(root: str, model: str) -> dict | None:
@@ -226,6 +240,7 @@ def _publish_version(
             "metrics": {"test_accuracy": candidate.accuracy, **candidate.metrics},
             "previous_champion": {"version": before, "test_accuracy_on_this_data": champion_accuracy, "rescored": rescored},
             "config": candidate.config,
+            "architecture": candidate.model or SEEDS_MODEL.model_dump(),  # what load_model builds for model.pt
             "files": sorted([MODEL_FILE, CHECKSUMS_FILE, *files]),
         }
         (staging / CARD_FILE).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")

@@ -33,7 +33,8 @@ from training.loop import (
     train_epoch,
     validate,
 )
-from training.model import EXTRA_STATE_FILE, build_resnet18, load_state, save_checkpoint_files
+from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
+from training.models import ModelSpec
 
 SINGLE_DIR = "single"
 
@@ -71,7 +72,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     torch.set_num_threads(config["torch_threads"])
     epochs, batch_size, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
     device = torch.device("cpu")
-    model = build_resnet18().to(device)
+    model = ModelSpec.model_validate(config["model"]).build().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=config["weight_decay"])
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
     ema = make_ema(model, config["ema_decay"])
@@ -91,7 +92,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
         metrics |= validate(inference_model(model, ema), criterion, build_split(spec, "val", config["seed"]), batch_size, device)
         metrics["finished_at"] = time.time()
         with building(folder / f"checkpoint_epoch_{epoch:04d}") as staging:
-            save_checkpoint_files(staging, inference_model(model, ema), optimizer, checkpoint_extra(metrics, model, epoch, ema))
+            save_checkpoint_files(staging, inference_model(model, ema), optimizer, checkpoint_extra(metrics, model, epoch, ema, model_spec=config["model"]))
             publish_dir(staging, folder / f"checkpoint_epoch_{epoch:04d}")
         history = record_epoch(history_path, metrics)
         prune(folder, num_to_keep, score)

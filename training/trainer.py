@@ -34,6 +34,7 @@ from storage_io import (
 )
 from training.faults import ROW_LOG_ENV
 from training.loop import HISTORY_FILE, read_history, train_loop_per_worker
+from training.models import ModelSpec
 from training.single_process import fit_single
 
 # One JSON line per training attempt in the run folder: the epoch it started from and its world size.
@@ -63,6 +64,7 @@ class TrainedModel(BaseModel):
     """Where the trained run lives and how it went."""
 
     run_dir: str
+    model: ModelSpec  # what was trained (model.name, input channels, classes): what loads its checkpoints
     best_checkpoint: str
     best_val_accuracy: float
     checkpoints: list[CheckpointInfo]
@@ -105,11 +107,13 @@ def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
 
 
 def loop_config(
-    cfg: TrainConfig, train_rows: int, torch_threads: int, fault_dir: str | None = None, spec: TransformSpec | None = None
+    cfg: TrainConfig, train_rows: int, torch_threads: int, model: ModelSpec, fault_dir: str | None = None,
+    spec: TransformSpec | None = None,
 ) -> dict:
     """The plain dict ``train_loop_per_worker`` unpacks."""
     run_dir = parent(fault_dir) if fault_dir else None
     return {
+        "model": model.model_dump(),  # what every rank builds (training.models), recorded in each checkpoint
         "epochs": cfg.epochs_for(train_rows),  # train.epochs, capped by train.max_images
         "global_batch_size": cfg.global_batch_size,
         "learning_rate": cfg.learning_rate,
@@ -210,7 +214,9 @@ def _copy(error: StorageWriteError) -> StorageWriteError:
     return copy
 
 
-def summarize_result(result, run_dir: str, num_workers: int, cpus: float, score: str = "val_accuracy") -> TrainedModel:
+def summarize_result(
+    result, run_dir: str, num_workers: int, cpus: float, model: ModelSpec, score: str = "val_accuracy",
+) -> TrainedModel:
     """Turn a ``ray.train.Result`` into the manifest later stages read (checkpoint paths as ``s3://`` URIs on S3)."""
     remote = is_remote(run_dir)
     if result.error:
@@ -231,6 +237,7 @@ def summarize_result(result, run_dir: str, num_workers: int, cpus: float, score:
         history = result.metrics_dataframe.to_dict(orient="records")
     return TrainedModel(
         run_dir=str(run_dir),
+        model=model,
         best_checkpoint=best.path,
         best_val_accuracy=best.val_accuracy,
         checkpoints=kept,
@@ -302,7 +309,7 @@ def read_attempts(path: str) -> list[dict]:
 
 
 def torch_trainer(
-    spec: TransformSpec, cfg: TrainConfig, run_dir: str, use_gpu: bool, cpus: float, threads: int, callbacks: list
+    spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, use_gpu: bool, cpus: float, threads: int, callbacks: list
 ) -> TorchTrainer:
     """A TorchTrainer running `train_loop_per_worker` as ``cfg`` says, in the folder ``run_dir``.
 
@@ -314,7 +321,7 @@ def torch_trainer(
     storage_fs, storage_path = filesystem(parent(run_dir))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, join(run_dir, "faults"), spec),
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
@@ -346,15 +353,16 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, run_dir: str, cpus: float) -> T
     except Exception as exc:  # Ray Train's TrainingFailedError: a full disk becomes the stage's StorageWriteError
         raise_storage_failure(exc, run_dir)
         raise
-    trained = summarize_result(result, run_dir, cfg.num_workers, cpus, cfg.checkpoint_score)
+    model = ModelSpec.model_validate(trainer.train_loop_config["model"])  # what torch_trainer handed the workers
+    trained = summarize_result(result, run_dir, cfg.num_workers, cpus, model, cfg.checkpoint_score)
     attempts = read_attempts(join(run_dir, ATTEMPTS_LOG))
     resumed = next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None)
     return trained.model_copy(update={"attempts": attempts, "resumed_from_epoch": resumed})
 
 
-def fit_in_process(spec: TransformSpec, cfg: TrainConfig, run_dir: str, threads: int) -> TrainedModel:
+def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, threads: int) -> TrainedModel:
     """``train.mode: single``: the same loop in this process with ``threads`` torch threads (`fit_single`)."""
-    config = loop_config(cfg, spec.dataset.rows["train"], threads, join(run_dir, "faults"), spec)
+    config = loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec)
     found, history = fit_single(config, spec, run_dir, cfg.num_to_keep, cfg.checkpoint_score)
     kept = [
         CheckpointInfo(path=str(path), epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))
@@ -364,6 +372,7 @@ def fit_in_process(spec: TransformSpec, cfg: TrainConfig, run_dir: str, threads:
     attempts = read_attempts(join(run_dir, ATTEMPTS_LOG))
     return TrainedModel(
         run_dir=run_dir,
+        model=model,
         best_checkpoint=best.path,
         best_val_accuracy=best.val_accuracy,
         checkpoints=kept,

@@ -34,6 +34,7 @@ from dataset.transform import TransformSpec
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig
 from storage_io import basename, filesystem, is_remote, join
 from training.loop import HISTORY_FILE, read_history
+from training.models import ModelSpec
 from training.trainer import plan_resources, torch_trainer
 
 TUNE_DIR = "tune"  # Tune's experiment folder in the run folder
@@ -141,11 +142,15 @@ def trial_spec(spec: TransformSpec, sampled: dict[str, Any]) -> TransformSpec:
     return spec.model_copy(update={"config": scaled_augmentation(spec.config, float(sampled["augmentation"]))})
 
 
-def best_config_values(train: TrainConfig, transform: TransformConfig, sampled: dict[str, Any]) -> dict[str, Any]:
-    """The fields a best trial sets, as a config file for ``python -m flows.mnist --config-file``."""
+def best_config_values(
+    train: TrainConfig, transform: TransformConfig, sampled: dict[str, Any], model_name: str | None = None,
+) -> dict[str, Any]:
+    """The fields a best trial sets, as a config file for ``python -m flows.mnist --config-file``
+    (with ``model.name`` when given: the model the trials trained)."""
     chosen = trial_train_config(train, sampled)
     augmented = scaled_augmentation(transform, float(sampled["augmentation"]))
     return {
+        **({"model": {"name": model_name}} if model_name else {}),
         "train": {name: getattr(chosen, name) for name in ("learning_rate", "weight_decay", "global_batch_size", "label_smoothing")},
         "transform": {name: getattr(augmented, name) for name in ("shift_px", "rotate_deg", "scale")},
     }
@@ -169,6 +174,7 @@ class TrialContext(BaseModel):
 
     spec: TransformSpec
     train: TrainConfig
+    model: ModelSpec
     epochs: int
     trials_dir: str
     plan: TrialPlan
@@ -181,6 +187,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
     trainer = torch_trainer(
         trial_spec(context.spec, config),
         trial_train_config(context.train, config, context.epochs),
+        context.model,
         join(context.trials_dir, trial_id),
         plan.use_gpu,
         plan.cpus_per_worker,

@@ -10,7 +10,7 @@ from dataset.parquet import ParquetDataset
 from dataset.sources import RawData
 from storage_io import StorageLayout
 from tasks.evaluate import Evaluation
-from training.model import MODEL_FILE
+from training.model import MODEL_FILE, SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
 
@@ -39,7 +39,7 @@ def build_run_tree(tmp_path: Path) -> tuple[StorageLayout, RawData, ParquetDatas
     data.mkdir(parents=True)
     (data / "part.parquet").write_bytes(b"z" * 7)
     trained = TrainedModel(
-        run_dir=layout.run_dir, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
+        run_dir=layout.run_dir, model=SEEDS_MODEL, best_checkpoint=ckpts[1].path, best_val_accuracy=0.97,
         checkpoints=ckpts, history=[], num_workers=1, cpus_per_worker=1.0,
     )
     evaluation = Evaluation(
