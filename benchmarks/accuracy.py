@@ -54,7 +54,8 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
 
     from dataset.transform import normalize, random_affine
     from training.loop import inference_model, make_ema, one_cycle_lr
-    from training.model import build_resnet18
+    from benchmarks import build_model
+    from training.models import configure_cpu
 
     train_cfg, tf = config.train, config.transform
     data = _training_arrays(folder)
@@ -65,9 +66,10 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
     val_x = torch.from_numpy(normalize(data["train_x"][held_out], tf.mean, tf.std))
     val_y = torch.from_numpy(data["train_y"][held_out].astype(np.int64))
     train_y = torch.from_numpy(data["train_y"][~held_out].astype(np.int64))
+    configure_cpu(threads)  # denormals flushed, as in our workers
     torch.manual_seed(train_cfg.seed)
     rng = np.random.default_rng(train_cfg.seed)
-    model = build_resnet18()
+    model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.learning_rate, weight_decay=train_cfg.weight_decay)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=train_cfg.label_smoothing)
     ema = make_ema(model, train_cfg.ema_decay)
@@ -112,7 +114,7 @@ def ours_time_to_accuracy(config, work: Path, target: float) -> dict:
 
     spec, layout = stage_inputs(config, work, "bench-accuracy")
     start = time.time()
-    trained = train.fn(spec, config.train, layout)
+    trained = train.fn(spec, config.train, layout, model=config.model)
     stage_s = time.time() - start
     history = sorted(trained.history, key=lambda row: row["epoch"])
     accuracies = [row["val_accuracy"] for row in history]
@@ -131,11 +133,12 @@ def measure(work: Path, epochs: int, target: float, threads: int = 2, mirror: Pa
     The data is the bundled sample, or the full-size mirror in ``mirror`` (with its ``checksums``,
     as `benchmarks.full_size.make_mirror` returns them).
     """
+    from benchmarks import model_name
     from benchmarks.full_size import mirror_download
     from pipeline_config import PipelineConfig
 
     download = {"source": "sample"} if mirror is None else mirror_download(mirror, checksums)
-    config = PipelineConfig.model_validate({"download": download, "train": {"epochs": epochs}})
+    config = PipelineConfig.model_validate({"download": download, "model": {"name": model_name()}, "train": {"epochs": epochs}})
     plain = plain_time_to_accuracy(config, target, threads, mirror)
     ours = ours_time_to_accuracy(config, work, target)
     ratio = round(ours["seconds"] / plain["seconds"], 2) if ours["seconds"] and plain["seconds"] else None

@@ -3,9 +3,9 @@
     python -m benchmarks.ddp 2 30      # processes, timed steps; prints one JSON object (benchmarks.run calls `measure`)
 
 ``processes`` fresh Python processes (``python -m benchmarks.ddp --rank ...``, started side by
-side by `measure`; no Ray anywhere) each pin torch to one thread (``torch.set_num_threads(1)``
+side by `measure`; no Ray anywhere) each pin torch to one thread (``training.models.configure_cpu(1)``
 and ``OMP_NUM_THREADS=1``), join a gloo process group on 127.0.0.1 (a free port, loopback
-interface), wrap the same model (``training.model.build_resnet18``, same seed on every rank) in
+interface), wrap the same model (``benchmarks.build_model``, same seed on every rank) in
 ``DistributedDataParallel`` and train it with AdamW (lr 1e-3) and
 ``CrossEntropyLoss(label_smoothing=0.1)`` on in-memory random tensors: the global batch of 128
 split evenly, 64 images per process for 2. Two warm-up steps are not timed; then every process
@@ -45,13 +45,14 @@ def rank_images_per_s(rank: int, world: int, port: int, steps: int, global_batch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from training.model import build_resnet18
+    from benchmarks import build_model
+    from training.models import configure_cpu
 
-    torch.set_num_threads(1)
+    configure_cpu(1)  # one thread, denormals flushed, as our workers
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
-        model = DistributedDataParallel(build_resnet18())
+        model = DistributedDataParallel(build_model())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
         local = global_batch // world

@@ -67,7 +67,9 @@ def one_run(api_url: str, storage: Path, name: str, ray_address: str | None = No
     """Run the flow once in a fresh process against ``api_url``; split its time to the first training step."""
     import httpx
 
-    config = {"storage_root": str(storage), "run_name": name, "download": {"source": "sample"},
+    from benchmarks import model_name
+
+    config = {"storage_root": str(storage), "run_name": name, "download": {"source": "sample"}, "model": {"name": model_name()},
               "train": {"epochs": 1}, "evaluate": {"min_accuracy": 0.0}, "ray": {"address": ray_address}}
     env = {k: v for k, v in (env or os.environ).items() if not k.startswith(("PREFECT_API", "PREFECT_PROFILE"))}
     env["PREFECT_API_URL"] = api_url

@@ -53,6 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import MODEL_ENV, model_name
 from benchmarks import accuracy, ddp, deployment_overhead, full_size, full_size_throughput, tune_trial
 from benchmarks.throughput import plain_images_per_s, ray_train_images_per_s
 from dataset.idx import read_idx
@@ -60,6 +61,8 @@ from reporting import environment
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+# The quick mode proves every row is produced, not how fast: it trains the small CNN on both sides.
+QUICK_MODEL = "training.models:small_cnn"
 FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 
@@ -167,7 +170,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
     parser.add_argument("--out", default=str(HERE / "results" / "latest.json"), help="where to write the JSON")
+    parser.add_argument(
+        "--model", default=None,
+        help=f"model.name every row trains, ours and baselines (default: ${MODEL_ENV}, else resnet18; --quick: {QUICK_MODEL})",
+    )
     args = parser.parse_args(argv)
+    # Every row, in this process and the ones it starts (plain DDP ranks, flow runs), trains this model.
+    os.environ[MODEL_ENV] = args.model or (QUICK_MODEL if args.quick else model_name())
 
     import ray
 
@@ -270,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     result = {
+        "model": model_name(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "environment": environment.describe(),
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),

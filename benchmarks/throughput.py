@@ -24,11 +24,12 @@ def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
     """A plain single-process loop on in-memory tensors: the same model, optimizer and batch."""
     import torch
 
-    from training.model import build_resnet18
+    from benchmarks import build_model
+    from training.models import configure_cpu
 
-    torch.set_num_threads(threads)
+    configure_cpu(threads)  # as our training workers do: the baseline gets the same denormal flush
     torch.manual_seed(0)
-    model = build_resnet18()
+    model = build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
@@ -51,16 +52,17 @@ def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", w
     the median images/s of its epochs after the first (the first pays the data pipeline's cold
     start), or the only epoch's.
     """
+    from benchmarks import model_name
     from benchmarks.stages import stage_inputs
     from pipeline_config import PipelineConfig
     from tasks.train import train
 
     config = PipelineConfig.model_validate(
-        {"download": download or SAMPLE, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode}}
+        {"download": download or SAMPLE, "model": {"name": model_name()}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode}}
     )
     spec, layout = stage_inputs(config, work, f"bench-{mode}-{workers}")
     start = time.perf_counter()
-    trained = train.fn(spec, config.train, layout)
+    trained = train.fn(spec, config.train, layout, model=config.model)
     history = sorted(trained.history, key=lambda row: row["epoch"])
     rates = [row["images_per_s"] for row in history[1:] or history]
     return {"images_per_s": statistics.median(rates), "epochs_images_per_s": rates, "epochs": len(history),

@@ -18,6 +18,7 @@ from pathlib import Path
 
 def recipe_config(epochs: int):
     """The tune flow's config with a one-trial search fixed to the default recipe for ``epochs`` epochs."""
+    from benchmarks import model_name
     from pipeline_config import TrainConfig, TunePipelineConfig
 
     recipe = TrainConfig()
@@ -30,6 +31,7 @@ def recipe_config(epochs: int):
              "label_smoothing": fixed(recipe.label_smoothing)}
     return TunePipelineConfig.model_validate({
         "download": {"source": "sample"},
+        "model": {"name": model_name()},
         "train": {"epochs": epochs, "num_workers": 1},
         "tune": {"num_samples": 1, "epochs": epochs, "scheduler": "none", "search_space": space},
     })
@@ -46,11 +48,11 @@ def measure(work: Path, epochs: int, reps: int) -> dict:
     for _ in range(reps):
         spec, layout = stage_inputs(config, work, "bench-train")
         start = time.perf_counter()
-        train.fn(spec, config.train, layout)
+        train.fn(spec, config.train, layout, model=config.model)
         trains.append(time.perf_counter() - start)
         spec, layout = stage_inputs(config, work, "bench-tune")
         start = time.perf_counter()
-        result = tune_search.fn(spec, config.train, config.tune, layout)
+        result = tune_search.fn(spec, config.train, config.tune, layout, model=config.model)
         tunes.append(time.perf_counter() - start)
         trials.append(len(result.trials))
     if trials != [1] * reps:

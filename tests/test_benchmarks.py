@@ -23,6 +23,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
+    assert result["model"] == "training.models:small_cnn"  # quick: the small CNN on both sides of every row
     kinds = [row["benchmark"] for row in result["rows"]]
     assert kinds == [
         "data path", "conversion peak RSS", "fixed overhead", "deployment path, flow start to first training step",

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from dataset.transform import TransformSpec, blocks, build_datasets, prepare_batch
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
-from training.models import ModelSpec
+from training.models import ModelSpec, configure_cpu
 
 
 # Test-time augmentation: the image itself and its four one-pixel shifts (dy, dx).
@@ -44,7 +44,7 @@ class Predictor:
     def __init__(
         self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0, model: dict | None = None,
     ):
-        torch.set_num_threads(torch_threads)
+        configure_cpu(torch_threads)
         # A folder or an s3:// URI; ``model`` (a ModelSpec's fields) says what to build, else the checkpoint's record.
         self.model = load_model(checkpoint_dir, ModelSpec.model_validate(model) if model else None)
         self.tta, self.background = tta, background

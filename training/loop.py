@@ -38,7 +38,7 @@ from torch.optim.swa_utils import AveragedModel
 from dataset.transform import TransformSpec, build_split, fits_in_memory
 from storage_io import append_line, atomic_write_bytes, exists, join, read_lines, remove, storage_write_error, storage_writes
 from training.faults import FaultInjector
-from training.models import ModelSpec
+from training.models import ModelSpec, configure_cpu
 from training.model import (
     EXTRA_STATE_FILE,
     MODEL_FILE,
@@ -496,7 +496,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train entry point: config keys are documented in ``training.trainer.loop_config``."""
     epochs, global_batch, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
     torch.manual_seed(config["seed"])
-    torch.set_num_threads(config["torch_threads"])
+    configure_cpu(config["torch_threads"])
     world_size = ray.train.get_context().get_world_size()
     batch_size = max(1, global_batch // world_size)
     steps_per_epoch = max(1, math.ceil(config["train_rows"] / world_size / batch_size))

@@ -34,7 +34,7 @@ from training.loop import (
     validate,
 )
 from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
-from training.models import ModelSpec
+from training.models import ModelSpec, configure_cpu
 
 SINGLE_DIR = "single"
 
@@ -69,7 +69,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     folder = Path(run_dir) / SINGLE_DIR
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config["seed"])
-    torch.set_num_threads(config["torch_threads"])
+    configure_cpu(config["torch_threads"])
     epochs, batch_size, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
     device = torch.device("cpu")
     model = ModelSpec.model_validate(config["model"]).build().to(device)
