@@ -56,6 +56,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, model: M
     """Train ``model.name`` (default ResNet-18) with Ray Train on the transformed data; checkpoints go to the run folder."""
     logger = stage_logger(__name__)
     network = ModelSpec.for_data((model or ModelConfig()).name, spec.dataset)
+    logger.info("Model %s for %d-channel images and %d classes", network.name, network.in_channels, network.num_classes)
     resources = ray.cluster_resources()
     if cfg.mode == "single":
         threads = max(1, int(resources.get("CPU", 1)))
