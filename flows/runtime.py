@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import NamedTuple
 
 from prefect.settings import (
@@ -25,7 +27,7 @@ from prefect.settings import (
 )
 from prefect_ray import RayTaskRunner
 
-from flows.server_process import owned_server_class
+from flows.server_process import TIMEOUT_SETTING, ServerStartError, owned_server_class
 from flows.stopping import sigterm_handler_kept
 from pipeline_config import RayConfig
 from storage_io import S3_ENV_VARS
@@ -65,7 +67,7 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
     def start() -> None:
         try:
             with temporary_settings(updates={PREFECT_SERVER_ANALYTICS_ENABLED: False}):
-                server.start()
+                server.start()  # ServerStartError when it does not come up (flows.server_process)
         except BaseException as exc:  # raised again in the calling thread
             failures.append(exc)
 
@@ -74,8 +76,12 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
     try:
         if alongside is not None:
             alongside(server.api_url)
-    finally:
+    except BaseException:
+        server.given_up.set()  # no wait for a server this run no longer needs
         starter.join()
+        server.stop()
+        raise
+    starter.join()
     if failures:
         raise failures[0]
     previous = os.environ.get("PREFECT_API_URL")
@@ -115,10 +121,14 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
     PREFECT_API_URL is unset (measured: 8.3-9.6 s one after the other, 6.2-6.7 s side by side),
     at once otherwise. The flow's RayTaskRunner finds Ray running and uses it, and Ray is shut
     down when the block ends. With ``ray.address`` the flow's RayTaskRunner joins that cluster.
+
+    If either does not start, the CLI prints what failed, where its log is and what to do, and
+    exits with ``START_FAILED_EXIT_CODE`` (``StartFailed``) instead of a traceback.
     """
     temporary = current_api_url() is None
     if cfg.address is not None:
-        with prefect_api() as url:
+        with ExitStack() as stack:
+            url = _started(lambda: stack.enter_context(prefect_api()))
             yield Runtime(url, temporary, None)
         return
     import ray
@@ -128,19 +138,76 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
 
     def start_ray(url: str) -> None:
         address, kwargs = ray_init_args(cfg, url)
-        with sigterm_handler_kept(), local_gcs_port(kwargs):  # SIGTERM stays the CLI's (flows/stopping.py)
-            context = ray.init(address, **kwargs)
+        try:
+            with sigterm_handler_kept(), local_gcs_port(kwargs):  # SIGTERM stays the CLI's (flows/stopping.py)
+                context = ray.init(address, **kwargs)
+        except Exception as exc:
+            raise RayStartError(exc) from exc
         dashboard[0] = f"http://{context.dashboard_url}" if context.dashboard_url else None
         given.append(url)
 
-    with prefect_api(alongside=start_ray) as url:
+    with ExitStack() as stack:
         try:
-            if given != [url]:  # the server had to move to another port while starting
-                ray.shutdown()
-                start_ray(url)
-            yield Runtime(url, temporary, dashboard[0])
-        finally:
+            url = _started(lambda: stack.enter_context(prefect_api(alongside=start_ray)))
+        except StartFailed:
+            ray.shutdown()  # nothing half-started stays behind
+            raise
+        stack.callback(ray.shutdown)  # Ray first, the server last (it still takes the run's last log lines)
+        if given != [url]:  # the server had to move to another port while starting
             ray.shutdown()
+            _started(lambda: start_ray(url))
+        yield Runtime(url, temporary, dashboard[0])
+
+
+START_FAILED_EXIT_CODE = 3  # the CLI's exit code when its Prefect server or local Ray did not start
+
+
+class StartFailed(SystemExit):
+    """Ends the CLI with ``START_FAILED_EXIT_CODE`` once its message is printed: no traceback for a failed start."""
+
+    def __init__(self, message: str):
+        super().__init__(START_FAILED_EXIT_CODE)
+        self.message = message
+
+
+class RayStartError(RuntimeError):
+    """``ray.init`` of the run's local Ray failed; the cause is chained."""
+
+
+def ray_logs_dir() -> Path:
+    """Where a local Ray keeps its processes' logs (its newest session's)."""
+    return Path(os.environ.get("RAY_TMPDIR") or "/tmp") / "ray" / "session_latest" / "logs"
+
+
+def _started(start: Callable[[], str | None]):
+    """``start()``; a Prefect server or local Ray that did not start becomes ``StartFailed``, its message printed."""
+    try:
+        return start()
+    except ServerStartError as exc:
+        message = start_failed_message(exc)
+    except RayStartError as exc:
+        message = start_failed_message(exc)
+    print(message, file=sys.stderr, flush=True)
+    raise StartFailed(message)
+
+
+def start_failed_message(exc: ServerStartError | RayStartError) -> str:
+    """What failed, where its log is, what to do: the one message a failed start prints."""
+    if isinstance(exc, ServerStartError):
+        more_time = f"; or give it more time with\n              {TIMEOUT_SETTING} (now {exc.timeout_s:g} s)"
+        return (
+            f"The temporary Prefect server did not start: {exc.reason}.\n"
+            f"  its log     {exc.log_path} (this start: from '--- ... CLI pid {os.getpid()}: temporary ...')\n"
+            f"  what to do  run again; or point PREFECT_API_URL at a running Prefect server (`prefect server start`,\n"
+            f"              then PREFECT_API_URL=http://127.0.0.1:4200/api){more_time if exc.timed_out else ''}"
+        )
+    cause = exc.__cause__ or exc
+    first_line = (str(cause).strip().splitlines() or [""])[0][:300]
+    return (
+        f"The local Ray did not start: {type(cause).__name__}: {first_line}\n"
+        f"  its logs    {ray_logs_dir()}\n"
+        f"  what to do  run again; or set ray.address (--ray.address) to a running Ray cluster (`ray start --head`)"
+    )
 
 
 # Keep idle workers alive between epochs. By default Ray kills idle task workers one second after

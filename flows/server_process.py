@@ -11,6 +11,15 @@ a SIGKILL of the CLI the server lived on (re-parented to PID 1) until killed by 
 
 A parent-death signal (``PR_SET_PDEATHSIG``) would fire when the *thread* that started the server
 ends, and the CLI starts it from a helper thread (side by side with Ray), hence the watcher.
+
+Its start (``OwnedServer.start``, in place of Prefect's) is made for a first start on a busy
+machine: a fresh SQLite database runs all of Prefect's migrations first, which took 6-31 s on 2
+busy cores (docs/operations.md), against Prefect's 20 s default. So it waits
+``STARTUP_TIMEOUT_S`` unless ``PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS`` is set in the
+environment or the profile, by the clock (Prefect counts 0.1 s per poll, whatever a poll took),
+fails at once when the server exits, and only counts a health answer on the server's own port
+(Prefect kept a stale one: a port first taken by Ray's dashboard ended in "401 Unauthorized").
+The server's output goes to ``server_log_path()`` so a failure has a log to point at.
 """
 
 from __future__ import annotations
@@ -19,12 +28,57 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0  # after SIGTERM to itself, uvicorn's graceful shutdown gets this long
+
+# How long the CLI's temporary server may take to answer, unless the user set Prefect's
+# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (default 20). Measured first starts on 2 cores:
+# 6-10 s idle, 16-31 s with 2-6 other busy processes; a server that exits fails at once anyway.
+STARTUP_TIMEOUT_S = 180
+TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+LOG_NAME = "temporary-server.log"  # in PREFECT_HOME, beside the server's database
+LOG_ROTATE_BYTES = 5_000_000  # a larger log moves to <name>.1 at the next start
+RAY_DASHBOARD_PORT = 8265  # Ray's default dashboard port, inside Prefect's port range: never the server's
+
+
+class ServerStartError(RuntimeError):
+    """The temporary Prefect server did not come up; ``reason`` says how, ``log_path`` holds its output."""
+
+    def __init__(self, reason: str, log_path: Path, timeout_s: float, timed_out: bool = False):
+        super().__init__(f"the temporary Prefect server did not start: {reason} (its log: {log_path})")
+        self.reason, self.log_path, self.timeout_s, self.timed_out = reason, log_path, timeout_s, timed_out
+
+
+def startup_timeout_s() -> int:
+    """Seconds the temporary server may take to start: the user's own setting, else ``STARTUP_TIMEOUT_S``."""
+    from prefect.settings import get_current_settings
+
+    ephemeral = get_current_settings().server.ephemeral
+    if "startup_timeout_seconds" in ephemeral.model_fields_set:  # set in the environment or the profile
+        return ephemeral.startup_timeout_seconds
+    return STARTUP_TIMEOUT_S
+
+
+def server_log_path() -> Path:
+    """Where the temporary server's output goes: PREFECT_HOME/temporary-server.log (the temp folder if unwritable)."""
+    from prefect.settings import get_current_settings
+
+    home = Path(get_current_settings().home).expanduser()
+    try:
+        home.mkdir(parents=True, exist_ok=True)
+        path = home / LOG_NAME
+        with open(path, "ab"):
+            pass
+        return path
+    except OSError:
+        return Path(tempfile.gettempdir()) / f"prefect-{LOG_NAME}"
 
 
 def watch_parent(parent_pid: int) -> None:
@@ -41,14 +95,102 @@ def owned_server_class() -> type:
     from prefect.server.api.server import SubprocessASGIServer
 
     class OwnedServer(SubprocessASGIServer):
+        log_path: Path | None = None  # set by start()
+
+        def __init__(self, port: int | None = None):
+            super().__init__(port)
+            if not hasattr(self, "given_up"):
+                self.given_up = threading.Event()  # set from another thread: start() stops waiting
+
+        def find_available_port(self) -> int:
+            while (port := super().find_available_port()) == RAY_DASHBOARD_PORT:
+                pass
+            return port
+
+        def start(self, timeout: int | None = None) -> None:
+            if not self.running:
+                _start_and_wait(self, timeout or startup_timeout_s())
+
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
             return _start_owned(self)
 
     return OwnedServer
 
 
+def _start_and_wait(server: Any, timeout_s: float) -> None:
+    """Start ``server`` and wait, by the clock, until its own port answers /health; ``ServerStartError`` if not."""
+    import atexit
+
+    import httpx
+
+    server.log_path = server_log_path()
+    _rotate(server.log_path)
+    deadline = time.monotonic() + timeout_s
+    server.running = True
+    try:
+        if server.port is None:
+            server.port = server.find_available_port()
+        server.server_process = server._run_uvicorn_command()
+        atexit.register(server.stop)
+        with httpx.Client(timeout=5.0) as client:
+            while True:
+                code = server.server_process.poll()
+                if code == 3 and not server.is_port_available(server.port):
+                    # uvicorn's exit code for "address already in use" (and for a failed startup, when
+                    # the port is still free): another port, as Prefect does
+                    server.port = server.find_available_port()
+                    server.server_process = server._run_uvicorn_command()
+                    continue
+                if code is not None:
+                    raise ServerStartError(f"it exited with code {code} while starting", server.log_path, timeout_s)
+                if _healthy(client, server.api_url) and server.server_process.poll() is None:
+                    return
+                if server.given_up.is_set():
+                    raise ServerStartError("its start was abandoned", server.log_path, timeout_s)
+                if time.monotonic() > deadline:
+                    reason = f"it did not answer within {timeout_s:g} s"
+                    raise ServerStartError(reason, server.log_path, timeout_s, timed_out=True)
+                time.sleep(0.1)
+    except BaseException as exc:
+        server.stop()  # nothing half-started stays behind
+        _log_line(server.log_path, f"stopped the server: {getattr(exc, 'reason', None) or type(exc).__name__}")
+        raise
+
+
+def _healthy(client: Any, api_url: str) -> bool:
+    """Whether ``api_url`` answers /health as a Prefect server does (200 and ``true``)."""
+    import httpx
+
+    try:
+        response = client.get(f"{api_url}/health")
+        return response.status_code == 200 and response.json() is True
+    except (httpx.HTTPError, ValueError):
+        return False
+
+
+def _log_line(log_path: Path, text: str) -> None:
+    """A line of the CLI's own in the server's log: ``--- <time> CLI pid <pid>: <text>``."""
+    now = datetime.now().astimezone().isoformat(timespec="seconds")
+    try:
+        with open(log_path, "a") as log:
+            log.write(f"--- {now} CLI pid {os.getpid()}: {text}\n")
+    except OSError:
+        pass
+
+
+def _rotate(log_path: Path) -> None:
+    try:
+        if log_path.stat().st_size > LOG_ROTATE_BYTES:
+            log_path.replace(log_path.with_name(log_path.name + ".1"))
+    except OSError:
+        pass
+
+
 def _start_owned(server: Any) -> subprocess.Popen[Any]:
-    """Prefect's own uvicorn command and environment (``SubprocessASGIServer._run_uvicorn_command``), under the watcher."""
+    """Prefect's own uvicorn command and environment (``SubprocessASGIServer._run_uvicorn_command``), under the watcher.
+
+    Its output (uvicorn's and the server's own log lines) is appended to ``server.log_path``, after a header line.
+    """
     import prefect
     from prefect.settings import get_current_settings
 
@@ -59,11 +201,15 @@ def _start_owned(server: Any) -> subprocess.Popen[Any]:
         "--host", "127.0.0.1", "--port", str(server.port),
         "--log-level", "error", "--lifespan", "on",
     ]
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.server_process", str(os.getpid()), *uvicorn_args],
-        env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
-        start_new_session=True,  # the terminal's Ctrl-C goes to the CLI only
-    )
+    log_path = server.log_path or server_log_path()
+    _log_line(log_path, f"temporary Prefect server on 127.0.0.1:{server.port}")
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.server_process", str(os.getpid()), *uvicorn_args],
+            env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,  # the terminal's Ctrl-C goes to the CLI only
+        )
 
 
 def main(argv: list[str]) -> None:
