@@ -44,7 +44,9 @@ from flows.tune import TUNE_STAGE_CPUS, mnist_tune
 from pipeline_config import PipelineConfig, TuneConfig, TunePipelineConfig
 from pipeline_config.settings import load_preset
 from reporting.reports import KEYS, TUNE_KEYS, comparison_keys
+from tests.support.models import SMALL_MODEL, pause_env, wait_for_pause
 from tests.support.prefect_server import (
+    FINAL,
     PREFECT,
     RUN_TIMEOUT_S,
     TUNE_FLOW,
@@ -59,6 +61,7 @@ from tests.support.prefect_server import (
     ui_run_body,
     wait_for,
 )
+from training.faults import paused, release_pauses
 
 ROOT = Path(__file__).resolve().parent.parent
 MNIST_ENTRYPOINT, TUNE_ENTRYPOINT = "flows/mnist.py:mnist_pipeline", "flows/tune.py:mnist_tune"
@@ -217,15 +220,41 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("deployments")
 
 
+# The cancel test's run: the only run here that reaches the pause the serve process is started with
+# (2 epochs, pause at the first step of the second; every other run trains 1 epoch or none).
+CANCELLED_RUN, CANCELLED_EPOCHS = "api-cancel", 2
+PAUSE = pause_env(epoch=CANCELLED_EPOCHS - 1, step=0)
+
+
+def release_other_pauses(storage: Path, stop: threading.Event) -> None:
+    """Let any other run (or tune trial) that reaches the serve process's pause go on at once, so a
+    multi-epoch run added here later is not held for training.faults.PAUSE_MAX_S."""
+    while not stop.wait(0.5):
+        for faults in [*storage.glob("runs/*/faults"), *storage.glob("runs/*/trials/*/faults")]:
+            held = [m for m in paused(str(faults)) if not Path(m.removesuffix(".fired") + ".release").exists()]
+            if held and faults.relative_to(storage / "runs").parts[0] != CANCELLED_RUN:
+                release_pauses(str(faults))
+
+
 @pytest.fixture(scope="module")
 def served(server, work, webhook) -> Iterator[dict]:
-    """The three deployments served from one process: nightly on a real (far-off) schedule, search form from tune smoke."""
+    """The three deployments served from one process: nightly on a real (far-off) schedule, search form from tune smoke.
+
+    Its environment carries the test-only pause (``PAUSE``): its flow-run processes hand it to their
+    Ray workers, so the cancel test's run holds still in training until it is cancelled."""
     cron = far_cron()
-    proc = serve_deployments(server, work, "--cron", cron, "--tune-preset", "smoke", MNIST_FAILURE_WEBHOOK_URL=webhook)
+    proc = serve_deployments(
+        server, work, "--cron", cron, "--tune-preset", "smoke", MNIST_FAILURE_WEBHOOK_URL=webhook, **PAUSE
+    )
+    stop = threading.Event()
+    releaser = threading.Thread(target=release_other_pauses, args=(work / "storage", stop), daemon=True)
+    releaser.start()
     try:
         yield {"cron": cron, "log": work / "serve.log"}
     finally:
+        stop.set()
         stop_group(proc)
+        releaser.join(5)
 
 
 @pytest.fixture(scope="module")
@@ -402,13 +431,24 @@ def test_failed_run_logs_the_summary_and_posts_it_to_the_webhook(server, served,
 
 @pytest.mark.slow
 def test_cancel_from_the_ui_ends_cancelled_and_the_summary_says_cancelled(server, served, work):
-    """Cancel on a running served run (the UI's Cancel button sets CANCELLING): Cancelled, not failed."""
+    """Cancel on a running served run (the UI's Cancel button sets CANCELLING): Cancelled, not failed.
+
+    The run pauses at the first step of its second epoch (the serve process's test-only pause, after
+    the first epoch's checkpoint is committed), so the cancel surely lands in training however fast it trains."""
     deployment = server.deployment("manual")
-    config = smoke_config(work / "storage", "api-cancel", epochs=3)
-    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-cancel"))
-    run_dir = work / "storage" / "runs" / "api-cancel"
-    snapshot = run_dir / "checkpoint_manager_snapshot.json"  # Ray Train registered a checkpoint
-    wait_for(snapshot.exists, RUN_TIMEOUT_S, f"the first checkpoint\n{log_tail(served['log'])}")
+    config = smoke_config(work / "storage", CANCELLED_RUN, epochs=CANCELLED_EPOCHS)
+    body = ui_run_body(deployment, {"config": config}, CANCELLED_RUN)
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", body)
+    run_dir = work / "storage" / "runs" / CANCELLED_RUN
+
+    def running() -> bool:
+        return server.flow_run(created["id"])["state_type"] not in FINAL
+
+    try:
+        wait_for_pause(work / "storage", CANCELLED_RUN, RUN_TIMEOUT_S, alive=running)
+    except pytest.fail.Exception as exc:
+        pytest.fail(f"{exc}\n{log_tail(served['log'])}")
+    assert server.flow_run(created["id"])["state_type"] == "RUNNING"
     cancelled_at = time.monotonic()
     server.post(f"/flow_runs/{created['id']}/set_state", {"state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True})
     run = server.wait_final(created["id"], served["log"], timeout_s=90)
@@ -418,7 +458,8 @@ def test_cancel_from_the_ui_ends_cancelled_and_the_summary_says_cancelled(server
     assert summary["status"] == "cancelled" and summary["stopped"]["stage"] == "train", summary.get("stopped")
     assert summary["stages"]["train"]["status"] == "cancelled"
     kept = summary["stopped"]["checkpoint_kept"]
-    assert kept["epoch"] >= 0 and Path(kept["path"]).is_dir()  # the checkpoint stays to resume from
+    # the checkpoint of the epoch before the pause stays to resume from
+    assert kept["epoch"] == CANCELLED_EPOCHS - 2 and not kept.get("mid_epoch") and Path(kept["path"]).is_dir(), kept
 
 
 @pytest.fixture(scope="module")
@@ -453,6 +494,7 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
     assert best_file.is_file() and best_file.parent == work / "storage" / "runs" / "api-tune"
     best_values = yaml.safe_load(best_file.read_text())  # the recipe `python -m flows.mnist --config-file` trains
     assert best_values["train"] and PipelineConfig.model_validate(best_values)
+    assert best_values["model"] == {"name": SMALL_MODEL}  # the model the trials trained
     # train_best: the best trial's recipe trained in the run folder itself, evaluated, and passed the gate.
     assert [summary["stages"][name]["status"] for name in ("train", "evaluate", "cleanup")] == ["completed"] * 3
     assert summary["test_accuracy"] >= summary["evaluation"]["min_accuracy"]

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from deployments.serve import preset_parameters, tune_preset_parameters
+from tests.support.models import SMALL_MODEL
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 FLOW = "mnist-resnet18"
@@ -217,17 +218,19 @@ def ui_run_body(deployment: dict, parameters: dict, name: str) -> dict:
     }
 
 
-def smoke_config(storage: Path, run_name: str, **train: Any) -> dict:
-    """The smoke preset's config as JSON, with a storage root, a run name and train overrides."""
+def smoke_config(storage: Path, run_name: str, *, model: str = SMALL_MODEL, **train: Any) -> dict:
+    """The smoke preset's config as JSON, with a storage root, a run name, train overrides and ``model.name``
+    (the small model by default: these runs prove the deployment path, not the network)."""
     config = copy.deepcopy(preset_parameters("smoke")["config"])
-    config.update(storage_root=str(storage), run_name=run_name)
+    config.update(storage_root=str(storage), run_name=run_name, model={"name": model})
     config["train"].update(train)
     return config
 
 
-def tune_smoke_config(storage: Path, run_name: str, **tune: Any) -> dict:
-    """The tune flow's smoke preset as JSON (4 trials x 2 epochs, sample data) with storage root, run name, tune overrides."""
+def tune_smoke_config(storage: Path, run_name: str, *, model: str = SMALL_MODEL, **tune: Any) -> dict:
+    """The tune flow's smoke preset as JSON (4 trials x 2 epochs, sample data) with storage root, run name,
+    tune overrides and ``model.name`` (the small model by default)."""
     config = copy.deepcopy(tune_preset_parameters("smoke")["config"])
-    config.update(storage_root=str(storage), run_name=run_name)
+    config.update(storage_root=str(storage), run_name=run_name, model={"name": model})
     config["tune"].update(tune)
     return config
