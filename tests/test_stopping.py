@@ -1,10 +1,12 @@
 """Stopping a CLI run from outside, the way a person or an operator does, against the real processes.
 
-Each test starts ``python -m flows.mnist`` in a session of its own (as a terminal does), waits
-for a line of its output, sends a signal (Ctrl-C goes to the whole process group, like the
-terminal's), and checks the exit code, the time it took, the run's summary.json and that no
-process of the run is left: the CLI's descendants (local Ray, its workers) and the temporary
-Prefect server, which runs in a session of its own (flows/server_process.py).
+Each test starts ``python -m flows.mnist`` (the small model) in a session of its own (as a
+terminal does), waits for a line of its output or, to act while training surely runs, for its
+training to pause (the test-only pause hook, tests/support/models.py), sends a signal (Ctrl-C
+goes to the whole process group, like the terminal's), and checks the exit code, the time it
+took, the run's summary.json and that no process of the run is left: the CLI's descendants
+(local Ray, its workers) and the temporary Prefect server, which runs in a session of its own
+(flows/server_process.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 from flows import console, hooks
 from flows.stopping import EXIT_CODES, StopRequest
 from tests.support.cli import CliRun, wait_gone
+from tests.support.models import SMALL_MODEL_ARGS, pause_env
 from tests.support.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +113,9 @@ def test_sigkill_of_the_cli_leaves_no_server_or_ray_behind(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes(tmp_path):
-    run = CliRun(tmp_path, "interrupted", "--train.epochs", "2")
-    run.wait_for_line("epoch 1/2")  # printed from the history, before the epoch's checkpoint upload
-    run.wait_for_checkpoint()
+    # Paused at the first step of epoch 2 (index 1): epoch 1's checkpoint is committed by then.
+    run = CliRun(tmp_path, "interrupted", "--train.epochs", "2", env=pause_env(epoch=1, step=0))
+    run.wait_for_pause()
     pids = run.processes()
     os.killpg(run.proc.pid, signal.SIGINT)  # the terminal sends Ctrl-C to the whole foreground group
     code, seconds = run.finish(STOP_BUDGET_S + 30)
@@ -125,15 +128,15 @@ def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes
     assert summary["status"] == "interrupted" and summary["stopped"]["stage"] == "train"
     assert summary["stages"]["train"]["status"] == "interrupted"
     kept = summary["stopped"]["checkpoint_kept"]
-    assert kept and kept["epoch"] >= 0 and Path(kept["path"]).is_dir()
+    assert kept and kept["epoch"] == 0 and Path(kept["path"]).is_dir()  # the checkpoint of the epoch before the pause
     assert "Traceback" not in out and "ConnectError" not in out
     resume = re.search(r"^  to resume +(.+?) \(verified stages are skipped", out, re.M)
     assert resume, out[-3000:]
     command = shlex.split(resume.group(1))  # the printed command, run as printed
-    assert command[1:] == ["-m", "flows.mnist", "--preset", "smoke", "--train.epochs", "2",
+    assert command[1:] == ["-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, "--train.epochs", "2",
                            "--run-name", "interrupted", "--storage-root", str(run.root)], command
 
-    again = CliRun(tmp_path, "interrupted", command=command)
+    again = CliRun(tmp_path, "interrupted", command=command)  # no pause in its environment (and that pause has fired)
     code, _ = again.finish(600)
     assert code == 0, again.output()[-3000:]
     resumed = again.summary()
@@ -143,9 +146,8 @@ def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes
 
 @pytest.mark.slow
 def test_sigterm_stops_the_run_with_143_and_no_system_error(tmp_path):
-    run = CliRun(tmp_path, "terminated", "--train.epochs", "2")
-    run.wait_for_line("[4/6] train")
-    time.sleep(5)  # inside fit(): workers are starting or training
+    run = CliRun(tmp_path, "terminated", "--train.epochs", "2", env=pause_env(epoch=0, step=1))
+    run.wait_for_pause()  # inside fit(), training
     pids = run.processes()
     os.kill(run.proc.pid, signal.SIGTERM)  # an operator's kill, systemd, Docker
     code, seconds = run.finish(STOP_BUDGET_S + 30)
@@ -164,8 +166,9 @@ def test_a_prefect_api_gone_for_good_ends_the_run_within_the_bounded_wait(tmp_pa
     wait_s = 10
     server = PrefectServer(tmp_path / "prefect-home").start()
     try:
-        run = CliRun(tmp_path, "api-lost", "--train.epochs", "3", "--lost-api-wait-s", str(wait_s), env={"PREFECT_API_URL": server.api})
-        run.wait_for_line("[4/6] train")
+        run = CliRun(tmp_path, "api-lost", "--train.epochs", "3", "--lost-api-wait-s", str(wait_s),
+                     env={"PREFECT_API_URL": server.api, **pause_env(epoch=1, step=0)})
+        run.wait_for_pause()  # never released: training outlasts any wait
     finally:
         server.stop()  # for good: nothing answers on its port again
     code, seconds = run.finish(wait_s + 90)
@@ -173,7 +176,7 @@ def test_a_prefect_api_gone_for_good_ends_the_run_within_the_bounded_wait(tmp_pa
     print(f"server stopped to exit: {seconds:.1f}s")
     assert "the orchestrator could not be told" in out, out[-3000:]
     summary = run.summary()
-    # Training (3 epochs) outlasts the wait, so the run stopped in it, with the reason on record.
+    # Training (held paused) outlasts the wait, so the run stopped in it, with the reason on record.
     assert summary["status"] == "interrupted" and summary["stopped"]["stage"] == "train", summary.get("stopped")
     assert "Prefect API did not answer" in summary["stopped"]["reason"]
     assert code == 1

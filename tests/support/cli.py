@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.models import SMALL_MODEL_ARGS, faults_dir, release
+from training.faults import paused
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -22,11 +25,16 @@ class CliRun:
         self, tmp_path: Path, run_name: str, *args: str, env: dict[str, str] | None = None, command: list[str] | None = None,
         module: str = "flows.mnist",
     ):
-        """``python -m <module> --preset smoke`` with ``args``, or ``command`` as given (run in the project folder)."""
+        """``python -m <module> --preset smoke`` on the small model with ``args``, or ``command`` as given.
+
+        The default command trains ``SMALL_MODEL`` (tests/support/models.py): these runs prove
+        orchestration, not the network; ``args`` come after it, so a ``--model.name`` there wins.
+        Run in the project folder.
+        """
         self.root, self.run_name = tmp_path / "storage", run_name
         self.log = tmp_path / f"{run_name}-{time.monotonic_ns()}.log"
-        command = command or [sys.executable, "-m", module, "--preset", "smoke", "--storage-root", str(self.root),
-                              "--run-name", run_name, *args]
+        command = command or [sys.executable, "-m", module, "--preset", "smoke", *SMALL_MODEL_ARGS,
+                              "--storage-root", str(self.root), "--run-name", run_name, *args]
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
@@ -37,17 +45,18 @@ class CliRun:
     def wait_for_line(self, text: str, timeout_s: float = 300) -> None:
         self.wait_until(lambda: text in self.output(), f"{text!r}", timeout_s)
 
-    def wait_for_checkpoint(self, timeout_s: float = 300) -> None:
-        """Until Ray Train has registered a checkpoint (its snapshot names the latest one)."""
-        snapshot = self.root / "runs" / self.run_name / "checkpoint_manager_snapshot.json"
+    def wait_for_pause(self, timeout_s: float = 300) -> str:
+        """Until training has paused (``pause_env`` in the run's ``env``); the marker's path.
 
-        def registered() -> bool:
-            try:
-                return bool(json.loads(snapshot.read_text()).get("latest_checkpoint_result"))
-            except (OSError, ValueError):
-                return False
+        The pause settles first: every report before it is committed, so the latest checkpoint is
+        registered by the time the marker appears.
+        """
+        self.wait_until(lambda: paused(str(faults_dir(self.root, self.run_name))), "a paused training", timeout_s)
+        return paused(str(faults_dir(self.root, self.run_name)))[0]
 
-        self.wait_until(registered, "a registered checkpoint", timeout_s)
+    def release(self) -> None:
+        """Let the paused training go on."""
+        release(self.root, self.run_name)
 
     def wait_until(self, condition, what: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
