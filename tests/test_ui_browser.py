@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from deployments.serve import tune_preset_parameters
-from pipeline_config import SearchSpace, TuneConfig, TunePipelineConfig
+from pipeline_config import ModelConfig, SearchSpace, TuneConfig, TunePipelineConfig
 from reporting.reports import KEYS, comparison_keys
+from tests.support.models import SMALL_MODEL
 from tests.support.prefect_server import TUNE_FLOW, PrefectServer, far_cron, serve_deployments, stop_group, wait_for
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,7 @@ FORM_FIELDS = {  # label -> its description, as the schema gives them
     "Source (Optional)": "auto: try the official MNIST mirrors",
     "Min Accuracy (Optional)": "Gate: the flow fails (keeping every artifact) below this test accuracy.",
     "Storage Root (Optional)": "Folder every Ray node can reach",
+    "Name (Optional)": ModelConfig.model_fields["name"].description[:40],  # model.name
 }
 # The tune deployment's form, label -> the start of its description (from the model, which is
 # still moving); the UI labels a nested section by its model's title ("TuneConfig").
@@ -134,6 +136,7 @@ def test_run_form_is_typed_described_and_refuses_invalid_values(page, server, se
     assert epochs.get_attribute("type") == "number" and epochs.get_attribute("min") == "1"
     assert epochs.input_value() == "1"  # the smoke values the manual deployment was served with
     assert "sample" in field_group(page, "Source (Optional)").inner_text()  # a choice (enum), not free text
+    assert page.get_by_label("Name (Optional)", exact=True).input_value() == "resnet18"  # model.name, the served default
 
     epochs.fill("0")
     page.get_by_role("button", name="Submit").click()
@@ -170,7 +173,8 @@ def test_tune_run_form_shows_the_typed_described_tune_section(page, server, serv
 
 @pytest.fixture(scope="module")
 def form_run(browser, server, served, shots) -> dict:
-    """A run started from the form with changed parameters (run name and seed), waited for to the end."""
+    """A run started from the form with changed parameters (run name, seed, and model.name: the small
+    model, since these tests are about the UI, not the network), waited for to the end."""
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     page.set_default_timeout(60_000)
@@ -180,6 +184,7 @@ def form_run(browser, server, served, shots) -> dict:
         run_name.get_by_role("tab", name="str").click()  # the field is str | None: pick str, then type
         run_name.get_by_role("tabpanel").locator("textarea").fill("ui-run")
         page.get_by_label("Seed (Optional)", exact=True).fill("5")
+        page.get_by_label("Name (Optional)", exact=True).fill(SMALL_MODEL)
         page.screenshot(path=shots / "run-form-filled.png")
         page.get_by_role("button", name="Submit").click()
         page.wait_for_url(re.compile(r"/deployments/deployment/[^/?]+\?tab=Runs"))
@@ -197,7 +202,7 @@ def form_run(browser, server, served, shots) -> dict:
 def test_run_from_the_form_completes_with_the_changed_parameters(form_run, server):
     assert form_run["state_type"] == "COMPLETED", form_run["state"]["message"]
     config = form_run["parameters"]["config"]
-    assert config["run_name"] == "ui-run" and config["train"]["seed"] == 5
+    assert config["run_name"] == "ui-run" and config["train"]["seed"] == 5 and config["model"]["name"] == SMALL_MODEL
     assert config["train"]["epochs"] == 1 and config["download"]["source"] == "sample"
     assert {t["state_type"] for t in server.task_runs(form_run["id"])} == {"COMPLETED"}
 
