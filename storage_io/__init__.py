@@ -6,6 +6,7 @@ By concern, each importing only the ones above it in this list:
     filesystem  local and S3 primitives (join, exists, read_bytes, list_files, remove, sha256)
     writes      atomic writes, folders built in staging and published whole, local copies
     layout      where a run's files live under the root (`StorageLayout`)
+    paths       paths the root stores about itself, relative to it (a root can be copied or moved)
     locks       build locks and run leases
 
 The names below are the package's API: ``from storage_io import StorageLayout, join``.
@@ -44,6 +45,16 @@ from storage_io.filesystem import (
 )
 from storage_io.layout import (
     StorageLayout,
+)
+from storage_io.paths import (
+    ROOT_FOLDERS,
+    StoredPathError,
+    from_stored,
+    has_control_characters,
+    mapped_places,
+    relative_to_root,
+    stored_places,
+    to_stored,
 )
 from storage_io.locks import (
     RunInUseError,
@@ -104,6 +115,14 @@ __all__ = [
     "staging_dir",
     "publish_dir",
     "StorageLayout",
+    "ROOT_FOLDERS",
+    "StoredPathError",
+    "from_stored",
+    "has_control_characters",
+    "mapped_places",
+    "relative_to_root",
+    "stored_places",
+    "to_stored",
     "file_lock",
     "RunInUseError",
     "lease_path",

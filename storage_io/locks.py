@@ -19,8 +19,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from storage_io.errors import s3_write_error
-from storage_io.filesystem import S3_SCHEME, S3Settings, join, list_files, read_json, remove
+from storage_io.filesystem import S3_SCHEME, S3Settings, join, list_files, read_bytes, read_json, remove
 from storage_io.layout import StorageLayout
+from storage_io.paths import StoredPathError, stored_places, to_stored
 from storage_io.writes import atomic_write_json
 
 
@@ -80,9 +81,13 @@ def _s3_lock(uri: str, deadline: float, timeout_s: float) -> Iterator[None]:
         except ClientError as exc:
             if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
                 raise s3_write_error(exc, uri) from exc
-        holder = read_json(uri)
-        if isinstance(holder, dict) and _lock_is_stale(holder):
-            client.delete_object(Bucket=bucket, Key=key)  # left by a process that died holding it
+        holder = _lock_holder(uri)
+        if holder is _GONE:
+            continue  # released meanwhile
+        if holder is _NOT_A_LOCK or (isinstance(holder, dict) and _lock_is_stale(holder)):
+            # left by a process that died holding it, or not an S3 lock at all: a local root's
+            # lock file copied into the bucket with the rest of the root (aws s3 sync)
+            client.delete_object(Bucket=bucket, Key=key)
             continue
         if time.monotonic() > deadline:
             raise TimeoutError(f"waited {timeout_s:g}s for {uri}, held by {holder}") from None
@@ -96,6 +101,25 @@ def _s3_lock(uri: str, deadline: float, timeout_s: float) -> Iterator[None]:
             client.delete_object(Bucket=bucket, Key=key)
         except ClientError as exc:  # never hide the block's own error; the next taker breaks it
             logging.getLogger(__name__).warning("could not release the lock %s (%s); it is broken when taken next", uri, exc)
+
+
+_GONE, _NOT_A_LOCK = object(), object()
+
+
+def _lock_holder(uri: str):
+    """The holder an S3 lock object names; _GONE when it is not there; _NOT_A_LOCK when its body is
+    no holder (every S3 lock is written whole, with its holder, in one PUT); None when it cannot be read now."""
+    try:
+        body = read_bytes(uri)
+    except FileNotFoundError:
+        return _GONE
+    except OSError:
+        return None
+    try:
+        holder = json.loads(body)
+    except ValueError:
+        return _NOT_A_LOCK
+    return holder if isinstance(holder, dict) and "pid" in holder else _NOT_A_LOCK
 
 
 def _lock_is_stale(holder: dict) -> bool:
@@ -138,8 +162,21 @@ def live_leases(layout: StorageLayout) -> dict[str, dict]:
 
 
 def paths_in_use(layout: StorageLayout) -> list[str]:
-    """Folders other live runs on this storage root read (their raw data and Parquet datasets)."""
-    return [str(p) for lease in live_leases(layout).values() for p in lease.get("uses", [])]
+    """Folders other live runs on this storage root read (their raw data and Parquet datasets).
+
+    A lease stores them relative to the root (`storage_io.paths`); an older lease's absolute path
+    counts as itself and as the same place under this root when that exists (a copied root).
+    """
+    places: list[str] = []
+    for run, lease in live_leases(layout).items():
+        uses = lease.get("uses", [])
+        for stored in uses if isinstance(uses, list) else [uses]:
+            try:
+                found = stored_places(layout.root, stored, existing_only=True)
+            except StoredPathError as exc:
+                raise ValueError(f"{lease_path(layout, run)}: damaged lease ({exc}); cannot tell which folders run {run!r} reads") from exc
+            places += [place for place in found if place not in places]
+    return places
 
 
 @contextmanager
@@ -165,5 +202,6 @@ def lease_uses(layout: StorageLayout, *folders: str) -> None:
     path = lease_path(layout)
     lease = read_json(path)
     if isinstance(lease, dict):
-        lease["uses"] = sorted(set(lease.get("uses", [])) | set(folders))
+        stored = {to_stored(layout.root, folder) for folder in folders}  # relative to the root: it can move
+        lease["uses"] = sorted(set(lease.get("uses", [])) | stored)
         atomic_write_json(path, lease)

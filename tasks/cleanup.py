@@ -9,6 +9,10 @@ nothing is deleted. The dry run applies the same checks, so it lists exactly wha
 The model registry is never touched: nothing under ``<root>/models/`` and none of the data a
 promoted version's model card names (`training.registry.protected_data`). A selected path that
 is, holds or lies inside such a folder is kept, listed with why in the report (dry run or not).
+Cards name that data relative to the storage root, so a copied or moved root keeps its champion's
+data; an older card's absolute path protects the same place under this root too, and a card that
+cannot be read keeps all of ``raw/`` and ``datasets/``. Nothing outside the current root is ever
+deleted, whatever a card or lease names.
 
 Whatever the policy, incomplete checkpoint folders in the run folder go too (`incomplete_checkpoints`):
 debris of an upload that failed or was cut short, which Ray Train never registered. A checkpoint

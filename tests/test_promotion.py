@@ -81,7 +81,11 @@ def test_promoted_only_when_better_than_the_champion(tmp_path):
     assert pointer["version"] == 2 and pointer["run_name"] == "r5" and pointer["test_accuracy"] == 0.96
     card = registry.read_card(layout.root, MODEL, 2)
     assert card["run_name"] == "r5" and card["flow_run_id"] == "id-r5" and card["code_version"] == "abc123"
-    assert card["data"]["manifest_hash"] == registry.data_hash(data) and card["data"]["dataset_dir"] == data
+    assert card["data"]["manifest_hash"] == registry.data_hash(data)
+    # Paths relative to the storage root (issue 37: a root can be copied or moved)
+    assert card["data"]["dataset_dir"] == "datasets/mnist-a" and card["data"]["raw_dir"] == "raw/sample"
+    assert card["checkpoint"] == "runs/r5/checkpoint_000000"
+    assert json.loads(Path(registry.champion_path(layout.root, MODEL)).read_text())["path"] == f"models/{MODEL}/v2"
     assert card["config"] == {"train": {"epochs": 1}} and card["metrics"]["test_accuracy"] == 0.96
     assert card["previous_champion"] == {"version": 1, "test_accuracy_on_this_data": 0.90, "rescored": False}
     assert registry.read_card(layout.root, MODEL, 1)["files"] == ["_checksums.json", "confusion_matrix.png", "model.pt"]
