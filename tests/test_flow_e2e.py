@@ -1,17 +1,25 @@
 """The real flow end to end: smoke preset, real local Ray (2 CPUs, 2 training workers), real Prefect API.
 
+Every run trains the small model (``training.models:small_cnn``, tests/support/models.py): these
+tests prove the stages, the gate, promotion and the Ray connection, not the network. The seeds'
+checkpoint contract (model.pt loads into a torchvision ResNet-18 built the seeds' way) is checked
+on the ResNet-18 run of tests/test_default_recipe.py.
+
 Slow (minutes): marked ``slow``; ``make test`` runs it, ``make test-fast`` skips it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import httpx
@@ -25,7 +33,9 @@ from prefect.testing.utilities import prefect_test_harness
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config.settings import parse_cli
 from reporting.reports import KEYS
-from tests.support.runs import torchvision_resnet18_seed_style
+from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
+from training.model import checkpoint_model, load_model
+from training.models import ModelSpec, small_cnn
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,7 +50,9 @@ def storage(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def smoke_run(storage):
     """One smoke run of the flow against a real (temporary) Prefect server; returns (state, summary, API data)."""
-    config = parse_cli(["--preset", "smoke", "--storage-root", str(storage), "--run-name", "smoke-e2e"]).pipeline_config()
+    config = parse_cli(
+        ["--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage), "--run-name", "smoke-e2e"]
+    ).pipeline_config()
     with prefect_test_harness(server_startup_timeout=120):
         state = mnist_pipeline(config, return_state=True)
         flow_run_id = state.state_details.flow_run_id
@@ -78,7 +90,9 @@ def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
     assert all(run.state.is_completed() for run in task_runs)
 
 
-def test_ray_train_run_and_checkpoints_keep_the_seeds_contract(smoke_run, storage):
+def test_ray_train_checkpoints_record_the_model_they_hold_and_load_back(smoke_run, storage):
+    """The Ray Train run and its checkpoint files, with the model named by ``model.name`` recorded in
+    extra_state.pt and rebuilt from it. (On ResNet-18, the seeds' contract: tests/test_default_recipe.py.)"""
     from ray.train import Result
 
     _, summary, _, _ = smoke_run
@@ -87,9 +101,16 @@ def test_ray_train_run_and_checkpoints_keep_the_seeds_contract(smoke_run, storag
     best = Path(summary["best_checkpoint"])
     assert best.parent == storage / "runs" / "smoke-e2e"
     assert {"model.pt", "optimizer.pt", "extra_state.pt"} <= {p.name for p in best.iterdir()}
-    model = torchvision_resnet18_seed_style()
-    model.load_state_dict(torch.load(best / "model.pt", map_location="cpu", weights_only=True))
-    assert torch.load(best / "extra_state.pt", weights_only=True)["epoch"] == 0
+    extra = torch.load(best / "extra_state.pt", weights_only=True)
+    assert extra["epoch"] == 0
+    spec = ModelSpec(name=SMALL_MODEL, in_channels=1, num_classes=10)
+    assert extra["model"] == spec.model_dump() and checkpoint_model(best) == spec
+    model = load_model(best)  # built from what extra_state.pt records, then the weights loaded strictly
+    fresh = small_cnn(in_channels=1, num_classes=10)
+    assert [(name, p.shape) for name, p in model.named_parameters()] == [(name, p.shape) for name, p in fresh.named_parameters()]
+    weights = torch.load(best / "model.pt", map_location="cpu", weights_only=True)
+    assert weights.keys() == model.state_dict().keys()  # the DDP wrapper's "module." prefix is not saved
+    assert all(tensor.equal(model.state_dict()[name]) for name, tensor in weights.items())
 
 
 def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smoke_run, storage, tmp_path):
@@ -102,7 +123,7 @@ def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smok
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")} | {"PREFECT_API_URL": api_url}
         out = subprocess.run(
             [
-                sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage),
+                sys.executable, "-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage),
                 "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out), "--json",
             ],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
@@ -141,7 +162,7 @@ def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smok
 
 def _cli(storage: Path, run_name: str, *args: str, env: dict[str, str]) -> tuple[subprocess.CompletedProcess, dict]:
     out = subprocess.run(
-        [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(storage), "--run-name", run_name,
+        [sys.executable, "-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage), "--run-name", run_name,
          "--summary-out", str(storage.parent / f"{run_name}.json"), *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
     )
@@ -149,14 +170,18 @@ def _cli(storage: Path, run_name: str, *args: str, env: dict[str, str]) -> tuple
     return out, json.loads((storage.parent / f"{run_name}.json").read_text())
 
 
-def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_with_the_champion(smoke_run, storage):
+def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_with_the_champion(smoke_run, storage, ray_cluster):
     """After the first run (champion v1) and the failed gate: a worse run is not promoted; a better one
     on changed data (the champion scored again on its test set) is, and its cleanup keeps the data its
     model card names. The comparison table in the Prefect API lists all four runs; `flows.predict`
-    on the champion's test split gives exactly the evaluation's predictions. Single-process training
-    keeps the two extra runs short (about a minute each)."""
+    on the champion's test split gives exactly the evaluation's predictions.
+
+    The worse run trains in one process (``train.mode single``) on its own local Ray. The better one
+    connects to an existing Ray cluster (``ray.address``, a head node from ``ray start``): its stages
+    and its two Ray Train workers run there, and the cluster is still up after the run."""
     from pyarrow import parquet as pq
 
+    address, cluster_env = ray_cluster
     champion = json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())
     with prefect_test_harness(server_startup_timeout=120):
         api_url = get_current_settings().api.url
@@ -165,11 +190,24 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
             storage, "worse", "--train.mode", "single", "--train.learning-rate", "1e-6", "--evaluate.min-accuracy", "0", env=env
         )
         better_out, better = _cli(
-            storage, "better", "--train.mode", "single", "--train.epochs", "2", "--parquet.validation-every", "10",
-            "--cleanup.delete-parquet", "--cleanup.delete-raw", env=env,
+            storage, "better", "--train.epochs", "2", "--parquet.validation-every", "10", "--ray.address", address,
+            "--cleanup.delete-parquet", "--cleanup.delete-raw", env=cluster_env | {"PREFECT_API_URL": api_url},
         )
         table = httpx.get(f"{api_url}/artifacts/mnist-resnet18-run-comparison/latest").raise_for_status().json()
         picture = httpx.get(f"{api_url}/artifacts/mnist-resnet18-accuracy-over-runs/latest").raise_for_status().json()
+
+    # The better run on the existing cluster: completed there (its gate passed), the cluster still up
+    assert "Ray: local cluster" in worse_out.stdout and "Ray: the cluster at" not in worse_out.stdout
+    assert f"Ray: the cluster at {address}" in better_out.stdout and "Ray: local cluster" not in better_out.stdout
+    assert better["status"] == "completed"
+    config = json.loads((storage / "runs" / "better" / "summary.json").read_text())["config"]
+    assert config["ray"]["address"] == address
+    assert config["train"]["mode"] == "distributed" and config["train"]["num_workers"] == 2
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address='{address}'); print(ray.cluster_resources()['CPU'])"],
+        env=cluster_env, capture_output=True, text=True, timeout=120,
+    )
+    assert probe.returncode == 0 and probe.stdout.strip().endswith("2.0"), probe.stderr[-2000:]
 
     assert worse["test_accuracy"] < champion["test_accuracy"]
     assert worse["promotion"]["promoted"] is False and "does not beat champion v1" in worse["promotion"]["reason"]
@@ -185,7 +223,9 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
     card = json.loads((models / "v2" / "model_card.json").read_text())
     assert pointer["version"] == 2 and pointer["run_name"] == card["run_name"] == "better"
     manifest = Path(better["data"]["dataset_dir"]) / "_manifest.json"
-    assert card["data"]["dataset_dir"] == better["data"]["dataset_dir"] != json.loads((models / "v1" / "model_card.json").read_text())["data"]["dataset_dir"]
+    # A card names its data relative to the storage root (absolute in cards written before that)
+    v1_card = json.loads((models / "v1" / "model_card.json").read_text())
+    assert str(storage / card["data"]["dataset_dir"]) == better["data"]["dataset_dir"] != str(storage / v1_card["data"]["dataset_dir"])
     assert card["data"]["manifest_hash"] == hashlib.sha256(manifest.read_bytes()).hexdigest()
     assert card["config"]["train"]["epochs"] == 2 and card["config"]["parquet"]["validation_every"] == 10
     assert card["flow_run_id"] == better["flow_run_id"]
@@ -241,24 +281,36 @@ def ray_cluster():
     try:
         yield f"127.0.0.1:{port}", env
     finally:
-        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_cluster(temp)
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_flow_connects_to_an_existing_ray_cluster(ray_cluster, tmp_path):
-    """ray.address set: the stages run on that cluster, which is still up after the run."""
-    address, env = ray_cluster
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--storage-root", str(tmp_path / "storage"),
-         "--run-name", "on-cluster", "--ray.address", address, "--json"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
-    assert summary["status"] == "completed" and summary["test_accuracy"] >= 0.5
-    assert f"Ray: the cluster at {address}" in out.stdout
-    probe = subprocess.run(
-        [sys.executable, "-c", f"import ray; ray.init(address='{address}'); print(ray.cluster_resources()['CPU'])"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )
-    assert probe.returncode == 0 and probe.stdout.strip().endswith("2.0"), probe.stderr[-2000:]
+def _processes() -> dict[int, tuple[int, list[str]]]:
+    """pid -> (parent pid, command line) of every process on the machine, read from /proc."""
+    found = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError):
+            continue
+        if stat[0] != "Z":  # a zombie has exited already
+            found[int(entry)] = (int(stat[1]), [part.decode(errors="replace") for part in cmdline if part])
+    return found
+
+
+def _stop_cluster(temp: str, timeout_s: float = 30) -> None:
+    """SIGKILL the head node whose session lives under ``temp``, as `ray stop --force` does: the
+    processes naming that folder (GCS, raylet, monitors) and their children (agents, workers). Only
+    those: `ray stop` would stop every Ray on the machine, other runs' local Rays included."""
+    procs = _processes()
+    ours = {pid for pid, (_, args) in procs.items() if any(temp + "/" in arg or arg.endswith(temp) for arg in args)}
+    while children := {pid for pid, (ppid, _) in procs.items() if ppid in ours} - ours:
+        ours |= children
+    for pid in ours:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while (ours := ours & set(_processes())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not ours, f"the Ray cluster under {temp} left processes {sorted(ours)} behind"
