@@ -20,7 +20,9 @@ from pipeline_config import TrainConfig, TransformConfig, TuneConfig, TunePipeli
 from pipeline_config.settings import PipelineSettings, parse_cli
 from reporting.reports import trial_curves_png, trial_rows
 from tests.support.cli import ROOT, CliRun, wait_gone
+from tests.support.models import SMALL_MODEL, pause_env
 from tests.support.prefect_server import free_port
+from training.faults import FAULT_ENV, paused, release_pauses
 from training.tuning import (
     TrialRecord,
     best_config_values,
@@ -168,21 +170,38 @@ def _trial_states(run_dir: Path) -> dict[str, str]:
     return states
 
 
+def _paused_trials(run_dir: Path) -> set[str]:
+    """The trials whose training has paused (test-only pause; each trial has its own faults folder)."""
+    return {faults.parent.name for faults in (run_dir / "trials").glob("*/faults") if paused(str(faults))}
+
+
 @pytest.mark.slow
 def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its_best_config_trains(tmp_path):
-    """The smoke search (4 trials of up to 2 epochs, ASHA after epoch 1) on the bundled sample, on 2 CPUs.
+    """The smoke search (4 trials of up to 2 epochs, ASHA after epoch 1) of the small model (CliRun's) on the
+    bundled sample, on 2 CPUs (one trial at a time).
 
     Every trial's worker is SIGKILLed at step 3 of epoch 2 (test-only fault injection), which Ray
-    Train repairs inside the trial. Once Tune has recorded a finished trial, the whole CLI is
-    SIGKILLed (driver, Ray, Prefect server); the same command with the same --run-name restores
-    the search, leaves the finished trials alone and completes. Then the best config file trains
-    through the main flow to a passing gate.
+    Train repairs inside the trial. In the first run every trial also pauses at its first step
+    (test-only pause): the first trial is let go, and once Tune has recorded it finished while the
+    second is held mid-way, the whole CLI is SIGKILLed (driver, Ray, Prefect server); the same
+    command with the same --run-name (kill fault only) restores the search, leaves the finished
+    trial alone and completes the other three. Then the best config file (which carries model.name)
+    trains through the main flow to a passing gate.
     """
-    fault = {"MNIST_FAULT_INJECT": "kill:rank=0:epoch=1:step=3"}
+    kill = "kill:rank=0:epoch=1:step=3"
+    fault = {FAULT_ENV: f"{kill};{pause_env(epoch=0, step=0)[FAULT_ENV]}"}
     first = CliRun(tmp_path, "tune-killed", env=fault, module="flows.tune")
     run_dir = first.root / "runs" / "tune-killed"
-    first.wait_until(lambda: "TERMINATED" in _trial_states(run_dir).values(), "a finished trial in Tune's state", 420)
+    first.wait_until(lambda: _paused_trials(run_dir), "the first trial's pause", 420)
+    (opener,) = _paused_trials(run_dir)
+    release_pauses(str(run_dir / "trials" / opener / "faults"))
+    first.wait_until(
+        lambda: "TERMINATED" in _trial_states(run_dir).values() and len(_paused_trials(run_dir)) == 2,
+        "the first trial finished in Tune's state and the second paused", 420,
+    )
     finished = {trial for trial, status in _trial_states(run_dir).items() if status == "TERMINATED"}
+    (held,) = _paused_trials(run_dir) - {opener}
+    assert finished == {opener}, _trial_states(run_dir)  # killed mid-way: one trial done, one running, two to come
     pids = first.processes()
     first.kill()
     first.proc.wait(timeout=30)  # reaped: a zombie's pid would still hold the run's lease
@@ -190,36 +209,38 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its
     before = {trial: (run_dir / "trials" / trial / "history.jsonl").read_bytes() for trial in finished}
     attempts_before = {trial: (run_dir / "trials" / trial / "train_attempts.jsonl").read_text() for trial in finished}
 
-    resumed = CliRun(tmp_path, "tune-killed", env=fault, module="flows.tune")
+    resumed = CliRun(tmp_path, "tune-killed", env={FAULT_ENV: kill}, module="flows.tune")
     code, _ = resumed.finish(600)
     out = resumed.output()
     assert code == 0, out[-3000:]
     summary = resumed.summary()
     tuning = summary["tuning"]
     assert summary["status"] == "completed" and tuning["restored"] is True
-    assert tuning["trials"] == 4 and tuning["errored"] == 0
+    assert tuning["trials"] == 4 and tuning["errored"] == 0 and summary["config"]["model"]["name"] == SMALL_MODEL
     # Finished trials were not rerun: their Ray Train runs are byte for byte what they were.
     for trial in finished:
         assert (run_dir / "trials" / trial / "history.jsonl").read_bytes() == before[trial]
         assert (run_dir / "trials" / trial / "train_attempts.jsonl").read_text() == attempts_before[trial]
     # ASHA stopped at least one trial after its first epoch; the others ran the budget of 2.
     epochs = {p.name: len((p / "history.jsonl").read_text().splitlines()) for p in (run_dir / "trials").iterdir()}
-    assert set(epochs.values()) <= {1, 2}, epochs
+    assert set(epochs.values()) <= {1, 2} and len(epochs) == 4 and held in epochs, epochs  # the held trial ran again
     assert tuning["stopped_early"] >= 1 and 1 in epochs.values(), epochs
     # Every trial that reached epoch 2 lost its worker there and Ray Train went on from epoch 1's checkpoint.
     for trial, count in epochs.items():
         if count == 2:
             starts = [json.loads(line)["start_epoch"] for line in (run_dir / "trials" / trial / "train_attempts.jsonl").read_text().splitlines()]
             assert starts[0] == 0 and 1 in starts, (trial, starts)
-            assert list((run_dir / "trials" / trial / "faults").glob("*.fired"))
+            assert list((run_dir / "trials" / trial / "faults").glob("kill-*.fired"))
     best = tuning["best_trial"]
     assert best["trial_id"] in epochs and best["val_ce"] == min(
         json.loads(line)["val_ce"] for p in (run_dir / "trials").iterdir() for line in (p / "history.jsonl").read_text().splitlines())
     assert "best trial" in out and "best config" in out
 
-    # The best config file, as the summary names it, trains through the main flow.
+    # The best config file, as the summary names it, trains through the main flow: the small model
+    # too, since the file names the model the trials trained (no --model.name here).
     config_file = Path(best["config_file"])
     chosen = yaml.safe_load(config_file.read_text())
+    assert chosen["model"] == {"name": SMALL_MODEL}
     started = time.monotonic()
     main = subprocess.run(
         [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--config-file", str(config_file),
@@ -233,6 +254,7 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its
     config = json.loads((first.root / "runs" / "best" / "summary.json").read_text())["config"]
     assert config["train"]["learning_rate"] == chosen["train"]["learning_rate"]
     assert config["transform"]["shift_px"] == chosen["transform"]["shift_px"]
+    assert config["model"]["name"] == SMALL_MODEL
     print(f"main flow on the best config: {time.monotonic() - started:.1f}s, test accuracy {trained['test_accuracy']:.4f}")
 
 
