@@ -31,6 +31,7 @@ from storage_io import (
 )
 from tasks.cleanup import check_deletable, cleanup
 from tests.support.digits import real_digits_mirror
+from tests.support.models import SMALL_MODEL_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -150,8 +151,8 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
 
     storage = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "storage")
     flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
-    common = [*flags, "--storage-root", storage, "--train.epochs", "1", "--train.global-batch-size", "64",
-              "--evaluate.min-accuracy", "0"]
+    common = [*flags, *SMALL_MODEL_ARGS, "--storage-root", storage, "--train.epochs", "1",
+              "--train.global-batch-size", "64", "--evaluate.min-accuracy", "0"]
     # One Prefect server for both, as deployments have: two CLI runs without PREFECT_API_URL would
     # each start a temporary server on the same default SQLite database.
     with prefect_test_harness(server_startup_timeout=120):
