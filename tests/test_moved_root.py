@@ -17,7 +17,6 @@ import socket
 import time
 from pathlib import Path
 
-import boto3
 import pytest
 
 from dataset.parquet import ParquetDataset
@@ -27,7 +26,6 @@ from storage_io import (
     MANIFEST,
     StorageLayout,
     StoredPathError,
-    atomic_write_bytes,
     atomic_write_json,
     exists,
     from_stored,
@@ -42,6 +40,7 @@ from storage_io import (
 )
 from tasks.cleanup import cleanup
 from tasks.evaluate import Evaluation
+from tests.support.registry import light_candidate, s3_objects
 from tests.support.runs import build_run_tree
 from training import registry
 from training.model import MODEL_FILE, SEEDS_MODEL
@@ -183,22 +182,6 @@ def test_a_copied_roots_live_lease_protects_the_copys_folders(tmp_path):
         lease_uses(StorageLayout.create(str(copy_root), "writer"), copy_raw.directory)
         assert read_json(path)["uses"] == ["raw/sample"]
         assert copy_raw.directory in paths_in_use(copy_layout)
-
-
-def light_candidate(layout: StorageLayout, run: str, accuracy: float, dataset: str) -> registry.Candidate:
-    """A candidate whose model.pt is a few bytes (the registry copies and checksums it, never loads it):
-    keeps the S3 tests from moving a ResNet-18's 45 MB around the loopback server again and again."""
-    checkpoint = join(layout.runs_dir, run, "checkpoint_000000")
-    atomic_write_bytes(join(checkpoint, MODEL_FILE), f"weights of {run}".encode())
-    return registry.Candidate(run_name=run, checkpoint=checkpoint, accuracy=accuracy, passed_gate=True,
-                              data_hash=registry.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"))
-
-
-def s3_objects(root: str) -> list[str]:
-    bucket, _, prefix = root.removeprefix("s3://").partition("/")
-    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
-    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix + "/")
-    return sorted(item["Key"][len(prefix) + 1 :] for page in pages for item in page.get("Contents", []))
 
 
 @pytest.mark.parametrize("older_format", [False, True], ids=["relative-paths", "older-absolute-paths"])

@@ -7,7 +7,6 @@ cleanup task. The end-to-end runs through the flow are in tests/test_promotion_f
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys
@@ -24,39 +23,15 @@ from dataset.inputs import read_folder
 from dataset.parquet import to_table
 from pipeline_config import CleanupConfig, PipelineConfig, PromoteConfig
 from reporting.reports import accuracy_over_runs_png, comparison_rows
-from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, exists, join, read_json
+from storage_io import MANIFEST, StorageLayout, atomic_write_json, exists, join, read_json
 from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
+from tests.support.registry import candidate, make_dataset
 from tests.support.runs import torchvision_resnet18_seed_style
 from training import registry
 from training.model import MODEL_FILE, build_resnet18, load_model
 
 MODEL = "mnist-resnet18"
-
-
-def make_checkpoint(folder: str, seed: int = 0) -> str:
-    """A checkpoint folder holding a real ResNet-18's model.pt (seeded weights)."""
-    torch.manual_seed(seed)
-    buffer = io.BytesIO()
-    torch.save(build_resnet18().state_dict(), buffer)
-    atomic_write_bytes(join(folder, MODEL_FILE), buffer.getvalue())
-    return folder
-
-
-def make_dataset(layout: StorageLayout, name: str) -> str:
-    """A dataset folder with a manifest (what data_hash reads)."""
-    folder = join(layout.root, "datasets", name)
-    atomic_write_json(join(folder, MANIFEST), {"fingerprint": name})
-    return folder
-
-
-def candidate(layout: StorageLayout, run: str, accuracy: float, dataset: str, passed: bool = True, seed: int = 0):
-    checkpoint = make_checkpoint(join(layout.runs_dir, run, "checkpoint_000000"), seed)
-    return registry.Candidate(
-        run_name=run, flow_run_id=f"id-{run}", checkpoint=checkpoint, accuracy=accuracy, passed_gate=passed,
-        data_hash=registry.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"),
-        metrics={"rows": 1000}, config={"train": {"epochs": 1}}, code_version="abc123",
-    )
 
 
 def test_promoted_only_when_better_than_the_champion(tmp_path):
@@ -147,7 +122,7 @@ RACER = """
 import sys
 from storage_io import StorageLayout
 from training import registry
-from tests.test_promotion import candidate
+from tests.support.registry import candidate
 layout = StorageLayout.create(sys.argv[1], "unused")
 result = registry.promote(layout, "mnist-resnet18", candidate(layout, sys.argv[2], float(sys.argv[3]), sys.argv[4]))
 print(result.model_dump_json())

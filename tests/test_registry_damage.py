@@ -18,8 +18,7 @@ import pytest
 from pipeline_config import CleanupConfig
 from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 from tests.support.cli import ROOT
-from tests.test_moved_root import light_candidate, s3_objects
-from tests.test_promotion import candidate, make_dataset
+from tests.support.registry import candidate, light_candidate, make_dataset, s3_objects
 from training import registry
 
 MODEL = "mnist-resnet18"
