@@ -9,11 +9,18 @@ The images go through the same Ray Data actor pool the evaluation stage uses
 (``transform.mean``/``std``, ``evaluate.tta``), so scoring a run's own test split reproduces its
 evaluation's accuracy. With labels in the input, the accuracy is printed too. A local Ray is
 started for the command (or ``--ray-address`` joins a cluster); no Prefect API is needed.
+
+Everything is checked before Ray starts, and a bad input exits 2 naming the file or field: every
+input file (`dataset.inputs`), the registry (a damaged pointer or card, a model.pt that does not
+match its checksum: `training.registry.resolve`), and ``--output`` (a folder or another kind of
+file is refused; an existing file only replaced with ``--overwrite``, keeping its mode).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -26,7 +33,7 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 from dataset.inputs import NO_LABEL, read_folder
 from flows.runtime import local_gcs_port, ray_init_args
 from pipeline_config import EvaluateConfig, PipelineConfig, PromoteConfig, RayConfig, TransformConfig
-from storage_io import StorageLayout, atomic_write_bytes, join
+from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
 from training import registry
 
 
@@ -48,6 +55,62 @@ class PredictSettings(BaseSettings):
     num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
     ray_address: str | None = Field(None, description="Unset: a local Ray for this command. 'auto' or 'host:port': that cluster.")
+    overwrite: bool = Field(False, description="Replace --output when that file exists already (unset: an existing file is refused).")
+
+
+def check_output(output: str, overwrite: bool) -> int | None:
+    """Refuse an --output that cannot or may not be written, before any work; the mode to keep when it is replaced.
+
+    A folder, a symbolic link or any other non-regular file is never replaced; an existing
+    regular file only with ``overwrite``. ValueError naming the path and what is wrong.
+    """
+    if not output.strip() or has_control_characters(output):
+        raise ValueError(f"--output {output!r}: empty, or contains a line break or another control character")
+    if is_remote(output):
+        PipelineConfig(storage_root=output)  # the bucket-name and prefix rules of an s3:// root
+        if is_dir(output):
+            raise ValueError(f"--output {output}: is a folder (objects exist under it); name a file, e.g. {output.rstrip('/')}/predictions.parquet")
+        if is_file(output) and not overwrite:
+            raise ValueError(f"--output {output}: exists already; pass --overwrite to replace it")
+        return None
+    path = Path(output).expanduser()
+    if path.is_symlink():
+        raise ValueError(f"--output {path}: is a symbolic link; name the file itself")
+    if path.is_dir():
+        raise ValueError(f"--output {path}: is a folder; name a file, e.g. {path / 'predictions.parquet'}")
+    if path.exists():
+        mode = path.stat().st_mode
+        if not stat.S_ISREG(mode):
+            raise ValueError(f"--output {path}: exists and is not a regular file (a device, pipe or socket); name another file")
+        if not overwrite:
+            raise ValueError(f"--output {path}: exists already; pass --overwrite to replace it")
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"--output {path}: exists and is not writable")
+        return stat.S_IMODE(mode)
+    probe = path.absolute().parent
+    while not probe.exists():
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--output {path}: {probe} is a file, not a folder")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {path}: {probe} is not writable")
+    return None
+
+
+def _new_file_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def default_output(root: str, model: str, version: int) -> str:
+    """``<root>/predictions/<model>-v<N>-<time>.parquet``, never an existing file's name."""
+    stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    output, n = join(root, "predictions", f"{model}-v{version}-{stamp}.parquet"), 1
+    while exists(output):
+        n += 1
+        output = join(root, "predictions", f"{model}-v{version}-{stamp}-{n}.parquet")
+    return output
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,20 +120,25 @@ def main(argv: list[str] | None = None) -> int:
         PromoteConfig(model_name=settings.model)  # the same name rule as the flow's
         ray_cfg = RayConfig(address=settings.ray_address)
         root = PipelineConfig(storage_root=settings.storage_root).storage_root
+        keep_mode = check_output(settings.output, settings.overwrite) if settings.output is not None else None
         layout = StorageLayout.create(root, "predict")
         layout.check_reachable()
+        # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
         version, folder, card = registry.resolve(layout.root, settings.model, settings.version)
+        run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
+        try:
+            transform = TransformConfig.model_validate(run_config.get("transform") or {})
+            evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
+                update={"num_actors": settings.num_actors, "batch_rows": settings.batch_rows}
+            )
+            model_spec = registry.card_model(card)
+        except ValidationError as exc:
+            raise registry.RegistryDamaged([f"{join(folder, registry.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
         table = read_folder(settings.input)
+        output = settings.output or default_output(layout.root, settings.model, version)
     except (ValidationError, ValueError) as exc:
         print(f"invalid input:\n{exc}", file=sys.stderr)
         return 2
-    run_config = card.get("config") or {}
-    transform = TransformConfig.model_validate(run_config.get("transform") or {})
-    evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
-        update={"num_actors": settings.num_actors, "batch_rows": settings.batch_rows}
-    )
-    stamp = f"{datetime.now(UTC):%Y%m%d-%H%M%S}"
-    output = settings.output or join(layout.root, "predictions", f"{settings.model}-v{version}-{stamp}.parquet")
     print(f"Scoring {len(table):,} digits from {settings.input} with {settings.model} v{version} (run {card.get('run_name')})", flush=True)
 
     import ray
@@ -88,14 +156,22 @@ def main(argv: list[str] | None = None) -> int:
         # Driven from a Ray task, as the evaluation stage is: Ray Data's progress lines go to the
         # worker's log, not this terminal (ray.log_to_driver is off).
         scoring = ray.remote(num_cpus=0)(predict_table)
-        out = ray.get(scoring.remote(table, folder, evaluate, transform, registry.card_model(card)))
+        out = ray.get(scoring.remote(table, folder, evaluate, transform, model_spec))
     finally:
         ray.shutdown()
     result = pa.table({"row_id": out["row_id"], "label": out["label"], "pred": out["pred"]})
-    result = result.replace_schema_metadata({"model": settings.model, "version": str(version), "model_dir": folder})
+    model_dir = f"{registry.MODELS_DIR}/{settings.model}/v{version}"  # relative to the storage root
+    result = result.replace_schema_metadata({"model": settings.model, "version": str(version), "model_dir": model_dir})
     buffer = pa.BufferOutputStream()
     pq.write_table(result, buffer)
+    if settings.output is None and exists(output):  # another command took the default name meanwhile
+        output = default_output(layout.root, settings.model, version)
+    elif not settings.overwrite and exists(output):  # appeared while scoring
+        print(f"--output {output}: was created while scoring; not replaced (pass --overwrite)", file=sys.stderr)
+        return 2
     atomic_write_bytes(output, buffer.getvalue().to_pybytes())
+    if not is_remote(output):  # a temporary file's 0600 would otherwise stay
+        os.chmod(output, keep_mode if keep_mode is not None else _new_file_mode())
     labelled = out["label"] != NO_LABEL
     print(f"Predictions: {output}")
     if labelled.any():

@@ -34,8 +34,16 @@ _MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect a
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
+def _no_control_characters(value: str, what: str) -> None:
+    """Names and paths refuse line breaks, tabs, NUL and the other control characters (C0, DEL, C1)."""
+    bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
+    if bad is not None:
+        raise ValueError(f"{value!r}: {what} may not contain a line break or another control character ({bad!r})")
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: every float field is finite (nan and inf are refused, naming the field).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class MirrorChecksums(_Section):
@@ -105,6 +113,7 @@ class DownloadConfig(_Section):
     def _check_mirror(cls, value: str | None) -> str | None:
         if value is None:
             return value
+        _no_control_characters(value, "download.mirror_url")
         if urlparse(value).scheme not in {"http", "https", "file"}:
             raise ValueError("must start with http://, https:// or file://")
         return value.rstrip("/") + "/"
@@ -188,8 +197,9 @@ class ModelConfig(_Section):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
+        _no_control_characters(value, "model.name")
         value = value.strip()
-        if not _MODEL_REF.match(value):
+        if not _MODEL_REF.fullmatch(value):
             raise ValueError(
                 f"{value!r}: use resnet18, a torchvision model's name (e.g. mobilenet_v3_small) or package.module:function"
             )
@@ -365,7 +375,7 @@ class PromoteConfig(_Section):
     @field_validator("model_name")
     @classmethod
     def _check_model_name(cls, value: str) -> str:
-        if not _MODEL_NAME.match(value):
+        if not _MODEL_NAME.fullmatch(value):
             raise ValueError(f"{value!r}: use lowercase letters, digits and '-', starting with a letter or digit (at most 63)")
         return value
 
@@ -408,6 +418,7 @@ class RayConfig(_Section):
     def _check_address(cls, value: str | None) -> str | None:
         if value is None or value == "auto":
             return value
+        _no_control_characters(value, "ray.address")
         parsed = urlparse(value if "://" in value else f"tcp://{value}")
         try:
             port = parsed.port
@@ -450,18 +461,22 @@ class PipelineConfig(_Section):
     def _check_run_name(cls, value: str | None) -> str | None:
         if value is None:
             return value
+        _no_control_characters(value, "run_name")
         if "/" in value or "\\" in value or ".." in value:
             raise ValueError(f"{value!r} may not contain '/', '\\' or '..': it names one folder under runs/")
-        if not _RUN_NAME.match(value):
+        if not _RUN_NAME.fullmatch(value):
             raise ValueError(f"{value!r}: use letters, digits, '-', '_' and '.', starting with a letter or digit")
         return value
 
     @field_validator("storage_root")
     @classmethod
     def _check_storage_root(cls, value: str) -> str:
+        _no_control_characters(value, "storage_root")
+        if not value.strip():
+            raise ValueError("storage_root is empty; use a folder path or s3://bucket/prefix")
         if value.startswith("s3://"):
             bucket, _, prefix = value[len("s3://") :].partition("/")
-            if not _S3_BUCKET.match(bucket):
+            if not _S3_BUCKET.fullmatch(bucket):
                 raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name; use s3://bucket/prefix")
             if ".." in prefix.split("/") or "//" in prefix.rstrip("/"):
                 raise ValueError(f"{value!r}: the prefix may not contain '..' or empty parts; use s3://bucket/prefix")

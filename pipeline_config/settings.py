@@ -22,14 +22,55 @@ PRESETS = ("default", "smoke", "nightly")
 _CLI_ONLY = {"preset", "config_file", "summary_out", "verbose", "print_json", "lost_api_wait_s"}
 
 
+# What a config file may cost to refuse: its size, and how many values it holds once YAML's
+# anchors and aliases are expanded (a 2 KB file of nested aliases stands for billions of values;
+# refusing it by its expanded form took minutes and gigabytes). A real config holds about a hundred.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 10_000
+MAX_CONFIG_DEPTH = 32
+
+
+def _check_size(data: Any, path: Path) -> None:
+    """Refuse ``data`` when its expanded form exceeds the limits above; the walk stops at the limit, so it costs little."""
+    budget = MAX_CONFIG_VALUES
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        budget -= 1
+        if budget < 0:
+            raise ValueError(
+                f"config file {path} expands to more than {MAX_CONFIG_VALUES:,} values (YAML anchors and aliases "
+                "repeating each other?); a config holds a few hundred at most"
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise ValueError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels; a config has three")
+        if isinstance(value, dict):
+            stack += [(item, depth + 1) for pair in value.items() for item in pair]
+        elif isinstance(value, (list, tuple, set)):
+            stack += [(item, depth + 1) for item in value]
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
-    """Read a YAML mapping, naming the file in every error."""
+    """Read a YAML mapping, naming the file in every error; the cost of refusing it is bounded."""
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ValueError(f"cannot read config file {path}: {exc.strerror}") from exc
+        raise ValueError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ValueError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MB; a config holds a few KB")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"config file {path} is not UTF-8 text (byte {exc.start})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ValueError(f"config file {path} is not valid YAML: {exc}") from exc
+        raise ValueError(f"config file {path} is not valid YAML: {str(exc)[:1000]}") from None
+    except RecursionError:
+        raise ValueError(f"config file {path} nests deeper than {MAX_CONFIG_DEPTH} levels") from None
+    _check_size(data, path)
+    data = data or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {path} must hold a mapping of fields, not {type(data).__name__}")
     return data
