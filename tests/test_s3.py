@@ -307,11 +307,14 @@ def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
     from prefect.testing.utilities import prefect_test_harness
 
     from flows.mnist import mnist_pipeline
-    from training.model import load_model
+    from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
+    from training.model import checkpoint_model, load_model
+    from training.models import ModelSpec
 
     monkeypatch.chdir(tmp_path)  # nothing may land in the working directory instead of the bucket
     with prefect_test_harness(server_startup_timeout=120):
-        config = parse_cli(["--preset", "smoke", "--storage-root", s3_root, "--run-name", "s3-first"]).pipeline_config()
+        args = ["--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", s3_root, "--run-name", "s3-first"]
+        config = parse_cli(args).pipeline_config()
         state = mnist_pipeline(config, return_state=True)
         assert state.is_completed(), state.message
     first = read_json(join(s3_root, "runs", "s3-first", "summary.json"))
@@ -332,13 +335,22 @@ def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
 
     metrics = read_json(join(s3_root, "runs", "s3-first", "evaluation", "metrics.json"))
     assert first["test_accuracy"] == metrics["accuracy"] >= 0.5 and metrics["rows"] == 1000
-    model = load_model(best)  # downloaded from the bucket, checksums verified
-    assert sum(p.numel() for p in model.parameters()) > 11_000_000
+    # The model the checkpoint's extra_state.pt records (read from the bucket), rebuilt and loaded from it
+    spec = checkpoint_model(best)
+    assert spec == ModelSpec(name=SMALL_MODEL, in_channels=1, num_classes=10)
+    model = load_model(best)  # downloaded from the bucket, checksums verified, loaded strictly into spec.build()
+    fresh = spec.build()
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in fresh.named_parameters()]
     # Promoted in the bucket: a whole version (card uploaded last), then the champion pointer
     assert {"models/mnist-resnet18/v1/model.pt", "models/mnist-resnet18/v1/model_card.json",
             "models/mnist-resnet18/champion", "models/mnist-resnet18/runs/s3-first.json"} <= set(keys)
     champion = read_json(join(s3_root, "models", "mnist-resnet18", "champion"))
-    assert champion["run_name"] == "s3-first" and champion["path"] == f"{s3_root}/models/mnist-resnet18/v1"
-    champion_model = load_model(champion["path"], registry.version_model(champion["path"]))  # the card says what to build
-    assert champion_model.state_dict()["fc.weight"].equal(model.state_dict()["fc.weight"])
+    # The pointer names its version relative to the storage root (absolute in pointers written before that)
+    version_dir = champion["path"] if champion["path"].startswith("s3://") else join(s3_root, champion["path"])
+    assert champion["run_name"] == "s3-first" and version_dir == f"{s3_root}/models/mnist-resnet18/v1"
+    assert registry.version_model(version_dir) == spec  # the card in the bucket records the model
+    champion_model = load_model(version_dir, registry.version_model(version_dir))  # the card says what to build
+    weights = model.state_dict()
+    assert champion_model.state_dict().keys() == weights.keys()
+    assert all(tensor.equal(weights[name]) for name, tensor in champion_model.state_dict().items())
     assert list(tmp_path.iterdir()) == []
