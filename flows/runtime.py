@@ -28,7 +28,7 @@ from prefect.settings import (
 from prefect_ray import RayTaskRunner
 
 from flows.server_process import TIMEOUT_SETTING, ServerStartError, owned_server_class
-from flows.stopping import sigterm_handler_kept
+from flows.stopping import STOP, sigterm_handler_kept
 from pipeline_config import RayConfig
 from storage_io import S3_ENV_VARS
 from training.faults import TEST_HOOK_ENVS
@@ -81,7 +81,10 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
         starter.join()
         server.stop()
         raise
-    starter.join()
+    while starter.is_alive():
+        starter.join(0.2)
+        if STOP.requested:  # Ctrl-C or SIGTERM while it starts: no waiting out its startup timeout
+            server.given_up.set()
     if failures:
         raise failures[0]
     previous = os.environ.get("PREFECT_API_URL")
@@ -163,10 +166,10 @@ START_FAILED_EXIT_CODE = 3  # the CLI's exit code when its Prefect server or loc
 
 
 class StartFailed(SystemExit):
-    """Ends the CLI with ``START_FAILED_EXIT_CODE`` once its message is printed: no traceback for a failed start."""
+    """Ends the CLI with ``START_FAILED_EXIT_CODE`` (or a stop's 130/143) once its message is printed: no traceback."""
 
-    def __init__(self, message: str):
-        super().__init__(START_FAILED_EXIT_CODE)
+    def __init__(self, message: str, code: int = START_FAILED_EXIT_CODE):
+        super().__init__(code)
         self.message = message
 
 
@@ -184,6 +187,10 @@ def _started(start: Callable[[], str | None]):
     try:
         return start()
     except ServerStartError as exc:
+        if STOP.requested:  # abandoned on Ctrl-C or SIGTERM: a stop, not a failure
+            message = f"{STOP.reason} while the Prefect server was starting: nothing ran."
+            print(message, file=sys.stderr, flush=True)
+            raise StartFailed(message, STOP.exit_code() or START_FAILED_EXIT_CODE) from None
         message = start_failed_message(exc)
     except RayStartError as exc:
         message = start_failed_message(exc)

@@ -101,4 +101,4 @@ def test_a_start_that_cannot_succeed_prints_one_message_its_log_and_exits_3(tmp_
     assert log == home / ".prefect" / LOG_NAME and log.is_file(), out
     assert f"CLI pid {run.proc.pid}: temporary Prefect server on 127.0.0.1:" in log.read_text()
     assert not wait_gone(processes, 10), f"left running: {alive(processes)}"
-    assert seconds < 90, f"{why}: {seconds:.0f}s"
+    assert seconds < 150, f"{why}: {seconds:.0f}s"  # not the 180 s startup timeout: it stopped waiting at once
