@@ -1,7 +1,10 @@
 """The shipped default recipe meets its own gate on the bundled sample, and the gate still catches a broken pipeline.
 
 Both run ``python -m flows.mnist`` as a user does (a fresh process, a temporary Prefect server, a
-local Ray). Slow: the default recipe trains 30 epochs (about 5 minutes on 2 cores).
+local Ray). Slow: the default recipe trains ResNet-18 for 30 epochs (about 5 minutes on 2 cores);
+its Ray Train checkpoint is where the seeds' contract is checked (model.pt loads into a torchvision
+ResNet-18 built the seeds' way). The shuffled-labels run trains the small model
+(``training.models:small_cnn``): a broken pipeline failing the default gate does not depend on the network.
 """
 
 from __future__ import annotations
@@ -16,27 +19,39 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from benchmarks.full_size import SAMPLE, idx_bytes, mirror_flags, read_idx
 from pipeline_config import PipelineConfig
+from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
+from tests.support.runs import torchvision_resnet18_seed_style
+from training.model import SEEDS_MODEL, checkpoint_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def cli(*args: str, timeout: int = 1500) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    # Only the arguments choose the recipe: no MNIST_* setting (a model, a test hook) from this shell
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MNIST_"))}
     return subprocess.run([sys.executable, "-m", "flows.mnist", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_default_preset_passes_its_gate_on_the_bundled_sample_with_a_readable_terminal(tmp_path):
-    """`make run` with its defaults, the data fixed to the bundled sample (what an offline machine gets)."""
+    """`make run` with its defaults, the data fixed to the bundled sample (what an offline machine gets).
+
+    Its Ray Train run and checkpoints keep the seeds' contract: `Result.from_path` reads the run,
+    the best checkpoint holds model.pt, optimizer.pt and extra_state.pt, and model.pt loads into a
+    torchvision ResNet-18 built the seeds' way."""
+    from ray.train import Result
+
     storage = tmp_path / "storage"
     out = cli("--download.source", "sample", "--storage-root", str(storage), "--run-name", "default")
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((storage / "runs" / "default" / "summary.json").read_text())
     gate = PipelineConfig().evaluate.min_accuracy
     assert summary["status"] == "completed" and summary["evaluation"]["min_accuracy"] == gate
+    assert summary["config"]["model"]["name"] == "resnet18" == PipelineConfig().model.name
     assert summary["test_accuracy"] >= gate
     terminal = (out.stdout + out.stderr).splitlines()
     epochs = [line for line in terminal if " - epoch " in line]
@@ -46,9 +61,23 @@ def test_default_preset_passes_its_gate_on_the_bundled_sample_with_a_readable_te
     assert len(terminal) < 60, "\n".join(terminal)
     assert any(line.startswith("Run default completed in ") for line in out.stdout.splitlines())
 
+    # The seeds' contract, on a real ResNet-18 checkpoint written by Ray Train
+    result = Result.from_path(summary["run_dir"])
+    assert result.checkpoint is not None
+    best = Path(summary["best_checkpoint"])
+    assert best.parent == storage / "runs" / "default"
+    assert {"model.pt", "optimizer.pt", "extra_state.pt"} <= {p.name for p in best.iterdir()}
+    model = torchvision_resnet18_seed_style()
+    model.load_state_dict(torch.load(best / "model.pt", map_location="cpu", weights_only=True))  # strict
+    extra = torch.load(best / "extra_state.pt", weights_only=True)
+    assert best.name == f"checkpoint_epoch-{extra['epoch']:04d}" and 0 <= extra["epoch"] < 30
+    assert extra["metrics"]["epoch"] == extra["epoch"] and extra["metrics"]["val_accuracy"] == summary["best_val_accuracy"]
+    assert extra["model"] == SEEDS_MODEL.model_dump() and checkpoint_model(best) == SEEDS_MODEL
+
 
 def test_the_default_gate_fails_a_model_trained_on_shuffled_labels(tmp_path):
-    """A broken pipeline (every training label shuffled) cannot pass the default gate."""
+    """A broken pipeline (every training label shuffled) cannot pass the default gate (the default
+    preset's, not a test's), and fails it by a wide margin: about chance. The small model trains."""
     mirror = tmp_path / "mirror"
     mirror.mkdir()
     checksums = {}
@@ -60,8 +89,13 @@ def test_the_default_gate_fails_a_model_trained_on_shuffled_labels(tmp_path):
         (mirror / name).write_bytes(content)
         checksums[name] = hashlib.sha256(content).hexdigest()
     storage = tmp_path / "storage"
-    out = cli(*mirror_flags(mirror, checksums), "--storage-root", str(storage), "--run-name", "shuffled", "--train.epochs", "2")
+    out = cli(
+        *mirror_flags(mirror, checksums), *SMALL_MODEL_ARGS, "--storage-root", str(storage), "--run-name", "shuffled",
+        "--train.epochs", "2",
+    )
     assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.loads((storage / "runs" / "shuffled" / "summary.json").read_text())
+    assert summary["config"]["model"]["name"] == SMALL_MODEL and summary["config"]["train"]["epochs"] == 2
+    assert summary["evaluation"]["min_accuracy"] == PipelineConfig().evaluate.min_accuracy  # the default gate
     assert summary["stages"]["evaluate"]["status"] == "failed" and "QualityGateError" in summary["stages"]["evaluate"]["error"]
     assert summary["test_accuracy"] < 0.5  # about chance
