@@ -39,6 +39,7 @@ from tasks.train import train
 from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.parquet import read_split
+from tests.support.runs import torchvision_resnet18_seed_style
 from training.loop import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
 from training.model import (
     CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, SEEDS_MODEL, checkpoint_problem, load_state, save_checkpoint_files,
@@ -343,6 +344,9 @@ def test_a_root_that_fills_during_training_fails_naming_the_checkpoint_and_the_s
         names = checkpoint_folders(run_dir)
         assert "checkpoint_epoch-0001" in names and all(checkpoint_problem(run_dir / n) is None for n in names)
         assert incomplete_checkpoints(layout.run_dir) == {}
+        # The seeds' contract on a 2-worker DDP checkpoint: model.pt loads, strict and with no `module.`
+        # prefix, into a one-channel torchvision ResNet-18 built the seeds' way.
+        torchvision_resnet18_seed_style().load_state_dict(torch.load(Path(trained.best_checkpoint) / MODEL_FILE, weights_only=True))
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
