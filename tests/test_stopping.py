@@ -93,6 +93,7 @@ def test_too_many_workers_are_refused_before_anything_is_created(tmp_path):
     assert not run.root.exists() or not any(run.root.iterdir()), sorted(p.name for p in run.root.iterdir())
 
 
+@pytest.mark.slow  # about a minute: Ray's agents wait that long for a GCS that was killed before they exit
 def test_sigkill_of_the_cli_leaves_no_server_or_ray_behind(tmp_path):
     run = CliRun(tmp_path, "killed")
     run.wait_for_line("Ray: local cluster", timeout_s=180)
