@@ -74,6 +74,7 @@ def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_p
     assert (home / ".prefect" / LOG_NAME).is_file()  # the temporary server's own output
 
 
+@pytest.mark.slow  # each starts a real Prefect server and a local Ray (about 14 s): not in `make test-fast`
 @pytest.mark.parametrize(
     "why, setting, reason",
     [

@@ -85,6 +85,7 @@ def test_a_failure_between_stages_is_not_reported_as_before_any_stage():
     assert "before any stage started" in hooks.failure_summary("fox", "bad", None)["text"]
 
 
+@pytest.mark.slow  # starts a real Prefect server and a local Ray before it refuses (about 14 s)
 def test_too_many_workers_are_refused_before_anything_is_created(tmp_path):
     run = CliRun(tmp_path, "too-many", "--train.num-workers", "128", "--train.global-batch-size", "256")
     code, _ = run.finish(180)
