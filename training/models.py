@@ -57,9 +57,10 @@ def configure_cpu(threads: int) -> None:
     """What every process that trains or scores does first: ``threads`` torch threads, denormals flushed to zero.
 
     Tiny floats (denormals) take a slow path in x86 floating point; some CPUs run a whole training
-    step several times slower once weights or optimizer moments underflow (measured on an AVX2 AMD
-    EPYC: a plain ResNet-18 loop at 30 img/s, 162 img/s with the flush; docs/performance.md). The
-    flag is per thread: set before torch starts its thread pool, which inherits it.
+    step several times slower once weights or optimizer moments underflow (reported on an AVX2 AMD
+    EPYC: a plain ResNet-18 loop at 30 img/s, 162 img/s with the flush; not reproduced on a Zen 5
+    EPYC, where both ran at about 1,050 img/s). The flag is per thread: set before torch starts its
+    thread pool, which inherits it.
     """
     import torch
 
