@@ -59,11 +59,13 @@ class S3Settings(BaseSettings):
                 kwargs["session_token"] = self.session_token.get_secret_value()
         return kwargs
 
-    def boto3_client(self):
+    def boto3_client(self, config=None):
+        """A boto3 S3 client for these settings; ``config``: an optional ``botocore.config.Config``."""
         import boto3  # only S3 roots need it (conditional PUTs for locks; pyarrow has none)
 
         return boto3.client(
             "s3",
+            config=config,
             endpoint_url=self.endpoint_url,
             region_name=self.region,
             aws_access_key_id=self.access_key_id,

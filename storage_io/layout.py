@@ -13,10 +13,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pyarrow.fs as pafs
 from pydantic import BaseModel, ConfigDict
 
-from storage_io.filesystem import S3_SCHEME, S3Settings, filesystem, is_remote, join
+from storage_io.filesystem import S3_SCHEME, S3Settings, is_remote, join
 
 
 class StorageLayout(BaseModel):
@@ -72,17 +71,40 @@ class StorageLayout(BaseModel):
         return target != root and target.is_relative_to(root)
 
     def check_reachable(self) -> None:
-        """Fail before any work when an S3 root cannot be listed (naming the root and the endpoint)."""
+        """Fail before any work when an S3 root's bucket cannot be used, saying what is wrong.
+
+        One HEAD of the bucket, with short timeouts and one retry, tells apart the cases a user fixes
+        differently: no credentials, an endpoint that does not answer, a bucket that does not exist,
+        and credentials the endpoint refuses."""
         if not self.remote:
             return
-        fs, where = filesystem(self.root)
-        bucket = where.split("/", 1)[0]
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+        settings = S3Settings()
+        bucket = self.root[len(S3_SCHEME) :].split("/", 1)[0]
+        where = settings.endpoint_url or "AWS"
+        config = Config(connect_timeout=5, read_timeout=15, retries={"max_attempts": 2, "mode": "standard"})
         try:
-            info = fs.get_file_info(bucket)
-        except OSError as exc:
+            settings.boto3_client(config).head_bucket(Bucket=bucket)
+        except NoCredentialsError:
             raise ValueError(
-                f"storage_root {self.root}: cannot reach the bucket at {S3Settings().endpoint_url or 'AWS'}: {exc}; "
-                "check AWS_ENDPOINT_URL, AWS_REGION and the credentials in the environment"
-            ) from exc
-        if info.type == pafs.FileType.NotFound:
-            raise ValueError(f"storage_root {self.root}: bucket {bucket!r} does not exist at {S3Settings().endpoint_url or 'AWS'}")
+                f"storage_root {self.root}: no S3 credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
+                "(or a profile in ~/.aws) in the environment"
+            ) from None
+        except ClientError as exc:
+            error = exc.response.get("Error", {})
+            code = str(error.get("Code", "?"))
+            if code in {"404", "NoSuchBucket", "NotFound"}:
+                raise ValueError(f"storage_root {self.root}: bucket {bucket!r} does not exist at {where}") from None
+            if code in {"403", "AccessDenied", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch"}:
+                raise ValueError(
+                    f"storage_root {self.root}: {where} refused the credentials for bucket {bucket!r} ({code}); "
+                    "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and the bucket's permissions"
+                ) from None
+            raise ValueError(f"storage_root {self.root}: {where} answered {code} for bucket {bucket!r}: {error.get('Message', exc)}") from None
+        except BotoCoreError as exc:  # connection refused, DNS, timeouts: nothing answered
+            raise ValueError(
+                f"storage_root {self.root}: cannot reach the S3 endpoint {where} ({type(exc).__name__}: {exc}); "
+                "check AWS_ENDPOINT_URL and that the server is up"
+            ) from None

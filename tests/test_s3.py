@@ -297,6 +297,35 @@ def test_bad_s3_roots_are_refused_before_any_work(s3_server, monkeypatch, tmp_pa
     assert "storage_root s3://no-such-bucket/x: bucket 'no-such-bucket' does not exist" in out.stderr
 
 
+def test_an_s3_root_says_whether_the_endpoint_the_bucket_or_the_credentials_are_wrong(s3_server, s3_root, monkeypatch, tmp_path):
+    """Each way an S3 root can be unusable gets its own message, within seconds (the real loopback server)."""
+    import socket
+
+    StorageLayout.create(s3_root, "ok").check_reachable()  # the bucket exists: no error
+
+    with pytest.raises(ValueError, match=r"bucket 'no-such-bucket' does not exist at http://127\.0\.0\.1"):
+        StorageLayout.create("s3://no-such-bucket/x", "r").check_reachable()
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", closed)
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=f"cannot reach the S3 endpoint {closed}") as unreachable:
+        StorageLayout.create(s3_root, "r").check_reachable()
+    assert "does not exist" not in str(unreachable.value) and "AWS_ENDPOINT_URL" in str(unreachable.value)
+    assert time.monotonic() - started < 30
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)  # back to the working endpoint, now without any credentials
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(ValueError, match="no S3 credentials found; set AWS_ACCESS_KEY_ID"):
+        StorageLayout.create(s3_root, "r").check_reachable()
+
+
 @pytest.mark.slow
 def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
     """Smoke preset, real local Ray and a real Prefect API, every artifact in the bucket.
