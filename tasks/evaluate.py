@@ -153,8 +153,9 @@ def promote_model(
         config=run_config,
         model=trained.model.model_dump(),
         code_version=environment.git_commit(),
+        data_spec=data_spec(spec),
     )
-    pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion)}
+    pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion, spec.dataset.classes)}
     if trained.history:
         pictures["training_curves.png"] = reports.training_curves_png(trained.history)
 
@@ -168,6 +169,20 @@ def promote_model(
     runs = registry.recent_runs(layout.root, promote.model_name, promote.recent_runs)
     reports.publish_run_comparison(promote.model_name, runs, promotion.model_dump())
     return promotion
+
+
+def data_spec(spec: TransformSpec) -> dict[str, Any]:
+    """What ``flows.predict`` needs to score new images as evaluation scored the test split: the
+    images' shape, the class names, and the normalization (``transform.mean``/``std``, ``image_size``)."""
+    from dataset.parquet import image_record
+
+    return {
+        "image": image_record(tuple(spec.dataset.image_shape)),
+        "classes": list(spec.dataset.classes),
+        "mean": spec.config.mean,
+        "std": spec.config.std,
+        "image_size": spec.config.image_size,
+    }
 
 
 def run_row(
