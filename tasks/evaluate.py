@@ -160,6 +160,14 @@ def promote_model(
         pictures["training_curves.png"] = reports.training_curves_png(trained.history)
 
     def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
+        card = read_json(join(folder, registry.CARD_FILE))
+        theirs = registry.card_data(card if isinstance(card, dict) else {})
+        if tuple(theirs["shape"]) != tuple(spec.dataset.image_shape) or list(theirs["classes"]) != list(spec.dataset.classes):
+            raise ValueError(
+                f"promote.model_name {promote.model_name}: its champion ({folder}) was trained on {theirs['shape']} images of "
+                f"classes {theirs['classes']}, this run on {tuple(spec.dataset.image_shape)} images of classes "
+                f"{list(spec.dataset.classes)}; they cannot be compared: give this workload its own promote.model_name"
+            )
         out = predict(spec, folder, cfg, registry.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 
