@@ -73,7 +73,7 @@ class RawData(pydantic.BaseModel):
     url: str = pydantic.Field(description="Base URL the files were fetched from (or would be, when skipped).")
     directory: str = pydantic.Field(description="Absolute folder holding the four files (source=folder: the user's image folder).")
     files: dict[str, str] = pydantic.Field(description="File name (source=folder: path under the folder) -> sha256 of the file.")
-    skipped: bool = pydantic.Field(description="True when all four files were already present and verified (source=folder: always).")
+    skipped: bool = pydantic.Field(description="True when all four files were already present and verified (source=folder: never, every image is listed and hashed).")
 
 
 class DownloadError(RuntimeError):

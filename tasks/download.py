@@ -53,4 +53,4 @@ def list_folder(cfg: DownloadConfig, log) -> RawData:
     files = folder.folder_files(found)
     counts = {split: len(rows) for split, rows in found.files.items()}
     log.info("Image folder %s: %d classes (%s), images %s", cfg.path, len(found.classes), ", ".join(found.classes), counts)
-    return RawData(source="folder", url=cfg.path, directory=cfg.path, files=files, skipped=True)
+    return RawData(source="folder", url=cfg.path, directory=cfg.path, files=files, skipped=False)

@@ -51,6 +51,7 @@ class Evaluation(BaseModel):
     tta: bool = False
     accuracy_without_tta: float | None = None
     promotion: registry.Promotion | None = None  # None: promotion is off (promote.enabled)
+    classes: list[str] = []  # the class names: confusion[i][j] counts images of classes[i] predicted as classes[j]
 
 
 @task(name="evaluate")
@@ -91,6 +92,7 @@ def evaluate(
         min_accuracy=cfg.min_accuracy,
         tta=cfg.tta,
         accuracy_without_tta=plain_accuracy,
+        classes=list(spec.dataset.classes),
         **scores,
     )
     with storage_writes("evaluate"):

@@ -220,6 +220,7 @@ def test_cli_trains_evaluates_promotes_and_predict_scores_the_folder(tmp_path):
     assert summary["status"] == "completed" and summary["data_source"] == "folder"
     assert summary["data"]["rows"] == {"train": 105, "val": 15, "test": 45}
     assert len(summary["evaluation"]["confusion"]) == 3 and summary["evaluation"]["rows"] == 45
+    assert summary["evaluation"]["classes"] == list(CLASSES) and summary["data"]["download_skipped"] is False
     assert summary["test_accuracy"] >= 0.5
     assert (images / "train" / "red_square").is_dir()  # cleanup.delete_raw left the user's folder alone
 
