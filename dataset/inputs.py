@@ -1,13 +1,19 @@
-"""Digits to score with a trained model (`flows.predict`): a folder of Parquet or IDX files, as one table.
+"""Images to score with a trained model (`flows.predict`): a folder of Parquet, IDX or image files, as one table.
 
-Accepted, in a local folder:
+What the images must be (their shape, the class names) is the model card's (`training.registry.card_data`;
+MNIST's 1x28x28 digits 0-9 for a card from before it recorded them). Accepted, in a local folder:
 
 - Parquet files (searched recursively, e.g. a dataset's ``test/`` split) with an ``image`` column
-  of 784-byte 28x28 uint8 images, and optionally ``row_id`` and ``label``;
+  of H*W*C-byte uint8 images (784 for MNIST), and optionally ``row_id`` and ``label``;
 - IDX image files (``*-images-idx3-ubyte``, gzipped or not), each with its labels file
-  (``*-labels-idx1-ubyte``) when there is one.
+  (``*-labels-idx1-ubyte``) when there is one (one-channel models only);
+- PNG or JPEG images: in class subfolders (``<class>/*.png``, the layout of an image folder's
+  ``test/``), labelled by the folder's name, which must be one of the model's classes; or
+  directly in the folder, unlabelled. They are read as the conversion reads them (resized to the
+  card's ``transform.image_size`` when set, then gray or RGB as the model takes them); an image
+  of another size without it is refused, naming the file.
 
-The result has the dataset schema (`dataset.parquet.SCHEMA`): row_id, image, label (-1 when the
+The result has the dataset schema (`dataset.parquet.schema_for`): row_id, image, label (-1 when the
 input has no labels). Row ids are the Parquet file's own, or positions in file order.
 
 Every file is checked before anything is scored, and a file that is not what it claims (a
@@ -29,8 +35,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dataset.idx import IMAGE_BYTES, NUM_CLASSES
-from dataset.parquet import SCHEMA, to_table
+from dataset.folder import IMAGE_EXTENSIONS
+from dataset.idx import IMAGE_SHAPE
+from dataset.parquet import MNIST_CLASSES, schema_for, to_table
 
 NO_LABEL = -1
 IMAGE_SUFFIXES = ("-images-idx3-ubyte", "-images-idx3-ubyte.gz", "-images.idx3-ubyte", "-images.idx3-ubyte.gz")
@@ -61,7 +68,7 @@ def _read_exactly(handle, count: int, path: Path) -> bytes:
     return b"".join(parts)
 
 
-def _idx_array(path: Path, dims: int) -> np.ndarray:
+def _idx_array(path: Path, dims: int, side: tuple[int, int] = IMAGE_SHAPE[1:]) -> np.ndarray:
     """The uint8 array in an IDX file (``dims`` dimensions), checked against its header; InputError naming the file."""
     try:
         with _open(path) as handle:
@@ -72,8 +79,8 @@ def _idx_array(path: Path, dims: int) -> np.ndarray:
             if len(raw_shape) != 4 * dims:
                 raise InputError(f"{path}: the IDX header ends early (truncated?)")
             shape = struct.unpack(f">{dims}I", raw_shape)
-            if dims == 3 and shape[1:] != (28, 28):
-                raise InputError(f"{path}: holds {shape[1]}x{shape[2]} images, expected 28x28")
+            if dims == 3 and tuple(shape[1:]) != tuple(side):
+                raise InputError(f"{path}: holds {shape[1]}x{shape[2]} images, expected {side[0]}x{side[1]} (the model's size)")
             if shape[0] > MAX_IMAGES:
                 raise InputError(f"{path}: its header announces {shape[0]:,} rows, more than the {MAX_IMAGES:,} scored in one call")
             count = int(np.prod(shape, dtype=np.int64))
@@ -89,41 +96,50 @@ def _idx_array(path: Path, dims: int) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8).reshape(shape)
 
 
+def _classes(num_classes: int) -> str:
+    return "a digit 0-9" if num_classes == len(MNIST_CLASSES) else f"a class 0-{num_classes - 1}"
+
+
 def _labels_of(images: Path) -> Path:
     return images.with_name(images.name.replace("-images", "-labels").replace("idx3", "idx1"))
 
 
-def _idx_table(images: Path, first_row: int) -> pa.Table:
-    pixels = _idx_array(images, 3).reshape(-1, IMAGE_BYTES)
+def _idx_table(images: Path, first_row: int, shape: tuple[int, int, int], num_classes: int) -> pa.Table:
+    if shape[0] != 1:
+        raise InputError(f"{images}: IDX images have one channel, the model takes {shape[0]}-channel images")
+    pixels = _idx_array(images, 3, shape[1:]).reshape(-1, shape[1] * shape[2])
     labels_path = _labels_of(images)
     labels = np.full(len(pixels), NO_LABEL, dtype=np.int64)
     if labels_path.exists():
         digits = _idx_array(labels_path, 1)
         if len(digits) != len(pixels):
             raise InputError(f"{images} has {len(pixels)} images but {labels_path} has {len(digits)} labels")
-        if len(digits) and int(digits.max()) >= NUM_CLASSES:
-            row = int(np.argmax(digits >= NUM_CLASSES))
-            raise InputError(f"{labels_path}: label {int(digits[row])} at row {row} is not a digit 0-9")
+        if len(digits) and int(digits.max()) >= num_classes:
+            row = int(np.argmax(digits >= num_classes))
+            raise InputError(f"{labels_path}: label {int(digits[row])} at row {row} is not {_classes(num_classes)}")
         labels = digits.astype(np.int64)
     return to_table(np.arange(first_row, first_row + len(pixels), dtype=np.int64), pixels, labels)
 
 
-def _parquet_file(path: Path) -> pq.ParquetFile:
+def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE) -> pq.ParquetFile:
     """The opened Parquet file, its schema checked before any data is read; InputError naming it."""
     try:
         parquet = pq.ParquetFile(path)
         schema = parquet.schema_arrow
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:300]})") from None
-    if "image" not in schema.names or schema.field("image").type != pa.binary(IMAGE_BYTES):
-        raise InputError(f"{path}: needs an 'image' column of {IMAGE_BYTES}-byte images (28x28 uint8), has {schema}")
+    image_bytes = int(np.prod(shape))
+    if "image" not in schema.names or schema.field("image").type != pa.binary(image_bytes):
+        raise InputError(
+            f"{path}: needs an 'image' column of {image_bytes}-byte images ({shape[1]}x{shape[2]}x{shape[0]} uint8), has {schema}"
+        )
     for name in ("row_id", "label"):
         if name in schema.names and not pa.types.is_integer(schema.field(name).type):
             raise InputError(f"{path}: column '{name}' is {schema.field(name).type}, expected integers")
     return parquet
 
 
-def _parquet_table(path: Path, parquet: pq.ParquetFile) -> pa.Table:
+def _parquet_table(path: Path, parquet: pq.ParquetFile, num_classes: int = len(MNIST_CLASSES)) -> pa.Table:
     names = [name for name in ("row_id", "image", "label") if name in parquet.schema_arrow.names]
     try:
         table = parquet.read(columns=names)
@@ -136,44 +152,99 @@ def _parquet_table(path: Path, parquet: pq.ParquetFile) -> pa.Table:
     row_ids = table.column("row_id") if "row_id" in names else pa.array(np.arange(count, dtype=np.int64))
     labels = table.column("label") if "label" in names else pa.array(np.full(count, NO_LABEL, dtype=np.int64))
     values = np.asarray(labels.to_numpy(), dtype=np.int64)
-    bad = (values != NO_LABEL) & ((values < 0) | (values >= NUM_CLASSES))
+    bad = (values != NO_LABEL) & ((values < 0) | (values >= num_classes))
     if bad.any():
         row = int(np.argmax(bad))
-        raise InputError(f"{path}: label {int(values[row])} at row {row} is not a digit 0-9 (or {NO_LABEL} for unknown)")
+        raise InputError(f"{path}: label {int(values[row])} at row {row} is not {_classes(num_classes)} (or {NO_LABEL} for unknown)")
     try:
-        return pa.table({"row_id": row_ids, "image": table.column("image"), "label": labels}).cast(SCHEMA)
+        schema = schema_for(table.schema.field("image").type.byte_width)
+        return pa.table({"row_id": row_ids, "image": table.column("image"), "label": labels}).cast(schema)
     except (pa.ArrowException, ValueError) as exc:
         raise InputError(f"{path}: {exc}") from None
 
 
-def read_folder(folder: str | Path) -> pa.Table:
-    """Every image in ``folder`` as one table (row_id, image, label); ValueError (InputError) naming the folder or file."""
+def _image_files(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
+    """PNG/JPEG files directly in ``root`` (unlabelled) and in its class subfolders (labelled by the folder's name)."""
+    def images_in(folder: Path) -> list[Path]:
+        return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
+
+    found = [(path, NO_LABEL) for path in images_in(root)]
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        images = images_in(sub)
+        if not images:
+            continue
+        if sub.name not in classes:
+            raise InputError(f"input {sub}: class folder {sub.name!r} is not one of the model's classes ({', '.join(classes)})")
+        found += [(path, classes.index(sub.name)) for path in images]
+    return found
+
+
+def _image_table(files: list[tuple[Path, int]], shape: tuple[int, int, int], image_size: int | None) -> pa.Table:
+    """The images decoded as the conversion decodes them (`dataset.folder.convert_folder`: resized first, then
+    converted to gray or RGB); InputError naming a file that is not an image or not the model's size."""
+    from PIL import Image
+
+    channels, height, width = shape
+    pixels = np.empty((len(files), height * width * channels), dtype=np.uint8)
+    for i, (path, _) in enumerate(files):
+        try:
+            with Image.open(path) as image:
+                if image_size is not None:
+                    image = image.resize((width, height), resample=Image.BILINEAR)
+                elif image.size != (width, height):
+                    raise InputError(f"{path}: {image.size[0]}x{image.size[1]} pixels, the model takes {width}x{height}")
+                image = image.convert("L" if channels == 1 else "RGB")
+                pixels[i] = np.asarray(image, dtype=np.uint8).reshape(-1)
+        except InputError:
+            raise
+        except Exception as exc:  # PIL's UnidentifiedImageError, a truncated file
+            raise InputError(f"{path}: not a readable image ({type(exc).__name__}: {exc})") from None
+    labels = np.array([label for _, label in files], dtype=np.int64)
+    return to_table(np.arange(len(files), dtype=np.int64), pixels, labels)
+
+
+def read_folder(
+    folder: str | Path,
+    shape: tuple[int, int, int] = IMAGE_SHAPE,
+    classes: list[str] | tuple[str, ...] = MNIST_CLASSES,
+    image_size: int | None = None,
+) -> pa.Table:
+    """Every image in ``folder`` as one table (row_id, image, label); ValueError (InputError) naming the folder or file.
+
+    ``shape`` (C, H, W), ``classes`` and ``image_size`` (``transform.image_size``): the model card's."""
     root = Path(folder).expanduser()
+    shape, classes = tuple(shape), list(classes)
     if not root.is_dir():
         raise InputError(f"input {root}: not a folder")
     try:
         parquet = sorted(p for p in root.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
         idx = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(IMAGE_SUFFIXES))
+        images = _image_files(root, classes) if not parquet and not idx else []
     except OSError as exc:
         raise InputError(f"input {root}: cannot list it ({exc})") from None
     if parquet and idx:
         raise InputError(f"input {root}: holds both Parquet and IDX files; point --input at a folder of one kind")
+    if len(images) > MAX_IMAGES:
+        raise InputError(f"input {root}: holds {len(images):,} images, more than the {MAX_IMAGES:,} scored in one call")
     tables: list[pa.Table] = []
+    if images:
+        tables.append(_image_table(images, shape, image_size))
     if parquet:
-        opened = [(path, _parquet_file(path)) for path in parquet]  # every file's schema before any file's data
+        opened = [(path, _parquet_file(path, shape)) for path in parquet]  # every file's schema before any file's data
         rows = sum(p.metadata.num_rows for _, p in opened)
         if rows > MAX_IMAGES:
             raise InputError(f"input {root}: its Parquet files hold {rows:,} rows, more than the {MAX_IMAGES:,} scored in one call")
-        tables = [_parquet_table(path, p) for path, p in opened]
+        tables = [_parquet_table(path, p, len(classes)) for path, p in opened]
     for path in idx:
-        tables.append(_idx_table(path, sum(len(t) for t in tables)))
+        tables.append(_idx_table(path, sum(len(t) for t in tables), shape, len(classes)))
         if sum(len(t) for t in tables) > MAX_IMAGES:
-            raise InputError(f"input {root}: more than the {MAX_IMAGES:,} digits scored in one call")
+            raise InputError(f"input {root}: more than the {MAX_IMAGES:,} images scored in one call")
     table = pa.concat_tables(tables) if tables else None
     if table is None or len(table) == 0:
         raise InputError(
-            f"input {root}: no digits found; expected Parquet files with an 'image' column or IDX files named "
-            f"*-images-idx3-ubyte[.gz] (with *-labels-idx1-ubyte[.gz] beside them for accuracy)"
+            f"input {root}: no digits or images found; expected Parquet files with an 'image' column, IDX files named "
+            f"*-images-idx3-ubyte[.gz] (with *-labels-idx1-ubyte[.gz] beside them for accuracy), or PNG/JPEG images "
+            f"(in <class>/ subfolders for accuracy)"
         )
     if len(np.unique(table.column("row_id").to_numpy())) != len(table):
         raise InputError(f"input {root}: row_id repeats across its files; score one dataset split at a time")

@@ -2,15 +2,20 @@
 
 Schema (one row per image):
 
-    row_id  int64                 unique across splits, stable: train rows 0..n-1 in file order,
-                                  test rows n..n+m-1
-    image   fixed_size_binary(784) the 28x28 uint8 pixels, row-major
-    label   int64                 0..9
+    row_id  int64                     unique across splits, stable: train rows 0..n-1 in file order,
+                                      test rows n..n+m-1
+    image   fixed_size_binary(H*W*C)  the uint8 pixels, height x width x channels, row-major
+                                      (MNIST: 28x28x1, 784 bytes)
+    label   int64                     0..classes-1, an index into the manifest's ``classes``
 
-Why ``fixed_size_binary(784)`` and not ``list<uint8>``: it stores no per-row offsets, and a
-column of it is one contiguous buffer, so a batch becomes an (N, 784) uint8 array with one
+Why ``fixed_size_binary`` and not ``list<uint8>``: it stores no per-row offsets, and a column of
+it is one contiguous buffer, so a batch becomes an (N, H*W*C) uint8 array with one
 ``np.frombuffer`` (no per-row Python objects); the width is part of the type, so a wrong-sized
 image cannot be written.
+
+The manifest (``_manifest.json``) records what the data is, and every stage takes it from there:
+``"image": {"channels": C, "height": H, "width": W}`` and ``"classes": [name, ...]`` (MNIST:
+1x28x28 and "0".."9"; a manifest written before these fields existed is MNIST's).
 
 The training file is split once more: every n-th train row (``validation_every``) goes to
 ``val/`` for per-epoch validation, so the test split is touched only by evaluation.
@@ -36,63 +41,98 @@ from storage_io import MANIFEST, join, list_files, read_json, sha256_file
 
 FORMAT_VERSION = 1
 
+# What a manifest written before it recorded the image shape and classes describes: MNIST's
+# one-channel 28x28 digits 0-9 (the only data there was).
+MNIST_CLASSES = tuple(str(digit) for digit in range(NUM_CLASSES))
 
-SCHEMA = pa.schema(
-    [
-        pa.field("row_id", pa.int64(), nullable=False),
-        pa.field("image", pa.binary(IMAGE_BYTES), nullable=False),
-        pa.field("label", pa.int64(), nullable=False),
-    ]
-)
+
+def schema_for(image_bytes: int) -> pa.Schema:
+    """The dataset schema for images of ``image_bytes`` bytes (height x width x channels)."""
+    return pa.schema(
+        [
+            pa.field("row_id", pa.int64(), nullable=False),
+            pa.field("image", pa.binary(image_bytes), nullable=False),
+            pa.field("label", pa.int64(), nullable=False),
+        ]
+    )
+
+
+SCHEMA = schema_for(IMAGE_BYTES)  # MNIST's
 
 
 SPLITS = ("train", "val", "test")
 
 
+def image_record(shape: tuple[int, int, int]) -> dict[str, int]:
+    """The manifest's ``image`` entry for a (channels, height, width) shape."""
+    channels, height, width = shape
+    return {"channels": int(channels), "height": int(height), "width": int(width)}
+
+
+def manifest_data(manifest: dict) -> tuple[tuple[int, int, int], list[str]]:
+    """(channels, height, width) and class names a manifest records (MNIST's for a manifest from before they were)."""
+    image = manifest.get("image")
+    shape = IMAGE_SHAPE if not isinstance(image, dict) else (int(image["channels"]), int(image["height"]), int(image["width"]))
+    classes = manifest.get("classes")
+    return shape, list(classes) if isinstance(classes, list) and classes else list(MNIST_CLASSES)
+
+
 class ParquetDataset(BaseModel):
-    """A published Parquet dataset: where each split lives and how many rows it has."""
+    """A published Parquet dataset: where each split lives, how many rows it has, and what its images are.
+
+    ``image_shape`` and ``classes`` come from the manifest (`manifest_data`); the defaults are
+    MNIST's, what every dataset written before the manifest recorded them holds.
+    """
 
     directory: str
     fingerprint: str
     rows: dict[str, int]
     skipped: bool = False
+    image_shape: tuple[int, int, int] = IMAGE_SHAPE  # (channels, height, width): what the model is built for
+    classes: list[str] = list(MNIST_CLASSES)  # label i is classes[i]
 
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)
 
     @property
-    def image_shape(self) -> tuple[int, int, int]:
-        """(channels, height, width) of every image: what the model is built for."""
-        return IMAGE_SHAPE
-
-    @property
     def num_classes(self) -> int:
         """Labels run 0..num_classes-1."""
-        return NUM_CLASSES
+        return len(self.classes)
+
+    @property
+    def image_bytes(self) -> int:
+        """Bytes of one image in the ``image`` column (height x width x channels)."""
+        return int(np.prod(self.image_shape))
 
 
 def to_table(row_ids: np.ndarray, images: np.ndarray, labels: np.ndarray) -> pa.Table:
-    """Build an Arrow table in ``SCHEMA`` from contiguous arrays (no per-row Python objects)."""
-    image_col = pa.FixedSizeBinaryArray.from_buffers(
-        pa.binary(IMAGE_BYTES), len(images), [None, pa.py_buffer(np.ascontiguousarray(images))]
-    )
-    return pa.Table.from_arrays([pa.array(row_ids), image_col, pa.array(labels)], schema=SCHEMA)
+    """Build an Arrow table in the dataset schema from contiguous arrays (no per-row Python objects).
+
+    ``images``: (N, bytes) or (N, ...) uint8; the image width of the schema is its per-row size."""
+    images = np.ascontiguousarray(images, dtype=np.uint8)
+    width = int(np.prod(images.shape[1:])) if images.ndim > 1 else IMAGE_BYTES
+    images = images.reshape(len(images), width)
+    image_col = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(images), [None, pa.py_buffer(images)])
+    return pa.Table.from_arrays([pa.array(row_ids, pa.int64()), image_col, pa.array(labels, pa.int64())], schema=schema_for(width))
 
 
 def images_from_column(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """(N, 784) uint8 view of a ``fixed_size_binary(784)`` column (copies only across chunks)."""
+    """(N, bytes) uint8 view of a ``fixed_size_binary(bytes)`` column (copies only across chunks)."""
     if isinstance(column, pa.ChunkedArray):
         column = column.combine_chunks()
+    width = column.type.byte_width
     data = column.buffers()[1]
-    start = column.offset * IMAGE_BYTES
-    return np.frombuffer(data, dtype=np.uint8, count=len(column) * IMAGE_BYTES, offset=start).reshape(-1, IMAGE_BYTES)
+    if data is None:
+        return np.zeros((0, width), dtype=np.uint8)
+    start = column.offset * width
+    return np.frombuffer(data, dtype=np.uint8, count=len(column) * width, offset=start).reshape(-1, width)
 
 
 class _SplitWriter:
     """Writes one split as numbered Parquet files of at most ``rows_per_file`` rows."""
 
-    def __init__(self, folder: Path, cfg: ParquetConfig):
-        self.folder, self.cfg = folder, cfg
+    def __init__(self, folder: Path, cfg: ParquetConfig, schema: pa.Schema = SCHEMA):
+        self.folder, self.cfg, self.schema = folder, cfg, schema
         self.folder.mkdir(parents=True, exist_ok=True)
         self.writer: pq.ParquetWriter | None = None
         self.rows_in_file = 0
@@ -112,7 +152,7 @@ class _SplitWriter:
     def _roll(self) -> None:
         self.close()
         path = self.folder / f"part-{self.files:05d}.parquet"
-        self.writer = pq.ParquetWriter(path, SCHEMA, compression="zstd")
+        self.writer = pq.ParquetWriter(path, self.schema, compression="zstd")
         self.files += 1
         self.rows_in_file = 0
 
@@ -144,10 +184,21 @@ def convert(raw_dir: Path, out_dir: Path, cfg: ParquetConfig) -> dict[str, int]:
     return {split: writer.rows for split, writer in writers.items()}
 
 
-def build_manifest(directory: str | Path, fingerprint: str, inputs: dict[str, str], rows: dict[str, int]) -> dict:
-    """Manifest of a dataset folder: inputs, row counts and the sha256 of every Parquet file."""
+def build_manifest(
+    directory: str | Path,
+    fingerprint: str,
+    inputs: dict[str, str],
+    rows: dict[str, int],
+    image_shape: tuple[int, int, int] = IMAGE_SHAPE,
+    classes: list[str] | tuple[str, ...] = MNIST_CLASSES,
+) -> dict:
+    """Manifest of a dataset folder: inputs, row counts, the images' shape and class names, and
+    the sha256 of every Parquet file."""
     files = {name: sha256_file(join(directory, name)) for name in list_files(directory, ".parquet")}
-    return {"format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs, "rows": rows, "files": files}
+    return {
+        "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs, "rows": rows,
+        "image": image_record(image_shape), "classes": list(classes), "files": files,
+    }
 
 
 def manifest_problem(directory: str, fingerprint: str) -> str | None:

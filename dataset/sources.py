@@ -63,7 +63,7 @@ def official_md5() -> dict[str, str]:
 
     return dict(MNIST.resources)
 
-Source = Literal["official", "mirror", "sample"]
+Source = Literal["official", "mirror", "sample", "folder"]
 
 
 class RawData(pydantic.BaseModel):
@@ -71,9 +71,9 @@ class RawData(pydantic.BaseModel):
 
     source: Source = pydantic.Field(description="Where the files came from.")
     url: str = pydantic.Field(description="Base URL the files were fetched from (or would be, when skipped).")
-    directory: str = pydantic.Field(description="Absolute folder holding the four files.")
-    files: dict[str, str] = pydantic.Field(description="File name -> sha256 of the verified file on disk.")
-    skipped: bool = pydantic.Field(description="True when all four files were already present and verified.")
+    directory: str = pydantic.Field(description="Absolute folder holding the four files (source=folder: the user's image folder).")
+    files: dict[str, str] = pydantic.Field(description="File name (source=folder: path under the folder) -> sha256 of the file.")
+    skipped: bool = pydantic.Field(description="True when all four files were already present and verified (source=folder: never, every image is listed and hashed).")
 
 
 class DownloadError(RuntimeError):

@@ -1,4 +1,7 @@
-"""The Ray Data transform from Parquet rows to normalized 1x28x28 float32 tensors.
+"""The Ray Data transform from Parquet rows to normalized (channels, height, width) float32 tensors.
+
+The shape is the dataset's (`ParquetDataset.image_shape`, from its manifest; MNIST: 1x28x28);
+``transform.mean``/``std`` normalize every channel alike.
 
 The transform is vectorized (one numpy expression per batch, no per-row PIL), and lazy: the
 training stage builds the same pipeline (`build_split`) so it streams into Ray Train, with each
@@ -55,6 +58,15 @@ class TransformSpec(BaseModel):
 CHECKS_RECORD_PREFIX = "transform-checks-"
 
 
+def _config_key(cfg: TransformConfig) -> dict:
+    """The transform config as the checks record keys it; an unset image_size is left out (so a record
+    written before the field existed still matches: it is read by the conversion, not by the transform)."""
+    dumped = cfg.model_dump(mode="json")
+    if dumped.get("image_size") is None:
+        dumped.pop("image_size", None)
+    return dumped
+
+
 def checks_record_path(spec: TransformSpec) -> str:
     """Where the transform stage records its checks of ``spec.dataset`` under ``spec.config``.
 
@@ -62,13 +74,13 @@ def checks_record_path(spec: TransformSpec) -> str:
     a later run with the same verified dataset and config reuses the checks instead of running
     every split through Ray Data again.
     """
-    config = json.dumps(spec.config.model_dump(mode="json"), sort_keys=True)
+    config = json.dumps(_config_key(spec.config), sort_keys=True)
     return join(spec.dataset.directory, f"{CHECKS_RECORD_PREFIX}{hashlib.sha256(config.encode()).hexdigest()[:16]}.json")
 
 
 def checks_record(spec: TransformSpec, checks: dict[str, dict]) -> dict:
     """What `checks_record_path` holds: the dataset's fingerprint, the config and the checks."""
-    return {"fingerprint": spec.dataset.fingerprint, "config": spec.config.model_dump(mode="json"), "checks": checks}
+    return {"fingerprint": spec.dataset.fingerprint, "config": _config_key(spec.config), "checks": checks}
 
 
 def recorded_checks(spec: TransformSpec, splits: tuple[str, ...]) -> dict[str, dict] | None:
@@ -84,20 +96,29 @@ def recorded_checks(spec: TransformSpec, splits: tuple[str, ...]) -> dict[str, d
     return checks
 
 
-def normalize(images: np.ndarray, mean: float, std: float) -> np.ndarray:
-    """Pixels -> float32 (N, 1, 28, 28), ``(x - mean) / std`` on the 0..1 scale.
+MNIST_SHAPE = (1, 28, 28)  # what a caller that names no shape means: the seeds' digits
 
-    uint8 input (N, 784) or (N, 28, 28) is scaled by 1/255 first (the seeds' ToTensor);
-    float input is taken as already on the 0..1 scale.
+
+def to_chw(images: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
+    """(N, H*W*C) or (N, H, W, C) pixels as stored (height x width x channels) -> (N, C, H, W)."""
+    channels, height, width = shape
+    return images.reshape(-1, height, width, channels).transpose(0, 3, 1, 2)
+
+
+def normalize(images: np.ndarray, mean: float, std: float, shape: tuple[int, int, int] = MNIST_SHAPE) -> np.ndarray:
+    """Pixels -> float32 (N, C, H, W), ``(x - mean) / std`` on the 0..1 scale.
+
+    uint8 input (N, H*W*C) or (N, C, H, W) is scaled by 1/255 first (the seeds' ToTensor);
+    float input is taken as already on the 0..1 scale. ``shape``: (C, H, W).
     """
-    scaled = images.reshape(-1, 1, 28, 28).astype(np.float32)
+    scaled = images.reshape(-1, *shape).astype(np.float32)
     if images.dtype == np.uint8:
         scaled /= np.float32(255.0)
     return (scaled - np.float32(mean)) / np.float32(std)
 
 
 def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: float, draws: np.ndarray) -> np.ndarray:
-    """Shift, rotate and scale each (N, 28, 28) uint8 image; returns float32 on the 0..1 scale.
+    """Shift, rotate and scale each (N, H, W) or (N, C, H, W) uint8 image; returns float32 on the 0..1 scale, same shape.
 
     ``draws``: (N, 4) uniform numbers in [0, 1) per image (angle, zoom, shift y, shift x), e.g.
     `row_draws` (the same for a row wherever its batch falls) or ``rng.random((n, 4))``.
@@ -105,18 +126,23 @@ def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: f
     """
     n = len(images)
     torch.set_num_threads(1)  # a data task owns a fraction of a CPU; the cores belong to training
-    pixels = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).float().div_(255.0).unsqueeze(1)
+    gray = images.ndim == 3  # (N, H, W): one channel
+    pixels = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).float().div_(255.0)
+    pixels = pixels.unsqueeze(1) if gray else pixels
     if n == 0 or (shift_px == 0 and rotate_deg == 0 and scale == 0):
-        return pixels.squeeze(1).numpy()
+        return (pixels.squeeze(1) if gray else pixels).numpy()
+    height, width = pixels.shape[-2:]
     angle = np.deg2rad(rotate_deg * (2 * draws[:, 0] - 1))
     zoom = 1 + scale * (2 * draws[:, 1] - 1)
     # Whole-pixel shifts in [-shift_px, shift_px]; affine_grid maps output to input coordinates in
-    # [-1, 1], so one pixel is 2/28.
-    shift = (np.floor(draws[:, 2:4] * (2 * shift_px + 1)) - shift_px) * (2.0 / 28)
+    # [-1, 1], so one pixel is 2/width across and 2/height down (2/28 for MNIST).
+    steps = np.floor(draws[:, 2:4] * (2 * shift_px + 1)) - shift_px
+    shift = np.stack([steps[:, 0] * (2.0 / width), steps[:, 1] * (2.0 / height)], 1)
     cos, sin = np.cos(angle) / zoom, np.sin(angle) / zoom
     theta = np.stack([np.stack([cos, -sin, shift[:, 0]], 1), np.stack([sin, cos, shift[:, 1]], 1)], 1)
-    grid = F.affine_grid(torch.from_numpy(theta).float(), [n, 1, 28, 28], align_corners=False)
-    return F.grid_sample(pixels, grid, mode="bilinear", padding_mode="zeros", align_corners=False).squeeze(1).numpy()
+    grid = F.affine_grid(torch.from_numpy(theta).float(), list(pixels.shape), align_corners=False)
+    out = F.grid_sample(pixels, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+    return (out.squeeze(1) if gray else out).numpy()
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -155,18 +181,22 @@ def prepare_batch(
     augment: dict[str, float] | None = None,
     seed: int = 0,
     epoch: int = 0,
+    shape: tuple[int, int, int] = MNIST_SHAPE,
 ) -> dict[str, np.ndarray]:
-    """Parquet batch -> {"image": float32 (N,1,28,28), "label": int64 (N,), "row_id": int64 (N,)}.
+    """Parquet batch -> {"image": float32 (N,C,H,W), "label": int64 (N,), "row_id": int64 (N,)}.
 
     ``augment`` (training only): keyword arguments of `random_affine` (shift_px, rotate_deg,
     scale); each row's transform is drawn from (seed, epoch, row_id), not from its batch.
+    ``shape``: the dataset's (C, H, W).
     """
     row_ids = batch.column("row_id").to_numpy()
-    images = images_from_column(batch.column("image")).reshape(-1, 28, 28)
+    images = to_chw(images_from_column(batch.column("image")), shape)
+    if shape[0] == 1:
+        images = images[:, 0]  # (N, H, W), as the seeds' digits always were
     if augment:
         images = random_affine(images, draws=row_draws(row_ids, seed, epoch), **augment)
     return {
-        "image": normalize(images, mean, std),
+        "image": normalize(images, mean, std, shape),
         "label": batch.column("label").to_numpy().astype(np.int64),
         "row_id": row_ids.astype(np.int64),
     }
@@ -288,7 +318,10 @@ def build_split(
         prepare_batch,
         batch_format="pyarrow",
         batch_size=cfg.batch_rows,
-        fn_kwargs={"mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed, "epoch": epoch},
+        fn_kwargs={
+            "mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed, "epoch": epoch,
+            "shape": tuple(spec.dataset.image_shape),
+        },
         **task_args,
     )
     ds.context.execution_options.preserve_order = True
@@ -300,23 +333,36 @@ def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) 
     return {split: build_split(spec, split, seed) for split in splits}
 
 
-def check_split(ds: ray.data.Dataset, expected_rows: int, name: str) -> dict:
-    """Run ``ds`` to the end and check every batch; return row count, label counts and pixel stats."""
-    rows, total, total_sq, labels = 0, 0.0, 0.0, np.zeros(10, dtype=np.int64)
+def check_split(
+    ds: ray.data.Dataset, expected_rows: int, name: str, shape: tuple[int, int, int] = MNIST_SHAPE, num_classes: int = 10
+) -> dict:
+    """Run ``ds`` to the end and check every batch against the dataset's (C, H, W) ``shape`` and
+    ``num_classes``; return row count, label counts and pixel stats (overall, and per channel when
+    there is more than one)."""
+    shape = tuple(shape)
+    channels = shape[0]
+    rows, labels = 0, np.zeros(num_classes, dtype=np.int64)
+    total, total_sq = np.zeros(channels), np.zeros(channels)
     for batch in ds.iter_batches(batch_size=4096, batch_format="numpy"):
         image, label = batch["image"], batch["label"]
-        if image.dtype != np.float32 or image.shape[1:] != (1, 28, 28):
-            raise ValueError(f"{name}: transform produced {image.dtype} {image.shape[1:]}, expected float32 (1, 28, 28)")
+        if image.dtype != np.float32 or image.shape[1:] != shape:
+            raise ValueError(f"{name}: transform produced {image.dtype} {image.shape[1:]}, expected float32 {shape}")
         if not np.isfinite(image).all():
             raise ValueError(f"{name}: transform produced non-finite pixel values")
-        if label.min(initial=0) < 0 or label.max(initial=0) > 9:
-            raise ValueError(f"{name}: labels outside 0..9")
+        if label.min(initial=0) < 0 or label.max(initial=0) > num_classes - 1:
+            raise ValueError(f"{name}: labels outside 0..{num_classes - 1}")
         rows += len(label)
-        total += float(image.sum(dtype=np.float64))
-        total_sq += float(np.square(image, dtype=np.float64).sum())
-        labels += np.bincount(label, minlength=10)
+        total += image.sum(axis=(0, 2, 3), dtype=np.float64)
+        total_sq += np.square(image, dtype=np.float64).sum(axis=(0, 2, 3))
+        labels += np.bincount(label, minlength=num_classes)
     if rows != expected_rows:
         raise ValueError(f"{name}: transform yielded {rows} rows, the Parquet manifest says {expected_rows}")
-    mean = total / (rows * 784) if rows else 0.0
-    std = (total_sq / (rows * 784) - mean**2) ** 0.5 if rows else 0.0
-    return {"rows": rows, "pixel_mean": round(mean, 5), "pixel_std": round(std, 5), "label_counts": labels.tolist()}
+    per_channel = rows * shape[1] * shape[2]
+    mean = float(total.sum()) / (per_channel * channels) if rows else 0.0
+    std = (float(total_sq.sum()) / (per_channel * channels) - mean**2) ** 0.5 if rows else 0.0
+    out = {"rows": rows, "pixel_mean": round(mean, 5), "pixel_std": round(std, 5), "label_counts": labels.tolist()}
+    if channels > 1:
+        means = total / per_channel if rows else np.zeros(channels)
+        stds = np.sqrt(np.maximum(total_sq / per_channel - means**2, 0)) if rows else np.zeros(channels)
+        out |= {"channel_mean": [round(float(m), 5) for m in means], "channel_std": [round(float(v), 5) for v in stds]}
+    return out

@@ -24,6 +24,7 @@ from prefect.states import Cancelled
 from prefect_ray.context import remote_options
 from pydantic import ValidationError
 
+from dataset import folder
 from flows import console, hooks, stopping
 from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import PipelineConfig
@@ -238,7 +239,7 @@ def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
 def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConfig) -> None:
     """The stage list."""
     raw = stage(download, cfg=config.download, layout=layout)
-    dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+    dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size)
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
     reports.publish_dataset_report(dataset)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
@@ -261,6 +262,7 @@ def run_flow(config: PipelineConfig, prefix: str, check_fits: Any, plan: dict[st
     request (Ctrl-C, SIGTERM) the summary says interrupted and the flow run ends Cancelled.
     """
     models.check_name(config.model.name)  # ValueError naming model.name: an unknown model, a module that does not import
+    folder.check_source(config.download)  # source=folder: a missing folder or a bad layout, named
     layout = StorageLayout.create(config.storage_root, config.run_name or default_run_name(prefix))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     try:
@@ -324,6 +326,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
         settings = parse_cli(argv, settings_class)
         config = settings.pipeline_config()
         models.check_name(config.model.name)
+        folder.check_source(config.download)
     except (ValidationError, ValueError) as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2

@@ -1,8 +1,14 @@
-"""Score a folder of digits with the champion (or a named version) and write the predictions to Parquet.
+"""Score a folder of images with the champion (or a named version) and write the predictions to Parquet.
 
     python -m flows.predict --input data/mnist-sample                    # IDX files, the champion
     python -m flows.predict --input storage/datasets/mnist-<hash>/test --version 2
+    python -m flows.predict --input my-images/test                       # <class>/*.png: labelled
     python -m flows.predict --help
+
+The images must be what the model was trained on: the model card records their shape, the class
+names and the normalization (`training.registry.card_data`), and `dataset.inputs` reads the
+input to that shape (an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
+run set it). Predictions are class numbers; the ``pred_class`` column names them.
 
 The images go through the same Ray Data actor pool the evaluation stage uses
 (`training.inference`), normalized and scored exactly as the model card's configuration says
@@ -31,6 +37,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from dataset.inputs import NO_LABEL, read_folder
+from dataset.parquet import MNIST_CLASSES
 from flows.runtime import local_gcs_port, ray_init_args
 from pipeline_config import EvaluateConfig, PipelineConfig, PromoteConfig, RayConfig, TransformConfig
 from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
@@ -38,14 +45,19 @@ from training import registry
 
 
 class PredictSettings(BaseSettings):
-    """Score a folder of IDX or Parquet digits with a promoted model and write predictions to Parquet."""
+    """Score a folder of IDX, Parquet or PNG/JPEG images with a promoted model and write predictions to Parquet."""
 
     model_config = SettingsConfigDict(
         cli_prog_name="python -m flows.predict", env_prefix="MNIST_PREDICT_", cli_kebab_case=True,
         cli_implicit_flags=True, cli_hide_none_type=True, cli_avoid_json=True, extra="forbid",
     )
 
-    input: Path = Field(description="Folder of Parquet files (an 'image' column) or IDX files (*-images-idx3-ubyte[.gz]).")
+    input: Path = Field(
+        description=(
+            "Folder of Parquet files (an 'image' column), IDX files (*-images-idx3-ubyte[.gz]) or PNG/JPEG images "
+            "(in <class>/ subfolders for accuracy, or directly in the folder, unlabelled)."
+        )
+    )
     output: str | None = Field(
         None, description="Parquet file to write (local path or s3://); unset: <storage_root>/predictions/<model>-v<N>-<time>.parquet."
     )
@@ -132,14 +144,17 @@ def main(argv: list[str] | None = None) -> int:
                 update={"num_actors": settings.num_actors, "batch_rows": settings.batch_rows}
             )
             model_spec = registry.card_model(card)
-        except ValidationError as exc:
+            data = registry.card_data(card)
+            transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
+        except (ValidationError, KeyError, TypeError, ValueError) as exc:
             raise registry.RegistryDamaged([f"{join(folder, registry.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
-        table = read_folder(settings.input)
+        table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
         output = settings.output or default_output(layout.root, settings.model, version)
     except (ValidationError, ValueError) as exc:
         print(f"invalid input:\n{exc}", file=sys.stderr)
         return 2
-    print(f"Scoring {len(table):,} digits from {settings.input} with {settings.model} v{version} (run {card.get('run_name')})", flush=True)
+    noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
+    print(f"Scoring {len(table):,} {noun} from {settings.input} with {settings.model} v{version} (run {card.get('run_name')})", flush=True)
 
     import ray
 
@@ -156,10 +171,14 @@ def main(argv: list[str] | None = None) -> int:
         # Driven from a Ray task, as the evaluation stage is: Ray Data's progress lines go to the
         # worker's log, not this terminal (ray.log_to_driver is off).
         scoring = ray.remote(num_cpus=0)(predict_table)
-        out = ray.get(scoring.remote(table, folder, evaluate, transform, model_spec))
+        out = ray.get(scoring.remote(table, folder, evaluate, transform, model_spec, data["shape"]))
     finally:
         ray.shutdown()
-    result = pa.table({"row_id": out["row_id"], "label": out["label"], "pred": out["pred"]})
+    names = data["classes"]
+    result = pa.table({
+        "row_id": out["row_id"], "label": out["label"], "pred": out["pred"],
+        "pred_class": [names[int(p)] if 0 <= int(p) < len(names) else str(int(p)) for p in out["pred"]],
+    })
     model_dir = f"{registry.MODELS_DIR}/{settings.model}/v{version}"  # relative to the storage root
     result = result.replace_schema_metadata({"model": settings.model, "version": str(version), "model_dir": model_dir})
     buffer = pa.BufferOutputStream()
@@ -176,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Predictions: {output}")
     if labelled.any():
         accuracy = float((out["label"][labelled] == out["pred"][labelled]).mean())
-        print(f"Accuracy: {accuracy:.2%} on {int(labelled.sum()):,} labelled digits "
+        print(f"Accuracy: {accuracy:.2%} on {int(labelled.sum()):,} labelled {noun} "
               f"(the model card's test accuracy: {card['metrics']['test_accuracy']:.2%})")
     return 0
 

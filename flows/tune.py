@@ -62,7 +62,7 @@ def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> dict[str, A
 def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipelineConfig) -> None:
     """The stage list: the data stages, the search, and with ``tune.train_best`` the winner trained and evaluated."""
     raw = stage(download, cfg=config.download, layout=layout)
-    dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout)
+    dataset = stage(to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size)
     lease_uses(layout, raw.directory, dataset.directory)
     reports.publish_dataset_report(dataset)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)

@@ -77,14 +77,22 @@ class MirrorChecksums(_Section):
 
 
 class DownloadConfig(_Section):
-    """Where the four MNIST IDX files come from."""
+    """Where the data comes from: MNIST's four IDX files, or a labelled image folder (source=folder)."""
 
-    source: Literal["auto", "official", "mirror", "sample"] = Field(
+    source: Literal["auto", "official", "mirror", "sample", "folder"] = Field(
         "auto",
         description=(
             "auto: try the official MNIST mirrors (short connect timeout) and fall back to the "
             "bundled 5,000-digit sample with a warning; official: fail if unreachable; "
-            "mirror: use mirror_url; sample: use the bundled sample directly."
+            "mirror: use mirror_url; sample: use the bundled sample directly; "
+            "folder: your own labelled images in download.path (train/<class>/*.png|jpg, test/<class>/..., optional val/<class>/...)."
+        ),
+    )
+    path: str | None = Field(
+        None,
+        description=(
+            "source=folder: a local folder or an s3://bucket/prefix holding train/<class>/ and test/<class>/ "
+            "(and optionally val/<class>/) with PNG or JPEG images; read, never modified or deleted."
         ),
     )
     mirror_url: str | None = Field(
@@ -118,15 +126,31 @@ class DownloadConfig(_Section):
             raise ValueError("must start with http://, https:// or file://")
         return value.rstrip("/") + "/"
 
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        _no_control_characters(value, "download.path")
+        if not value.strip():
+            raise ValueError("download.path is empty; name a folder or an s3://bucket/prefix")
+        if "://" in value and not value.startswith("s3://"):
+            raise ValueError(f"download.path {value!r}: use a local folder or s3://bucket/prefix")
+        return value.rstrip("/") if value.startswith("s3://") else str(Path(value).expanduser())
+
     @model_validator(mode="after")
     def _mirror_needs_url(self) -> DownloadConfig:
         if self.source == "mirror" and not self.mirror_url:
             raise ValueError("source=mirror needs download.mirror_url (a base URL serving the four files)")
+        if self.source == "folder" and not self.path:
+            raise ValueError("source=folder needs download.path (a folder or s3:// prefix holding train/<class>/ and test/<class>/)")
+        if self.source != "folder" and self.path:
+            raise ValueError(f"download.path is only read with download.source=folder (source is {self.source}); unset it or set source=folder")
         return self
 
 
 class ParquetConfig(_Section):
-    """How the IDX files become Parquet."""
+    """How the source data (IDX files or an image folder) becomes Parquet."""
 
     rows_per_file: int = Field(
         1000, ge=64, le=1_000_000, description="Rows per Parquet file (files are Ray Data's unit of read parallelism)."
@@ -140,7 +164,16 @@ class ParquetConfig(_Section):
         le=1000,
         description=(
             "Every n-th training row (by row_id) is held out for per-epoch validation and checkpoint "
-            "selection, so the test split is only ever used by the evaluation stage."
+            "selection, so the test split is only ever used by the evaluation stage. An image folder without "
+            "val/: about 1/n of each class's training images, picked by split_seed (a stratified split)."
+        ),
+    )
+    split_seed: int = Field(
+        0,
+        ge=0,
+        description=(
+            "download.source=folder without a val/ folder: the seed of the stratified split that holds out "
+            "validation images (the same seed and files give the same split). Not used by MNIST's IDX sources."
         ),
     )
 
@@ -158,6 +191,15 @@ class TransformConfig(_Section):
     )
     scale: float = Field(
         0.1, ge=0, le=0.5, description="Training-time augmentation: random zoom by a factor in [1 - scale, 1 + scale]."
+    )
+    image_size: int | None = Field(
+        None,
+        ge=4,
+        le=4096,
+        description=(
+            "download.source=folder: resize every image to image_size x image_size pixels when the conversion reads it "
+            "(needed when the folder's images differ in size). Unset: images are kept as they are and must all be one size."
+        ),
     )
     batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")
     in_memory_mb: int = Field(
@@ -389,7 +431,9 @@ class CleanupConfig(_Section):
         le=1000,
         description="Keep the best N checkpoints of this run (the evaluated one always stays); 0 keeps all.",
     )
-    delete_raw: bool = Field(False, description="Delete the downloaded IDX files of this run's data source.")
+    delete_raw: bool = Field(
+        False, description="Delete the downloaded IDX files of this run's data source (never a download.source=folder image folder)."
+    )
     delete_parquet: bool = Field(False, description="Delete this run's Parquet dataset.")
     dry_run: bool = Field(False, description="Only list what the policy would delete.")
 

@@ -45,7 +45,7 @@ KEYS = {
 # What the tune flow's search adds (its train_best stages publish the KEYS above too).
 TUNE_KEYS = {"trials": "mnist-tune-trials", "trial_curves": "mnist-tune-curves"}
 GRID = 3  # the seeds' 3x3 pictures
-IMAGE_SIDE = 28
+MNIST_SHAPE = (1, 28, 28)  # (channels, height, width) when a caller names none: the seeds' digits
 _T = TypeVar("_T")
 
 
@@ -74,25 +74,31 @@ def png_bytes(fig) -> bytes:
     return buffer.getvalue()
 
 
-def digit_grid_png(images: np.ndarray, titles: Sequence[str], wrong: Sequence[bool] | None = None) -> bytes:
-    """A grid of 28x28 digits with a title above each (the seeds' 3x3 layout).
+def digit_grid_png(
+    images: np.ndarray, titles: Sequence[str], wrong: Sequence[bool] | None = None, shape: tuple[int, int, int] = MNIST_SHAPE
+) -> bytes:
+    """A grid of images with a title above each (the seeds' 3x3 layout), gray or RGB, any size.
 
     Args:
-        images: ``(N, 784)`` or ``(N, 28, 28)`` uint8 pixels, at most ``GRID * GRID`` of them.
+        images: ``(N, H*W*C)`` uint8 pixels as stored (height x width x channels), at most ``GRID * GRID`` of them.
         titles: One title per image, e.g. ``"7"`` or ``"label: 7; pred: 1"``.
-        wrong: Optional flags; a flagged image gets a red title (a misclassified digit).
+        wrong: Optional flags; a flagged image gets a red title (a misclassified image).
+        shape: The images' (channels, height, width): the dataset's.
 
     Returns:
         PNG bytes.
     """
-    images = np.asarray(images, dtype=np.uint8).reshape(-1, IMAGE_SIDE, IMAGE_SIDE)
+    channels, height, width = shape
+    images = np.asarray(images, dtype=np.uint8).reshape(-1, height, width, channels)
+    if channels == 1:
+        images = images[..., 0]
     if len(images) != len(titles) or not 0 < len(images) <= GRID * GRID:
         raise ValueError(f"need 1..{GRID * GRID} images with one title each, got {len(images)} and {len(titles)}")
     wrong = list(wrong) if wrong is not None else [False] * len(images)
     fig = _figure(6, 6.4)
     for i, (image, title, bad) in enumerate(zip(images, titles, wrong)):
         ax = fig.add_subplot(GRID, GRID, i + 1)
-        ax.imshow(image, cmap="gray", vmin=0, vmax=255)
+        ax.imshow(image, cmap="gray" if channels == 1 else None, vmin=0, vmax=255)
         ax.set_title(title, color="tab:red" if bad else "black", fontsize=11)
         ax.axis("off")
     fig.tight_layout()
@@ -191,11 +197,12 @@ def trial_rows(trials: Sequence[dict[str, Any]], metric: str, best_id: str | Non
     return rows
 
 
-def confusion_matrix_png(confusion: Sequence[Sequence[int]]) -> bytes:
-    """The confusion matrix (rows: true digit, columns: predicted) with a count in every cell.
+def confusion_matrix_png(confusion: Sequence[Sequence[int]], classes: Sequence[str] | None = None) -> bytes:
+    """The confusion matrix (rows: true class, columns: predicted) with a count in every cell.
 
     Args:
         confusion: A square matrix of counts, ``confusion[true][pred]``.
+        classes: The class names, for the axes (unset: the class numbers).
 
     Returns:
         PNG bytes.
@@ -216,6 +223,9 @@ def confusion_matrix_png(confusion: Sequence[Sequence[int]]) -> bytes:
             ax.text(pred, true, str(count), ha="center", va="center", fontsize=8, color=color)
     ax.set_xticks(range(n))
     ax.set_yticks(range(n))
+    if classes is not None and len(classes) == n:
+        ax.set_xticklabels(list(classes), rotation=45 if max(map(len, classes)) > 2 else 0, ha="right" if max(map(len, classes)) > 2 else "center")
+        ax.set_yticklabels(list(classes))
     ax.set_xlabel("predicted")
     ax.set_ylabel("true")
     ax.set_title(f"Confusion matrix ({int(matrix.sum())} test images)")
@@ -332,9 +342,10 @@ def gate_verdict(accuracy: float, min_accuracy: float) -> str:
 
 
 def metrics_rows(
-    confusion: Sequence[Sequence[int]], precision: Sequence[float], recall: Sequence[float], gate: str | None = None
+    confusion: Sequence[Sequence[int]], precision: Sequence[float], recall: Sequence[float], gate: str | None = None,
+    classes: Sequence[str] | None = None,
 ) -> list[dict]:
-    """An ``all`` row, then one row per digit (support, correct, precision, recall).
+    """An ``all`` row, then one row per class (support, correct, precision, recall), named by ``classes`` (unset: numbers).
 
     Args:
         confusion: ``confusion[true][pred]`` counts.
@@ -350,7 +361,7 @@ def metrics_rows(
     support, correct = matrix.sum(1), np.diag(matrix)
     per_class = [
         {
-            "class": str(digit),
+            "class": str(classes[digit]) if classes is not None and len(classes) == len(matrix) else str(digit),
             "support": int(support[digit]),
             "correct": int(correct[digit]),
             "precision": round(float(precision[digit]), 4),
@@ -456,7 +467,7 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
         row_ids: ``row_id`` values to fetch instead (order of the result follows ``row_ids``).
 
     Returns:
-        ``(row_ids, images (N, 784) uint8, labels)`` as numpy arrays.
+        ``(row_ids, images (N, H*W*C) uint8, labels)`` as numpy arrays.
     """
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
@@ -480,16 +491,25 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
     )
 
 
-def sample_digits_markdown(train_dir: str, train_rows: int) -> str:
-    """The sample-digits report: nine training digits with their labels (the seeds' first picture)."""
+def _name(classes: Sequence[str] | None, label: int) -> str:
+    return str(classes[label]) if classes is not None and 0 <= label < len(classes) else str(label)
+
+
+def sample_digits_markdown(
+    train_dir: str, train_rows: int, shape: tuple[int, int, int] = MNIST_SHAPE, classes: Sequence[str] | None = None
+) -> str:
+    """The sample-digits report: nine training images with their labels (the seeds' first picture)."""
     _, images, labels = read_split_rows(train_dir, positions=pick_rows(train_rows))
-    png = digit_grid_png(images, [str(int(label)) for label in labels])
+    png = digit_grid_png(images, [_name(classes, int(label)) for label in labels], shape=shape)
     caption = f"Nine training digits with their labels, the same rows every run, read back from `{train_dir}`."
     return image_markdown("Sample training digits", png, caption)
 
 
-def predictions_markdown(predictions_path: str, test_dir: str, gate: str | None = None) -> str:
-    """The test-predictions report: digits with true and predicted labels (the seeds' last picture)."""
+def predictions_markdown(
+    predictions_path: str, test_dir: str, gate: str | None = None,
+    shape: tuple[int, int, int] = MNIST_SHAPE, classes: Sequence[str] | None = None,
+) -> str:
+    """The test-predictions report: images with true and predicted labels (the seeds' last picture)."""
     import pyarrow.parquet as pq
 
     fs, where = filesystem(predictions_path)
@@ -498,8 +518,8 @@ def predictions_markdown(predictions_path: str, test_dir: str, gate: str | None 
     chosen = pick_predictions(labels, preds)
     _, images, _ = read_split_rows(test_dir, row_ids=row_ids[chosen].tolist())
     wrong = labels[chosen] != preds[chosen]
-    titles = [f"label: {int(t)}; pred: {int(p)}" for t, p in zip(labels[chosen], preds[chosen])]
-    png = digit_grid_png(images, titles, wrong=wrong)
+    titles = [f"label: {_name(classes, int(t))}; pred: {_name(classes, int(p))}" for t, p in zip(labels[chosen], preds[chosen])]
+    png = digit_grid_png(images, titles, wrong=wrong, shape=shape)
     errors = int((labels != preds).sum())
     caption = (
         f"{len(chosen)} test digits with true and predicted labels (red: misclassified). "
@@ -539,7 +559,7 @@ def publish_dataset_report(dataset) -> list:
     """Publish the sample-digits picture for a ``ParquetDataset``; returns the artifact ids."""
     from prefect.artifacts import create_markdown_artifact
 
-    markdown = sample_digits_markdown(dataset.split_dir("train"), dataset.rows["train"])
+    markdown = sample_digits_markdown(dataset.split_dir("train"), dataset.rows["train"], tuple(dataset.image_shape), dataset.classes)
     return [create_markdown_artifact(markdown, key=KEYS["samples"], description="Nine training digits with labels")]
 
 
@@ -579,19 +599,19 @@ def publish_evaluation_report(evaluation, dataset, trained) -> list:
     gate = gate_verdict(evaluation.accuracy, evaluation.min_accuracy)
     confusion = image_markdown(
         f"Confusion matrix ({gate})",
-        confusion_matrix_png(evaluation.confusion),
+        confusion_matrix_png(evaluation.confusion, dataset.classes),
         f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images; {gate}.",
     )
     checkpoints = [c.model_dump() for c in trained.checkpoints]
     return [
         create_markdown_artifact(confusion, key=KEYS["confusion"], description=f"True vs predicted digit counts; {gate}"),
         create_markdown_artifact(
-            predictions_markdown(evaluation.predictions_path, dataset.split_dir("test"), gate),
+            predictions_markdown(evaluation.predictions_path, dataset.split_dir("test"), gate, tuple(dataset.image_shape), dataset.classes),
             key=KEYS["predictions"],
             description=f"Test digits with true and predicted labels; {gate}",
         ),
         create_table_artifact(
-            metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall, gate),
+            metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall, gate, dataset.classes),
             key=KEYS["metrics"],
             description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}; {gate}",
         ),

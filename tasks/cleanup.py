@@ -12,7 +12,8 @@ is, holds or lies inside such a folder is kept, listed with why in the report (d
 Cards name that data relative to the storage root, so a copied or moved root keeps its champion's
 data; an older card's absolute path protects the same place under this root too, and a card that
 cannot be read keeps all of ``raw/`` and ``datasets/``. Nothing outside the current root is ever
-deleted, whatever a card or lease names.
+deleted, whatever a card or lease names. ``delete_raw`` never selects a user's image folder
+(``download.source=folder``): it was read where it is and is not the pipeline's to delete.
 
 Whatever the policy, incomplete checkpoint folders in the run folder go too (`incomplete_checkpoints`):
 debris of an upload that failed or was cut short, which Ray Train never registered. A checkpoint
@@ -70,7 +71,7 @@ def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: Tra
     if cfg.keep_checkpoints:
         ranked = sorted(trained.checkpoints, key=lambda c: checkpoint_rank(c, trained.score), reverse=True)
         selected += [c.path for c in ranked[cfg.keep_checkpoints :] if c.path != evaluation.checkpoint]
-    if cfg.delete_raw:
+    if cfg.delete_raw and raw.source != "folder":  # a user's image folder is read where it is, never deleted
         selected.append(raw.directory)
     if cfg.delete_parquet:
         selected.append(dataset.directory)

@@ -1,4 +1,5 @@
-"""Stage 1: the four MNIST IDX ``.gz`` files, verified, in ``<root>/raw/<source>/``.
+"""Stage 1: the four MNIST IDX ``.gz`` files, verified, in ``<root>/raw/<source>/``; or, with
+``download.source=folder``, the user's labelled image folder checked and listed where it is.
 
 The sources, the mirrors' probe, the retries and the checks are in `dataset.sources`. On an S3
 root the files are checked and fetched in a local folder, then uploaded; a re-run whose four
@@ -10,7 +11,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dataset import sources
+from dataset import folder, sources
 from dataset.sources import RawData, resolve_source, source_key, sync_files
 from pipeline_config import DownloadConfig
 from reporting.logs import stage_logger
@@ -23,6 +24,8 @@ from storage_io import StorageLayout, local_copy, storage_writes
 def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
     """Fetch and verify the four MNIST IDX files (official, mirror or bundled sample)."""
     log = stage_logger(__name__)
+    if cfg.source == "folder":
+        return list_folder(cfg, log)
     plan = resolve_source(cfg, layout)
     if plan.fell_back:
         log.warning(
@@ -40,3 +43,14 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
     state = "already present and verified, no download" if skipped else "verified"
     log.info("MNIST files %s in %s (source=%s, %s)", state, directory, plan.source, plan.base_url)
     return RawData(source=plan.source, url=plan.base_url, directory=directory, files=files, skipped=skipped)
+
+
+def list_folder(cfg: DownloadConfig, log) -> RawData:
+    """source=folder: check the layout and record every image's sha256 (the dataset's fingerprint
+    changes when the data does). Nothing is copied: the folder is read where it is, and never deleted."""
+    assert cfg.path is not None  # DownloadConfig refuses source=folder without a path
+    found = folder.check_folder(cfg.path)
+    files = folder.folder_files(found)
+    counts = {split: len(rows) for split, rows in found.files.items()}
+    log.info("Image folder %s: %d classes (%s), images %s", cfg.path, len(found.classes), ", ".join(found.classes), counts)
+    return RawData(source="folder", url=cfg.path, directory=cfg.path, files=files, skipped=False)

@@ -51,6 +51,7 @@ class Evaluation(BaseModel):
     tta: bool = False
     accuracy_without_tta: float | None = None
     promotion: registry.Promotion | None = None  # None: promotion is off (promote.enabled)
+    classes: list[str] = []  # the class names: confusion[i][j] counts images of classes[i] predicted as classes[j]
 
 
 @task(name="evaluate")
@@ -91,6 +92,7 @@ def evaluate(
         min_accuracy=cfg.min_accuracy,
         tta=cfg.tta,
         accuracy_without_tta=plain_accuracy,
+        classes=list(spec.dataset.classes),
         **scores,
     )
     with storage_writes("evaluate"):
@@ -153,12 +155,21 @@ def promote_model(
         config=run_config,
         model=trained.model.model_dump(),
         code_version=environment.git_commit(),
+        data_spec=data_spec(spec),
     )
-    pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion)}
+    pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion, spec.dataset.classes)}
     if trained.history:
         pictures["training_curves.png"] = reports.training_curves_png(trained.history)
 
     def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
+        card = read_json(join(folder, registry.CARD_FILE))
+        theirs = registry.card_data(card if isinstance(card, dict) else {})
+        if tuple(theirs["shape"]) != tuple(spec.dataset.image_shape) or list(theirs["classes"]) != list(spec.dataset.classes):
+            raise ValueError(
+                f"promote.model_name {promote.model_name}: its champion ({folder}) was trained on {theirs['shape']} images of "
+                f"classes {theirs['classes']}, this run on {tuple(spec.dataset.image_shape)} images of classes "
+                f"{list(spec.dataset.classes)}; they cannot be compared: give this workload its own promote.model_name"
+            )
         out = predict(spec, folder, cfg, registry.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 
@@ -168,6 +179,20 @@ def promote_model(
     runs = registry.recent_runs(layout.root, promote.model_name, promote.recent_runs)
     reports.publish_run_comparison(promote.model_name, runs, promotion.model_dump())
     return promotion
+
+
+def data_spec(spec: TransformSpec) -> dict[str, Any]:
+    """What ``flows.predict`` needs to score new images as evaluation scored the test split: the
+    images' shape, the class names, and the normalization (``transform.mean``/``std``, ``image_size``)."""
+    from dataset.parquet import image_record
+
+    return {
+        "image": image_record(tuple(spec.dataset.image_shape)),
+        "classes": list(spec.dataset.classes),
+        "mean": spec.config.mean,
+        "std": spec.config.std,
+        "image_size": spec.config.image_size,
+    }
 
 
 def run_row(

@@ -1,6 +1,7 @@
-"""Stage 2: convert the IDX files into Parquet splits that Ray Data reads in parallel.
+"""Stage 2: convert the IDX files (or a labelled image folder) into Parquet splits that Ray Data reads in parallel.
 
-The layout, the conversion and the manifest are in `dataset.parquet`. This stage names the
+The layout, the IDX conversion and the manifest are in `dataset.parquet`; an image folder's
+checks and conversion (read with Ray Data) in `dataset.folder`. This stage names the
 build by a fingerprint of its inputs and settings, takes the dataset's build lock (a concurrent
 run building the same dataset waits, then reuses it), skips a build whose manifest verifies, and
 otherwise converts into a staging folder that is published whole.
@@ -10,7 +11,8 @@ from __future__ import annotations
 
 from prefect import task
 
-from dataset.parquet import FORMAT_VERSION, ParquetDataset, build_manifest, convert, manifest_problem
+from dataset import folder
+from dataset.parquet import FORMAT_VERSION, ParquetDataset, build_manifest, convert, manifest_data, manifest_problem
 from dataset.sources import RawData
 from pipeline_config import ParquetConfig
 from reporting.logs import stage_logger
@@ -31,31 +33,48 @@ from storage_io import (
 )
 
 
-def dataset_fingerprint(raw: RawData, cfg: ParquetConfig) -> str:
+# Settings only an image folder's conversion reads: left out of an IDX dataset's fingerprint, so
+# MNIST's datasets keep the fingerprint (and folder) they had before these settings existed.
+FOLDER_ONLY = {"split_seed"}
+
+
+def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | None = None) -> str:
     """Content key of a conversion: input checksums plus every setting that changes the output."""
-    return sha256_json({"v": FORMAT_VERSION, "inputs": raw.files, "cfg": cfg.model_dump()})[:16]
+    if raw.source != "folder":
+        return sha256_json({"v": FORMAT_VERSION, "inputs": raw.files, "cfg": cfg.model_dump(exclude=FOLDER_ONLY)})[:16]
+    key = {"v": FORMAT_VERSION, "source": "folder", "inputs": raw.files, "cfg": cfg.model_dump(), "image_size": image_size}
+    return sha256_json(key)[:16]
 
 
 @task(name="to-parquet")
-def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout) -> ParquetDataset:
-    """Convert the IDX files to train/val/test Parquet (skipped when a verified build exists)."""
+def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout, image_size: int | None = None) -> ParquetDataset:
+    """Convert the IDX files or the image folder to train/val/test Parquet (skipped when a verified build exists).
+
+    ``image_size``: ``transform.image_size``, the square size an image folder's images are resized to."""
     logger = stage_logger(__name__)
-    fingerprint = dataset_fingerprint(raw, cfg)
+    fingerprint = dataset_fingerprint(raw, cfg, image_size)
     final = layout.dataset_dir(fingerprint)
     # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
     with storage_writes("to-parquet", parent(final)), file_lock(layout, f"dataset-{fingerprint}"):
-        return _build_or_reuse(raw, cfg, final, fingerprint, logger)
+        return _build_or_reuse(raw, cfg, final, fingerprint, logger, image_size)
 
 
-def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger) -> ParquetDataset:
+def _build_or_reuse(
+    raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger, image_size: int | None = None
+) -> ParquetDataset:
     found = exists(final)
     problem = manifest_problem(final, fingerprint) if found else None
     if found and problem is None:
         manifest = read_json(join(final, MANIFEST))
         logger.info("Parquet dataset %s verified against its manifest; conversion skipped", final)
-        return ParquetDataset(directory=final, fingerprint=fingerprint, rows=manifest["rows"], skipped=True)
+        shape, classes = manifest_data(manifest)
+        return ParquetDataset(
+            directory=final, fingerprint=fingerprint, rows=manifest["rows"], skipped=True, image_shape=shape, classes=classes
+        )
     if problem:
         logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
+    if raw.source == "folder":
+        return _build_from_folder(raw, cfg, final, fingerprint, logger, image_size)
     # A local staging folder, removed again if the build fails half-way (raw files copied from S3 first).
     with building(final) as staging, local_copy(raw.directory) as raw_dir:
         rows = convert(raw_dir, staging, cfg)
@@ -63,3 +82,22 @@ def _build_or_reuse(raw: RawData, cfg: ParquetConfig, final: str, fingerprint: s
         publish_dir(staging, final)
     logger.info("Wrote Parquet dataset %s: %s", final, rows)
     return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows)
+
+
+def _build_from_folder(
+    raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger, image_size: int | None
+) -> ParquetDataset:
+    """An image folder read with Ray Data into a staging folder, published whole with its manifest last."""
+    found = folder.check_folder(raw.directory)
+    listed = {rel for rows in found.files.values() for rel, _ in rows}
+    if listed != set(raw.files):  # the folder changed between the download stage and now
+        raise folder.FolderError(f"{raw.directory}: its images changed since the download stage listed them; run again")
+    with building(final) as staging:
+        rows, shape = folder.convert_folder(found, staging, cfg, image_size)
+        manifest = build_manifest(staging, fingerprint, raw.files, rows, shape, found.classes)
+        atomic_write_json(staging / MANIFEST, manifest)
+        publish_dir(staging, final)
+    split = "its val/ folder" if found.has_val else f"a stratified split of train/ (parquet.split_seed={cfg.split_seed})"
+    logger.info("Wrote Parquet dataset %s from %s: %s, %dx%dx%d images, %d classes; validation from %s",
+                final, raw.directory, rows, shape[1], shape[2], shape[0], len(found.classes), split)
+    return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows, image_shape=shape, classes=found.classes)

@@ -41,7 +41,9 @@ def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayo
     reused = checks is not None
     if checks is None:
         datasets = build_datasets(spec, splits=SPLITS)
-        checks = {name: check_split(ds, dataset.rows[name], name) for name, ds in datasets.items()}
+        checks = {
+            name: check_split(ds, dataset.rows[name], name, dataset.image_shape, dataset.num_classes) for name, ds in datasets.items()
+        }
         with storage_writes("transform", dataset.directory):
             atomic_write_json(checks_record_path(spec), checks_record(spec, checks))
         logger.info("Transform checked: %s", {k: v["rows"] for k, v in checks.items()})

@@ -247,7 +247,7 @@ def test_prediction_inputs_from_idx_and_parquet_folders(tmp_path):
     with pytest.raises(ValueError, match="part-1.parquet: needs an 'image' column"):
         read_folder(tmp_path / "parquet")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="empty: no digits found"):
+    with pytest.raises(ValueError, match="empty: no digits or images found"):
         read_folder(tmp_path / "empty")
     with pytest.raises(ValueError, match="missing: not a folder"):
         read_folder(tmp_path / "missing")

@@ -25,7 +25,7 @@ TTA_SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))
 
 
 def shifted(images: torch.Tensor, dy: int, dx: int, fill: float) -> torch.Tensor:
-    """(N, 1, 28, 28) images moved by (dy, dx) pixels; uncovered pixels become ``fill`` (background)."""
+    """(N, C, H, W) images moved by (dy, dx) pixels; uncovered pixels become ``fill`` (background)."""
     if dy == 0 and dx == 0:
         return images
     h, w = images.shape[-2:]
@@ -101,13 +101,16 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: Mo
 
 def predict_table(
     table: pa.Table, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig, model: ModelSpec | None = None,
+    shape: tuple[int, int, int] = (1, 28, 28),
 ) -> dict[str, np.ndarray]:
-    """Score Parquet-schema rows (row_id, image, label; label -1 when unknown) the way evaluation scores the test split."""
+    """Score Parquet-schema rows (row_id, image, label; label -1 when unknown) the way evaluation scores the test split.
+
+    ``shape``: the images' (channels, height, width), the model card's."""
     rows = blocks(table, transform.block_rows).map_batches(
         prepare_batch,
         batch_format="pyarrow",
         batch_size=transform.batch_rows,
-        fn_kwargs={"mean": transform.mean, "std": transform.std},
+        fn_kwargs={"mean": transform.mean, "std": transform.std, "shape": tuple(shape)},
         num_cpus=transform.cpus_per_task,
     )
     return score(rows, checkpoint, cfg, transform, model)

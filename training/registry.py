@@ -111,6 +111,8 @@ class Candidate(BaseModel):
     config: dict[str, Any] = {}
     model: dict[str, Any] = {}  # the training.models.ModelSpec that was trained (the card's architecture)
     code_version: str | None = None
+    # The images' shape, class names and normalization (tasks.evaluate.data_spec): what predict needs.
+    data_spec: dict[str, Any] = {}
 
 
 class Promotion(BaseModel):
@@ -225,6 +227,24 @@ def card_model(card: dict) -> ModelSpec:
     """The model a version's model.pt holds: its card's ``architecture`` (the seeds' ResNet-18 for a card written before it)."""
     recorded = card.get("architecture")
     return ModelSpec.model_validate(recorded) if isinstance(recorded, dict) else SEEDS_MODEL
+
+
+def card_data(card: dict) -> dict[str, Any]:
+    """The data a version was trained on, as predict needs it: ``shape`` (C, H, W), ``classes``,
+    ``mean``, ``std`` and ``image_size``. A card written before it recorded them is MNIST's."""
+    from dataset.parquet import manifest_data
+
+    data = card.get("data") if isinstance(card.get("data"), dict) else {}
+    transform = (card.get("config") or {}).get("transform") if isinstance(card.get("config"), dict) else None
+    transform = transform if isinstance(transform, dict) else {}
+    shape, classes = manifest_data(data)
+    return {
+        "shape": shape,
+        "classes": classes,
+        "mean": data.get("mean", transform.get("mean", 0.5)),
+        "std": data.get("std", transform.get("std", 0.5)),
+        "image_size": data.get("image_size", transform.get("image_size")),
+    }
 
 
 def version_model(folder: str) -> ModelSpec:
@@ -485,6 +505,7 @@ def _publish_version(
                 "manifest_hash": candidate.data_hash,
                 "dataset_dir": to_stored(root, candidate.dataset_dir),
                 "raw_dir": to_stored(root, candidate.raw_dir),
+                **candidate.data_spec,  # image (channels, height, width), classes, mean, std, image_size
             },
             "metrics": {"test_accuracy": candidate.accuracy, **candidate.metrics},
             "previous_champion": {"version": before, "test_accuracy_on_this_data": champion_accuracy, "rescored": rescored},

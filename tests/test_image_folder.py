@@ -1,0 +1,240 @@
+"""A labelled image folder as the data (download.source=folder): its checks, its conversion, and a run end to end.
+
+The workload is the tests' own (tests/support/images.py): three classes of 20x20 RGB PNGs, not
+MNIST. The checks name the path or field that is wrong before any work; the conversion (Ray Data's
+read_images in a real local Ray) writes the same verified Parquet dataset with the images' shape
+and class names in its manifest; every later stage takes them from there. The end-to-end test runs
+the CLI on the small model, then scores the folder's test/ with the champion through flows.predict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from pydantic import ValidationError
+
+from dataset import folder
+from dataset.inputs import NO_LABEL, read_folder
+from dataset.parquet import MNIST_CLASSES, ParquetDataset, images_from_column, manifest_data
+from pipeline_config import DownloadConfig, ParquetConfig
+from storage_io import MANIFEST, read_json, sha256_json
+from tasks.download import download
+from tasks.to_parquet import dataset_fingerprint, to_parquet
+from tests.support.images import CLASSES, SIZE, write_image_folder
+from tests.support.models import SMALL_MODEL_ARGS
+
+ROOT = Path(__file__).resolve().parent.parent
+CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=5)
+
+
+# --------------------------------------------------------------------------- config and checks
+
+
+def test_download_path_is_required_with_source_folder_and_refused_without_it():
+    with pytest.raises(ValidationError, match="source=folder needs download.path"):
+        DownloadConfig(source="folder")
+    with pytest.raises(ValidationError, match="download.path is only read with download.source=folder"):
+        DownloadConfig(source="sample", path="/data/images")
+    with pytest.raises(ValidationError, match="use a local folder or s3://"):
+        DownloadConfig(source="folder", path="http://example.com/images")
+    assert DownloadConfig(source="folder", path="s3://bucket/images/").path == "s3://bucket/images"
+
+
+def test_each_bad_layout_is_refused_naming_the_path(tmp_path):
+    missing = tmp_path / "nothing-here"
+    with pytest.raises(folder.FolderError, match=f"download.path {missing}: no such folder"):
+        folder.check_folder(str(missing))
+
+    root = write_image_folder(tmp_path / "no-test", {"train": 2})
+    with pytest.raises(folder.FolderError, match=f"download.path {root}: has no test/ folder"):
+        folder.check_folder(str(root))
+
+    root = tmp_path / "no-classes"
+    (root / "train").mkdir(parents=True)
+    (root / "test").mkdir()
+    with pytest.raises(folder.FolderError, match=f"{root}: train/ has no class subfolders"):
+        folder.check_folder(str(root))
+
+    root = write_image_folder(tmp_path / "unknown-class", {"train": 2, "test": 1})
+    write_image_folder(tmp_path / "other", {"test": 1}, classes=("yellow_star",))
+    (root / "test" / "yellow_star").mkdir()
+    (tmp_path / "other" / "test" / "yellow_star" / "yellow_star-000.png").rename(root / "test" / "yellow_star" / "a.png")
+    with pytest.raises(folder.FolderError, match=f"{root / 'test' / 'yellow_star'}: class 'yellow_star' is not in {root / 'train'}"):
+        folder.check_folder(str(root))
+
+    root = write_image_folder(tmp_path / "empty-class", {"train": 2, "test": 1})
+    (root / "train" / "purple_void").mkdir()
+    with pytest.raises(folder.FolderError, match=f"{root / 'train' / 'purple_void'}: no images"):
+        folder.check_folder(str(root))
+
+    root = write_image_folder(tmp_path / "loose", {"train": 2, "test": 1})
+    (root / "train" / "blue_cross" / "blue_cross-000.png").rename(root / "train" / "stray.png")
+    with pytest.raises(folder.FolderError, match=f"{root / 'train' / 'stray.png'}: an image outside a class folder"):
+        folder.check_folder(str(root))
+
+    good = folder.check_folder(str(write_image_folder(tmp_path / "good", {"train": 3, "test": 2})))
+    assert good.classes == list(CLASSES) and not good.has_val
+    assert len(good.files["train"]) == 9 and good.files["test"][0] == ("test/blue_cross/blue_cross-000.png", 0)
+
+
+def test_the_cli_refuses_a_bad_folder_before_any_work(tmp_path):
+    storage = tmp_path / "storage"
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), "--download.source", "folder",
+         "--download.path", str(tmp_path / "absent")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2 and f"download.path {tmp_path / 'absent'}: no such folder" in out.stderr
+    assert not storage.exists()  # nothing was written
+
+
+def test_stratified_split_is_seeded_and_keeps_every_class():
+    labels = [0] * 20 + [1] * 10 + [2] * 5
+    held = folder.stratified_split(labels, every=5, seed=0)
+    assert np.array_equal(held, folder.stratified_split(labels, every=5, seed=0))
+    assert not np.array_equal(held, folder.stratified_split(labels, every=5, seed=1))
+    assert np.bincount(np.asarray(labels)[held], minlength=3).tolist() == [4, 2, 1]
+
+
+# --------------------------------------------------------------------------- MNIST unchanged
+
+
+def test_mnist_fingerprint_and_manifest_fallback_are_unchanged():
+    from dataset.sources import RawData
+
+    raw = RawData(source="sample", url="file:///x/", directory="/x", files={"a.gz": "0" * 64}, skipped=True)
+    before = sha256_json({"v": 1, "inputs": raw.files, "cfg": {"rows_per_file": 1000, "rows_per_group": 1000, "validation_every": 20}})
+    assert dataset_fingerprint(raw, ParquetConfig()) == before[:16]  # what every MNIST dataset folder is named by
+    assert manifest_data({"rows": {}}) == ((1, 28, 28), list(MNIST_CLASSES))  # a manifest from before the fields
+    assert ParquetDataset(directory="/d", fingerprint="f", rows={}).num_classes == 10
+
+
+# --------------------------------------------------------------------------- the conversion
+
+
+def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_path, layout, local_ray):
+    root = write_image_folder(tmp_path / "images", {"train": 10, "test": 4})
+    raw = download.fn(DownloadConfig(source="folder", path=str(root)), layout)
+    assert raw.source == "folder" and raw.directory == str(root) and len(raw.files) == 42
+    dataset = to_parquet.fn(raw, CFG, layout)
+    assert dataset.image_shape == (3, SIZE, SIZE) and dataset.classes == list(CLASSES)
+    assert dataset.rows == {"train": 24, "val": 6, "test": 12}  # 2 of each class's 10 held out (validation_every=5)
+    manifest = read_json(Path(dataset.directory) / MANIFEST)
+    assert manifest["image"] == {"channels": 3, "height": SIZE, "width": SIZE} and manifest["classes"] == list(CLASSES)
+
+    val = pq.read_table(Path(dataset.directory) / "val")
+    assert sorted(val.column("label").to_pylist()) == [0, 0, 1, 1, 2, 2]
+    assert val.schema.field("image").type.byte_width == SIZE * SIZE * 3
+    test = pq.read_table(Path(dataset.directory) / "test").sort_by("row_id")
+    pixels = images_from_column(test.column("image")).reshape(-1, SIZE, SIZE, 3)
+    from PIL import Image
+
+    first = np.asarray(Image.open(root / "test" / "blue_cross" / "blue_cross-000.png"))
+    assert np.array_equal(pixels[0], first)  # HWC, row-major, as the file holds it
+    assert test.column("row_id").to_pylist() == list(range(30, 42))
+
+    again = to_parquet.fn(raw, CFG, layout)
+    assert again.skipped and again.image_shape == dataset.image_shape and again.classes == dataset.classes
+    other = to_parquet.fn(raw, CFG.model_copy(update={"split_seed": 1}), layout)
+    assert other.directory != dataset.directory  # the split seed is part of a folder dataset's fingerprint
+
+    (root / "test" / "red_square" / "red_square-000.png").write_bytes((root / "test" / "green_disc" / "green_disc-000.png").read_bytes())
+    changed = download.fn(DownloadConfig(source="folder", path=str(root)), layout)
+    assert dataset_fingerprint(changed, CFG) != dataset.fingerprint  # changed data, another dataset
+
+
+def test_differing_sizes_need_image_size_and_grayscale_stays_one_channel(tmp_path, layout, local_ray):
+    root = write_image_folder(tmp_path / "gray", {"train": 4, "test": 2}, gray=True)
+    write_image_folder(tmp_path / "big", {"test": 1}, size=24, gray=True)
+    odd = root / "test" / "red_square" / "red_square-001.png"
+    (tmp_path / "big" / "test" / "red_square" / "red_square-000.png").rename(odd)
+    raw = download.fn(DownloadConfig(source="folder", path=str(root)), layout)
+    with pytest.raises(folder.FolderError, match=f"{odd}: 24x24 pixels, but .* is 20x20; set transform.image_size"):
+        to_parquet.fn(raw, CFG, layout)
+    dataset = to_parquet.fn(raw, CFG, layout, image_size=16)
+    assert dataset.image_shape == (1, 16, 16) and dataset.rows["test"] == 6
+    assert read_json(Path(dataset.directory) / MANIFEST)["image"] == {"channels": 1, "height": 16, "width": 16}
+
+
+def test_cleanup_never_selects_a_users_folder(tmp_path):
+    from dataset.sources import RawData
+    from pipeline_config import CleanupConfig
+    from tasks.cleanup import plan
+
+    raw = RawData(source="folder", url=str(tmp_path), directory=str(tmp_path), files={}, skipped=True)
+    dataset = ParquetDataset(directory=str(tmp_path / "ds"), fingerprint="f", rows={})
+
+    class Trained:
+        checkpoints = []
+
+    assert plan(CleanupConfig(delete_raw=True, delete_parquet=True), raw, dataset, Trained(), None) == [dataset.directory]
+
+
+def test_predict_reads_class_folders_labelled_and_flat_folders_unlabelled(tmp_path):
+    root = write_image_folder(tmp_path / "images", {"test": 2})
+    table = read_folder(root / "test", (3, SIZE, SIZE), list(CLASSES))
+    assert table.column("label").to_pylist() == [0, 0, 1, 1, 2, 2]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for path in (root / "test" / "green_disc").iterdir():
+        path.rename(flat / path.name)
+    assert read_folder(flat, (3, SIZE, SIZE), list(CLASSES)).column("label").to_pylist() == [NO_LABEL] * 2
+    with pytest.raises(ValueError, match="blue_cross-000.png: 20x20 pixels, the model takes 16x16"):
+        read_folder(root / "test", (3, 16, 16), list(CLASSES))
+    assert read_folder(root / "test", (1, 16, 16), list(CLASSES), image_size=16).schema.field("image").type.byte_width == 256
+    with pytest.raises(ValueError, match=f"{root / 'test' / 'red_square'}: class folder 'red_square' is not one of the model's classes"):
+        read_folder(root / "test", (3, SIZE, SIZE), ["blue_cross", "green_disc"])
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+def test_cli_trains_evaluates_promotes_and_predict_scores_the_folder(tmp_path):
+    """The CLI on the tests' own RGB workload: trains the small model, evaluates with a 3x3 confusion
+    matrix, records the shape and classes in the model card; predict scores test/ with the champion."""
+    from prefect.settings import get_current_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    images = write_image_folder(tmp_path / "images", {"train": 40, "test": 15})
+    storage = tmp_path / "storage"
+    with prefect_test_harness(server_startup_timeout=120):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+        env |= {"PREFECT_API_URL": get_current_settings().api.url, "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage),
+             "--run-name", "shapes", "--download.source", "folder", "--download.path", str(images),
+             "--train.epochs", "4", "--train.global-batch-size", "16", "--parquet.validation-every", "8",
+             "--summary-out", str(tmp_path / "summary.json"), "--cleanup.delete-raw"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["data_source"] == "folder"
+    assert summary["data"]["rows"] == {"train": 105, "val": 15, "test": 45}
+    assert len(summary["evaluation"]["confusion"]) == 3 and summary["evaluation"]["rows"] == 45
+    assert summary["evaluation"]["classes"] == list(CLASSES) and summary["data"]["download_skipped"] is False
+    assert summary["test_accuracy"] >= 0.5
+    assert (images / "train" / "red_square").is_dir()  # cleanup.delete_raw left the user's folder alone
+
+    card = json.loads((storage / "models" / "mnist-resnet18" / "v1" / "model_card.json").read_text())
+    assert card["data"]["image"] == {"channels": 3, "height": SIZE, "width": SIZE} and card["data"]["classes"] == list(CLASSES)
+    assert card["architecture"] == {"name": SMALL_MODEL_ARGS[1], "in_channels": 3, "num_classes": 3}
+
+    predictions = tmp_path / "predictions.parquet"
+    scored = subprocess.run(
+        [sys.executable, "-m", "flows.predict", "--storage-root", str(storage), "--input", str(images / "test"),
+         "--output", str(predictions)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    assert f"Accuracy: {summary['test_accuracy']:.2%} on 45 labelled images" in scored.stdout
+    result = pq.read_table(predictions)
+    assert set(result.column("pred_class").to_pylist()) <= set(CLASSES) and len(result) == 45
