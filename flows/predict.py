@@ -68,6 +68,11 @@ class PredictSettings(BaseSettings):
             "mnist-small-cnn for training.models:small_cnn). Unset: <workload>-resnet18, e.g. mnist-resnet18."
         ),
     )
+    version: int | None = Field(None, ge=1, description="A published version number; unset: the champion.")
+    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
+    batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
+    ray_address: str | None = Field(None, description="Unset: a local Ray for this command. 'auto' or 'host:port': that cluster.")
+    overwrite: bool = Field(False, description="Replace --output when that file exists already (unset: an existing file is refused).")
 
     def model_name(self) -> str:
         """``--model``, or the name runs of ``--workload`` with the default model register under."""
@@ -77,11 +82,6 @@ class PredictSettings(BaseSettings):
 def default_model(workload: str = DEFAULT_WORKLOAD) -> str:
     """The registry name runs of ``workload`` with the default ``model.name`` promote to (``mnist-resnet18``)."""
     return registry_model_name(workload, ModelConfig().name)
-    version: int | None = Field(None, ge=1, description="A published version number; unset: the champion.")
-    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
-    batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
-    ray_address: str | None = Field(None, description="Unset: a local Ray for this command. 'auto' or 'host:port': that cluster.")
-    overwrite: bool = Field(False, description="Replace --output when that file exists already (unset: an existing file is refused).")
 
 
 def check_output(output: str, overwrite: bool) -> int | None:

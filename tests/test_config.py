@@ -193,3 +193,19 @@ def test_elastic_worker_range_is_checked_and_passed_to_ray_train():
     assert worker_range(parse_cli(["--train.num-workers", "3"]).pipeline_config().train) == 3
     with pytest.raises(ValueError, match="train.min_workers"):
         parse_cli(["--train.num-workers", "2", "--train.min-workers", "3"]).pipeline_config()
+
+
+def test_predict_finds_the_workloads_champion_by_default_and_refuses_a_bad_workload(tmp_path, capsys):
+    from pydantic_settings import CliApp
+
+    from flows.predict import PredictSettings, main
+
+    def model(*args: str) -> str:
+        return CliApp.run(PredictSettings, cli_args=["--input", str(tmp_path), *args]).model_name()
+
+    assert model() == "mnist-resnet18"  # MNIST's champion, as before
+    assert model("--workload", "shapes") == "shapes-resnet18"
+    assert model("--workload", "shapes", "--model", "shapes-small-cnn") == "shapes-small-cnn"
+    root = tmp_path / "root"
+    assert main(["--input", str(tmp_path), "--storage-root", str(root), "--workload", "Shapes"]) == 2
+    assert "workload" in capsys.readouterr().err and not root.exists()
