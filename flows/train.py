@@ -364,7 +364,8 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     environment, start (or reach) a Prefect API and a Ray cluster, run, print a short summary.
 
     ``module`` is what the printed resume command runs (``python -m <module>``); the default run
-    name starts with the workload (`run_name_prefix`).
+    name starts with the workload (`run_name_prefix`); ``{workload}`` in ``title`` is its name
+    (``MNIST`` for mnist).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -383,7 +384,8 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    print(f"{title}: run {config.run_name} -> {layout.run_dir}", flush=True)
+    named = "MNIST" if config.workload == DEFAULT_WORKLOAD else config.workload
+    print(f"{title.format(workload=named)}: run {config.run_name} -> {layout.run_dir}", flush=True)
     failed, runtime = None, None
     # Ctrl-C and SIGTERM ask the run to stop (flows/stopping.py). The Prefect API and a local Ray
     # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose

@@ -99,7 +99,7 @@ def check_trials_fit(config: TunePipelineConfig) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: the search (and with ``--tune.train-best`` the best recipe trained), then a short summary."""
-    return run_cli(argv, TuneSettings, mnist_tune, "Tune", "flows.tune")
+    return run_cli(argv, TuneSettings, mnist_tune, "{workload} tune", "flows.tune")
 
 
 if __name__ == "__main__":
