@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from prefect import flow
+from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.train import _named_run, flow_run_name
@@ -93,3 +94,4 @@ def test_a_run_started_without_a_run_name_is_named_after_its_flow_run(server):
                 continue
             assert flow_run["name"] == folder, (flow_run["name"], folder)
             assert re.fullmatch(rf"{prefix}-\d{{8}}-\d{{6}}-[0-9a-f]{{6}}", folder), folder
+        APILogWorker.drain_all(timeout=5)  # the probe's log lines reach the server before it stops with the module
