@@ -1,4 +1,4 @@
-"""Serve the three MNIST deployments from one process: the simplest scheduled + UI setup.
+"""Serve the four deployments from one process (MNIST's three and the generic flow's): the simplest scheduled + UI setup.
 
     PREFECT_API_URL=http://127.0.0.1:4200/api python -m deployments.serve
     python -m deployments.serve --cron "30 1 * * *" --timezone Europe/Berlin
@@ -13,15 +13,17 @@ Registers and serves, until Ctrl-C:
   ``prefect deployment run 'mnist-resnet18/manual'`` or through the API;
 - ``mnist-resnet18-tune/manual``: the hyperparameter search (``flows.tune``), no schedule;
   started the same ways (``prefect deployment run 'mnist-resnet18-tune/manual'``), its form
-  starting from the tune flow's ``--tune-preset`` (default ``default``).
+  starting from the tune flow's ``--tune-preset`` (default ``default``);
+- ``train/manual``: the generic flow (``flows.train``) for any workload, no schedule; its form has
+  the same fields, ``workload`` and ``model.name`` among them, starting from ``--manual-preset``.
 
-Runs of all three execute one at a time (``--limit 1``: on a small machine two runs, a search
+Runs of all four execute one at a time (``--limit 1``: on a small machine two runs, a search
 included, would fight over the same CPUs and Ray would start two local clusters) in subprocesses
 of this process, with its environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``) and
 working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
-``deployments/prefect.yaml`` declares the same three deployments for ``prefect deploy`` and a
+``deployments/prefect.yaml`` declares the same four deployments for ``prefect deploy`` and a
 ``process`` work pool, when runs should be executed by a separate worker.
 """
 
@@ -38,6 +40,7 @@ NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_TIMEZONE = "UTC"
 NIGHTLY_PRESET = "nightly"
 TAGS = ["mnist", "resnet18", "ray"]
+TRAIN_TAGS = ["ray", "workload"]  # the generic flow's: its runs' workload is a parameter
 
 
 def preset_parameters(preset: str) -> dict[str, Any]:
@@ -70,24 +73,26 @@ def build_deployments(
     manual_preset: str = "default",
     tune_preset: str = "default",
 ) -> list:
-    """The nightly (scheduled) and manual (no schedule) ``RunnerDeployment`` of the flow, and the search's manual one.
+    """The nightly (scheduled) and manual (no schedule) ``RunnerDeployment`` of the MNIST flow, the search's
+    manual one and the generic flow's manual one.
 
     Args:
         cron: When the nightly deployment runs.
         timezone: The cron's time zone (IANA name).
-        manual_preset: Which preset the manual deployment's run form starts from.
+        manual_preset: Which preset the manual deployments' run forms (MNIST's and the generic flow's) start from.
         tune_preset: Which tune preset the search deployment's run form starts from.
 
     Returns:
-        ``[nightly, manual, tune]`` (``tune`` is ``mnist-resnet18-tune/manual``).
+        ``[nightly, manual, tune, train]`` (``tune`` is ``mnist-resnet18-tune/manual``, ``train`` is ``train/manual``).
     """
     from prefect.client.schemas.schedules import CronSchedule
     from prefect.deployments.runner import EntrypointType
 
     from flows.mnist import mnist_pipeline
+    from flows.train import train_pipeline
     from flows.tune import mnist_tune
 
-    # Module-path entrypoints: runs load `flows.mnist` / `flows.tune` from the installed project,
+    # Module-path entrypoints: runs load `flows.mnist` / `flows.tune` / `flows.train` from the installed project,
     # whatever the working directory of this process.
     common = {"entrypoint_type": EntrypointType.MODULE_PATH, "enforce_parameter_schema": True}
     nightly = mnist_pipeline.to_deployment(
@@ -115,7 +120,17 @@ def build_deployments(
         tags=[*TAGS, "tune", "manual"],
         **common,
     )
-    return [nightly, manual, tune]
+    train = train_pipeline.to_deployment(
+        name="manual",
+        parameters=preset_parameters(manual_preset),
+        description=(
+            "Any workload (workload, model.name, download.*) started by hand: Run > Custom run in the UI. "
+            f"The form starts from preset '{manual_preset}'."
+        ),
+        tags=[*TRAIN_TAGS, "manual"],
+        **common,
+    )
+    return [nightly, manual, tune, train]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Register the three deployments and execute their runs, one at a time by default, until interrupted."""
+    """Register the four deployments and execute their runs, one at a time by default, until interrupted."""
     from prefect import serve
 
     args = parse_args(argv)

@@ -24,9 +24,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from storage_io import join, list_dirs
 from training.loop import HISTORY_FILE, read_history
 
+# flows.predict's --model when unset: the default workload's default model (mnist-resnet18).
+DEFAULT_MODEL = registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)
 CONSOLE_FLAG = "mnist_console"  # set on LogRecords meant for the terminal
 Logger = logging.Logger | logging.LoggerAdapter
 
@@ -254,7 +257,7 @@ def summary_lines(
         verdict = "passed" if accuracy >= gate else "FAILED"
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
     lines += promotion_lines(summary.get("promotion"), summary.get("storage_root"))
-    lines += tuning_lines(summary.get("tuning"))
+    lines += tuning_lines(summary.get("tuning"), summary.get("workload"))
     if summary.get("run_dir"):
         lines.append(f"  run folder     {summary['run_dir']}")
         lines.append(f"  summary        {summary['run_dir'].rstrip('/')}/summary.json (--json prints it here)")
@@ -284,27 +287,32 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None) 
     else:
         line = f"  model          not promoted: {promotion.get('reason')}"
     options = ["--storage-root", storage_root] if storage_root else []
-    options += ["--model", model] if model != "mnist-resnet18" else []
+    options += ["--model", model] if model != DEFAULT_MODEL else []  # flows.predict's default
     command = shlex.join([interpreter(), "-m", "flows.predict", *options])
     if promotion.get("version") is None:  # no champion yet to predict with
         return [line]
     return [line, f"  predict        {command} --input <folder of IDX or Parquet digits>"]
 
 
-def tuning_lines(tuning: dict[str, Any] | None) -> list[str]:
-    """The best trial of a search and where its config file is (nothing when the run did not tune)."""
+def tuning_lines(tuning: dict[str, Any] | None, workload: str | None = None) -> list[str]:
+    """The best trial of a search and where its config file is (nothing when the run did not tune).
+
+    ``workload``: the search's; another than MNIST is trained by ``flows.train`` (the file names it).
+    """
     if not tuning or not tuning.get("best_trial"):
         return []
     best, metric = tuning["best_trial"], tuning.get("metric", "val_loss")
     value = best.get(metric)
     shown = f"{value:.4f}" if isinstance(value, (int, float)) else "?"
     chosen = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in (best.get("sampled") or {}).items())
+    other = workload not in (None, DEFAULT_WORKLOAD)
+    module, data = ("flows.train", " <the search's download.* options>") if other else ("flows.mnist", "")
     return [
         f"  best trial     {best.get('trial_id')}: {metric} {shown} after {best.get('epochs_run')} epoch(s) "
         f"({tuning.get('trials')} trials, {tuning.get('stopped_early')} stopped early)",
         f"  its recipe     {chosen}",
         f"  best config    {best.get('config_file')}",
-        f"  train it       python -m flows.mnist --config-file {best.get('config_file')}",
+        f"  train it       python -m {module} --config-file {best.get('config_file')}{data}",
     ]
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 
 from flows.console import resume_command
-from reporting.reports import KEYS, gate_verdict
+from pipeline_config import DEFAULT_WORKLOAD
+from reporting.reports import artifact_keys, gate_verdict
 from storage_io import StorageLayout, read_json
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
@@ -104,9 +105,11 @@ def failure_summary(
         resume = "Nothing was written yet: fix the cause (the named parameter) and start a new run."
     completed = [name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "completed"]
     done = f" Stages completed before it: {', '.join(completed)}." if completed else ""
-    evidence = gate_evidence(summary) if stage == "evaluate" else ""
+    workload = str(summary.get("workload") or config.get("workload") or DEFAULT_WORKLOAD)
+    evidence = gate_evidence(summary, workload) if stage == "evaluate" else ""
     searched = summary.get("module") == "flows.tune" or "tune" in config  # the tune flow's run
-    title = "MNIST tune run" if searched else "MNIST pipeline run"
+    named = "MNIST" if workload == DEFAULT_WORKLOAD else workload
+    title = f"{named} tune run" if searched else f"{named} pipeline run"
     text = f"{title} {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done}{evidence} {resume}"
     return {
         "text": text,
@@ -118,13 +121,13 @@ def failure_summary(
     }
 
 
-def gate_evidence(summary: dict[str, Any]) -> str:
+def gate_evidence(summary: dict[str, Any], workload: str = DEFAULT_WORKLOAD) -> str:
     """For a run that reached its gate: the test accuracy against the gate and the artifacts that show why."""
     evaluation = summary.get("evaluation") or {}
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is None or gate is None:
         return ""
-    keys = ", ".join(KEYS[name] for name in ("confusion", "predictions", "metrics", "checkpoint"))
+    keys = ", ".join(artifact_keys(workload)[name] for name in ("confusion", "predictions", "metrics", "checkpoint"))
     return f" Test accuracy {accuracy:.2%} on {evaluation.get('rows', '?')} images, {gate_verdict(accuracy, gate)}; the evidence is in this run's artifacts {keys}."
 
 

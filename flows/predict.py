@@ -3,6 +3,7 @@
     python -m flows.predict --input data/mnist-sample                    # IDX files, the champion
     python -m flows.predict --input storage/datasets/mnist-<hash>/test --version 2
     python -m flows.predict --input my-images/test                       # <class>/*.png: labelled
+    python -m flows.predict --input <folder> --workload flowers --model flowers-small-cnn   # another workload's model
     python -m flows.predict --help
 
 The images must be what the model was trained on: the model card records their shape, the class
@@ -39,7 +40,16 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 from dataset.inputs import NO_LABEL, read_folder
 from dataset.parquet import MNIST_CLASSES
 from flows.runtime import local_gcs_port, ray_init_args
-from pipeline_config import EvaluateConfig, PipelineConfig, PromoteConfig, RayConfig, TransformConfig
+from pipeline_config import (
+    DEFAULT_WORKLOAD,
+    EvaluateConfig,
+    ModelConfig,
+    PipelineConfig,
+    PromoteConfig,
+    RayConfig,
+    TransformConfig,
+    registry_model_name,
+)
 from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
 from training import registry
 
@@ -62,12 +72,28 @@ class PredictSettings(BaseSettings):
         None, description="Parquet file to write (local path or s3://); unset: <storage_root>/predictions/<model>-v<N>-<time>.parquet."
     )
     storage_root: str = Field("storage", description="The storage root the model was promoted on (folder or s3://bucket/prefix).")
-    model: str = Field("mnist-resnet18", description="The model's name (promote.model_name of the runs that trained it).")
+    workload: str = Field(DEFAULT_WORKLOAD, description="The workload the model was trained on (the runs' workload).")
+    model: str | None = Field(
+        None,
+        description=(
+            "The model's registry name (promote.model_name of the runs that trained it, or <workload>-<model.name>: "
+            "mnist-small-cnn for training.models:small_cnn). Unset: <workload>-resnet18, e.g. mnist-resnet18."
+        ),
+    )
     version: int | None = Field(None, ge=1, description="A published version number; unset: the champion.")
     num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
     ray_address: str | None = Field(None, description="Unset: a local Ray for this command. 'auto' or 'host:port': that cluster.")
     overwrite: bool = Field(False, description="Replace --output when that file exists already (unset: an existing file is refused).")
+
+    def model_name(self) -> str:
+        """``--model``, or the name runs of ``--workload`` with the default model register under."""
+        return self.model or default_model(self.workload)
+
+
+def default_model(workload: str = DEFAULT_WORKLOAD) -> str:
+    """The registry name runs of ``workload`` with the default ``model.name`` promote to (``mnist-resnet18``)."""
+    return registry_model_name(workload, ModelConfig().name)
 
 
 def check_output(output: str, overwrite: bool) -> int | None:
@@ -129,14 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         settings = CliApp.run(PredictSettings, cli_args=argv)
-        PromoteConfig(model_name=settings.model)  # the same name rule as the flow's
+        PipelineConfig(workload=settings.workload)  # the same name rules as the flow's
+        model = PromoteConfig(model_name=settings.model_name()).model_name
         ray_cfg = RayConfig(address=settings.ray_address)
         root = PipelineConfig(storage_root=settings.storage_root).storage_root
         keep_mode = check_output(settings.output, settings.overwrite) if settings.output is not None else None
         layout = StorageLayout.create(root, "predict")
         layout.check_reachable()
         # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
-        version, folder, card = registry.resolve(layout.root, settings.model, settings.version)
+        version, folder, card = registry.resolve(layout.root, model, settings.version)
         run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
         try:
             transform = TransformConfig.model_validate(run_config.get("transform") or {})
@@ -149,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         except (ValidationError, KeyError, TypeError, ValueError) as exc:
             raise registry.RegistryDamaged([f"{join(folder, registry.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
         table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
-        output = settings.output or default_output(layout.root, settings.model, version)
+        output = settings.output or default_output(layout.root, model, version)
     except (ValidationError, ValueError) as exc:
         print(f"invalid input:\n{exc}", file=sys.stderr)
         return 2
     noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
-    print(f"Scoring {len(table):,} {noun} from {settings.input} with {settings.model} v{version} (run {card.get('run_name')})", flush=True)
+    print(f"Scoring {len(table):,} {noun} from {settings.input} with {model} v{version} (run {card.get('run_name')})", flush=True)
 
     import ray
 
@@ -179,12 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         "row_id": out["row_id"], "label": out["label"], "pred": out["pred"],
         "pred_class": [names[int(p)] if 0 <= int(p) < len(names) else str(int(p)) for p in out["pred"]],
     })
-    model_dir = f"{registry.MODELS_DIR}/{settings.model}/v{version}"  # relative to the storage root
-    result = result.replace_schema_metadata({"model": settings.model, "version": str(version), "model_dir": model_dir})
+    model_dir = f"{registry.MODELS_DIR}/{model}/v{version}"  # relative to the storage root
+    result = result.replace_schema_metadata({"model": model, "version": str(version), "model_dir": model_dir})
     buffer = pa.BufferOutputStream()
     pq.write_table(result, buffer)
     if settings.output is None and exists(output):  # another command took the default name meanwhile
-        output = default_output(layout.root, settings.model, version)
+        output = default_output(layout.root, model, version)
     elif not settings.overwrite and exists(output):  # appeared while scoring
         print(f"--output {output}: was created while scoring; not replaced (pass --overwrite)", file=sys.stderr)
         return 2

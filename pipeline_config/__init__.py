@@ -1,6 +1,7 @@
 """Configuration: one pydantic model (the flow's parameters) and the loader that fills it."""
 
 from pipeline_config.model import (
+    DEFAULT_WORKLOAD,
     CleanupConfig,
     DownloadConfig,
     EvaluateConfig,
@@ -15,10 +16,12 @@ from pipeline_config.model import (
     TransformConfig,
     TuneConfig,
     TunePipelineConfig,
+    registry_model_name,
 )
 from pipeline_config.settings import PRESETS, PipelineSettings, load_preset
 
 __all__ = [
+    "DEFAULT_WORKLOAD",
     "PRESETS",
     "CleanupConfig",
     "DownloadConfig",
@@ -36,4 +39,5 @@ __all__ = [
     "TuneConfig",
     "TunePipelineConfig",
     "load_preset",
+    "registry_model_name",
 ]

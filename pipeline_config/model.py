@@ -30,6 +30,10 @@ _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 # before any work by training.models.check_name, which imports what it names).
 _MODEL_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
 _MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect artifact keys
+# The workload names run folders, Prefect artifact keys and the registry's model: the same rule
+# as Prefect's artifact keys, short enough to leave room for what follows it.
+DEFAULT_WORKLOAD = "mnist"
+_WORKLOAD = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 # S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
 _S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
@@ -39,6 +43,18 @@ def _no_control_characters(value: str, what: str) -> None:
     bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
     if bad is not None:
         raise ValueError(f"{value!r}: {what} may not contain a line break or another control character ({bad!r})")
+
+
+def model_slug(model_name: str) -> str:
+    """``model.name`` as a name part: ``resnet18``, ``mobilenet-v3-small``, ``small-cnn`` (of ``pkg.mod:small_cnn``)."""
+    short = model_name.rsplit(":", 1)[-1].rsplit(".", 1)[-1]
+    return re.sub(r"[^a-z0-9]+", "-", short.lower()).strip("-") or "model"
+
+
+def registry_model_name(workload: str, model_name: str) -> str:
+    """The registry's name for ``model_name`` trained on ``workload``: ``<workload>-<model slug>``
+    (``mnist-resnet18`` for the defaults), what ``promote.model_name`` means when unset."""
+    return f"{workload}-{model_slug(model_name)}"[:63].rstrip("-")
 
 
 class _Section(BaseModel):
@@ -399,9 +415,12 @@ class PromoteConfig(_Section):
         True,
         description="Compare every model that passed the gate with the champion and promote it when better; off: compare nothing.",
     )
-    model_name: str = Field(
-        "mnist-resnet18",
-        description="Names the folder models/<model_name>/ (numbered versions, the champion pointer) and the run-comparison artifacts.",
+    model_name: str | None = Field(
+        None,
+        description=(
+            "Names the folder models/<model_name>/ (numbered versions, the champion pointer) and the run-comparison "
+            "artifacts. Unset: <workload>-<model.name>, e.g. mnist-resnet18 (mnist-small-cnn for training.models:small_cnn)."
+        ),
     )
     min_improvement: float = Field(
         0.0,
@@ -416,10 +435,14 @@ class PromoteConfig(_Section):
 
     @field_validator("model_name")
     @classmethod
-    def _check_model_name(cls, value: str) -> str:
-        if not _MODEL_NAME.fullmatch(value):
+    def _check_model_name(cls, value: str | None) -> str | None:
+        if value is not None and not _MODEL_NAME.fullmatch(value):
             raise ValueError(f"{value!r}: use lowercase letters, digits and '-', starting with a letter or digit (at most 63)")
         return value
+
+    def registry_name(self, workload: str, model_name: str) -> str:
+        """``model_name`` when set, else the name the workload and model give (`registry_model_name`)."""
+        return self.model_name or registry_model_name(workload, model_name)
 
 
 class CleanupConfig(_Section):
@@ -476,8 +499,16 @@ class RayConfig(_Section):
 
 
 class PipelineConfig(_Section):
-    """ResNet-18 on MNIST: download, Parquet, Ray Data transform, Ray Train, evaluation, cleanup."""
+    """An image classifier (ResNet-18 on MNIST by default): download, Parquet, Ray Data transform, Ray Train, evaluation, cleanup."""
 
+    workload: str = Field(
+        DEFAULT_WORKLOAD,
+        description=(
+            "What this pipeline trains, as a name: it starts the default run names (<workload>-<time>-<id>), the Prefect "
+            "artifact keys (<workload>-test-metrics, ...) and the registry's model name (<workload>-<model>). "
+            "Lowercase letters, digits and '-'. mnist keeps the names MNIST runs always had."
+        ),
+    )
     run_name: str | None = Field(
         None,
         description="Names the run folder <storage_root>/runs/<run_name>; reuse a name to resume that run. Unset: a timestamped name.",
@@ -499,6 +530,22 @@ class PipelineConfig(_Section):
     promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Champion promotion (end of the evaluation stage).")
     cleanup: CleanupConfig = Field(default_factory=CleanupConfig, description="Cleanup stage.")
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
+
+    @field_validator("workload")
+    @classmethod
+    def _check_workload(cls, value: str) -> str:
+        _no_control_characters(value, "workload")
+        if not _WORKLOAD.fullmatch(value):
+            raise ValueError(
+                f"workload {value!r}: use lowercase letters, digits and '-', starting with a letter or digit (at most 40), "
+                "e.g. mnist or flowers-rgb"
+            )
+        return value
+
+    @property
+    def registry_name(self) -> str:
+        """The registry's name of the model this run trains: promote.model_name, or <workload>-<model>."""
+        return self.promote.registry_name(self.workload, self.model.name)
 
     @field_validator("run_name")
     @classmethod
@@ -691,7 +738,7 @@ class TuneConfig(_Section):
 
 
 class TunePipelineConfig(PipelineConfig):
-    """Ray Tune over ResNet-18 on MNIST: the pipeline's stages with a tune stage (and optionally the best config trained)."""
+    """Ray Tune over the pipeline's model and workload: the pipeline's stages with a tune stage (and optionally the best config trained)."""
 
     tune: TuneConfig = Field(default=TuneConfig(), description="Hyperparameter search.")
 

@@ -1,9 +1,11 @@
 """Fill `PipelineConfig` from a preset, a YAML file, environment variables and CLI flags.
 
-Precedence, lowest first: field defaults < preset < ``--config-file`` YAML < ``MNIST_*``
-environment variables < CLI flags. pydantic-settings parses the environment and the command
-line (``--train.epochs 3``, ``MNIST_TRAIN__EPOCHS=3``); this module only layers the two files
-underneath whatever those gave.
+Precedence, lowest first: field defaults < preset < ``--config-file`` YAML < environment
+variables < CLI flags. pydantic-settings parses the environment and the command line
+(``--train.epochs 3``, ``MNIST_TRAIN__EPOCHS=3``); this module only layers the two files
+underneath whatever those gave. The environment variables' prefix is the entry point's:
+``MNIST_`` for ``flows.mnist`` and ``flows.tune`` (as it always was), ``PIPELINE_`` for the
+generic ``flows.train`` (``PIPELINE_WORKLOAD=flowers``, ``PIPELINE_TRAIN__EPOCHS=3``).
 """
 
 from __future__ import annotations
@@ -169,6 +171,21 @@ class PipelineSettings(BaseSettings, CliOptions, PipelineConfig):
     """Run the MNIST training pipeline (a Prefect flow on Ray) once and print its summary."""
 
     model_config = SettingsConfigDict(cli_prog_name="python -m flows.mnist", **_SETTINGS)
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The flow's parameter: every field but the CLI-only ones."""
+        return PipelineConfig.model_validate(self.flow_values())
+
+
+# The generic entry point's environment prefix: not MNIST_, so the variables an MNIST setup exports
+# never leak into another workload's runs (and the reverse).
+TRAIN_ENV_PREFIX = "PIPELINE_"
+
+
+class TrainSettings(BaseSettings, CliOptions, PipelineConfig):
+    """Run the training pipeline for any workload (a Prefect flow on Ray) once and print its summary."""
+
+    model_config = SettingsConfigDict(cli_prog_name="python -m flows.train", **(_SETTINGS | {"env_prefix": TRAIN_ENV_PREFIX}))
 
     def pipeline_config(self) -> PipelineConfig:
         """The flow's parameter: every field but the CLI-only ones."""

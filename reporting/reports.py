@@ -2,7 +2,7 @@
 
 Two layers. Rendering is pure: arrays, manifests and files on storage in; PNG bytes, markdown
 or table rows out; no Prefect, no Ray, testable on tiny arrays. Publishing is thin: one Prefect
-artifact per report under a stable key (``KEYS``), so every key versions across runs in the
+artifact per report under a stable key (``artifact_keys(workload)``), so every key versions across runs in the
 UI's Artifacts page, and a report that fails logs a warning instead of failing the run.
 
 Why pictures are inline ``data:image/png;base64`` URIs inside markdown artifacts: the Prefect
@@ -27,23 +27,39 @@ import numpy as np
 from ray.train import UserCallback
 
 from dataset.parquet import images_from_column
+from pipeline_config.model import DEFAULT_WORKLOAD
 from reporting.environment import environment_rows
 from reporting.logs import stage_logger
 from storage_io import filesystem, list_files
 
-# Artifact keys: lowercase letters, digits and dashes (Prefect's rule); stable across runs.
-KEYS = {
-    "samples": "mnist-sample-digits",
-    "progress": "mnist-training-progress",
-    "curves": "mnist-training-curves",
-    "confusion": "mnist-confusion-matrix",
-    "predictions": "mnist-test-predictions",
-    "metrics": "mnist-test-metrics",
-    "checkpoint": "mnist-checkpoint",
-    "environment": "mnist-run-environment",
+# Artifact keys: lowercase letters, digits and dashes (Prefect's rule); stable across runs, each
+# starting with the workload's name (pipeline_config's `workload`, e.g. mnist-test-metrics).
+_KEY_SUFFIXES = {
+    "samples": "sample-digits",
+    "progress": "training-progress",
+    "curves": "training-curves",
+    "confusion": "confusion-matrix",
+    "predictions": "test-predictions",
+    "metrics": "test-metrics",
+    "checkpoint": "checkpoint",
+    "environment": "run-environment",
 }
-# What the tune flow's search adds (its train_best stages publish the KEYS above too).
-TUNE_KEYS = {"trials": "mnist-tune-trials", "trial_curves": "mnist-tune-curves"}
+# What the tune flow's search adds (its train_best stages publish the keys above too).
+_TUNE_KEY_SUFFIXES = {"trials": "tune-trials", "trial_curves": "tune-curves"}
+
+
+def artifact_keys(workload: str = DEFAULT_WORKLOAD) -> dict[str, str]:
+    """The pipeline's artifact keys for ``workload`` (``mnist-test-metrics``, ...)."""
+    return {name: f"{workload}-{suffix}" for name, suffix in _KEY_SUFFIXES.items()}
+
+
+def tune_keys(workload: str = DEFAULT_WORKLOAD) -> dict[str, str]:
+    """The search's artifact keys for ``workload`` (``mnist-tune-trials``, ...)."""
+    return {name: f"{workload}-{suffix}" for name, suffix in _TUNE_KEY_SUFFIXES.items()}
+
+
+KEYS = artifact_keys()  # the default workload's (MNIST's) keys
+TUNE_KEYS = tune_keys()
 GRID = 3  # the seeds' 3x3 pictures
 MNIST_SHAPE = (1, 28, 28)  # (channels, height, width) when a caller names none: the seeds' digits
 _T = TypeVar("_T")
@@ -546,49 +562,52 @@ def _best_effort(fn: Callable[..., _T]) -> Callable[..., _T | None]:
 
 
 @_best_effort
-def publish_environment_report(env: dict[str, Any]) -> list:
+def publish_environment_report(env: dict[str, Any], workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish what the run runs on (``reporting.environment.describe()``) as a table; returns the artifact ids."""
     from prefect.artifacts import create_table_artifact
 
     description = f"Python {env.get('python')}, torch {env.get('packages', {}).get('torch')}, commit {env.get('git_commit')}"
-    return [create_table_artifact(environment_rows(env), key=KEYS["environment"], description=description)]
+    return [create_table_artifact(environment_rows(env), key=artifact_keys(workload)["environment"], description=description)]
 
 
 @_best_effort
-def publish_dataset_report(dataset) -> list:
+def publish_dataset_report(dataset, workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish the sample-digits picture for a ``ParquetDataset``; returns the artifact ids."""
     from prefect.artifacts import create_markdown_artifact
 
     markdown = sample_digits_markdown(dataset.split_dir("train"), dataset.rows["train"], tuple(dataset.image_shape), dataset.classes)
-    return [create_markdown_artifact(markdown, key=KEYS["samples"], description="Nine training digits with labels")]
+    return [create_markdown_artifact(markdown, key=artifact_keys(workload)["samples"], description="Nine training digits with labels")]
 
 
 @_best_effort
-def publish_training_report(trained) -> list:
+def publish_training_report(trained, workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish the training curves of a ``TrainedModel``; returns the artifact ids."""
     from prefect.artifacts import create_markdown_artifact
 
     best = f"Best validation accuracy {trained.best_val_accuracy:.4f}."
     markdown = image_markdown("Training curves", training_curves_png(trained.history), best)
-    return [create_markdown_artifact(markdown, key=KEYS["curves"], description="Loss and accuracy per epoch")]
+    return [create_markdown_artifact(markdown, key=artifact_keys(workload)["curves"], description="Loss and accuracy per epoch")]
 
 
 @_best_effort
-def publish_tuning_report(trials: Sequence[dict[str, Any]], metric: str, best_id: str, config_path: str) -> list:
+def publish_tuning_report(
+    trials: Sequence[dict[str, Any]], metric: str, best_id: str, config_path: str, workload: str = DEFAULT_WORKLOAD
+) -> list:
     """Publish the trial table and the per-epoch curves of a search; returns the artifact ids."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+    keys = tune_keys(workload)
     stopped = sum(trial.get("status") == "stopped early" for trial in trials)
     description = f"{len(trials)} trial(s), {stopped} stopped early; best {best_id}, its config: {config_path}"
-    table = create_table_artifact(trial_rows(trials, metric, best_id), key=TUNE_KEYS["trials"], description=description)
+    table = create_table_artifact(trial_rows(trials, metric, best_id), key=keys["trials"], description=description)
     caption = f"Dashed lines ending in x: trials ASHA stopped early. Best trial {best_id}; its config: {config_path}"
     picture = image_markdown(f"Trials: {metric} per epoch", trial_curves_png(trials, metric, best_id), caption)
-    curves = create_markdown_artifact(picture, key=TUNE_KEYS["trial_curves"], description=f"{metric} per epoch for every trial")
+    curves = create_markdown_artifact(picture, key=keys["trial_curves"], description=f"{metric} per epoch for every trial")
     return [table, curves]
 
 
 @_best_effort
-def publish_evaluation_report(evaluation, dataset, trained) -> list:
+def publish_evaluation_report(evaluation, dataset, trained, workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish confusion matrix, test predictions, metrics table and checkpoint; returns the artifact ids.
 
     Called by the evaluation stage before its gate decides, so every report says whether the
@@ -596,6 +615,7 @@ def publish_evaluation_report(evaluation, dataset, trained) -> list:
     """
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+    keys = artifact_keys(workload)
     gate = gate_verdict(evaluation.accuracy, evaluation.min_accuracy)
     confusion = image_markdown(
         f"Confusion matrix ({gate})",
@@ -604,20 +624,20 @@ def publish_evaluation_report(evaluation, dataset, trained) -> list:
     )
     checkpoints = [c.model_dump() for c in trained.checkpoints]
     return [
-        create_markdown_artifact(confusion, key=KEYS["confusion"], description=f"True vs predicted digit counts; {gate}"),
+        create_markdown_artifact(confusion, key=keys["confusion"], description=f"True vs predicted digit counts; {gate}"),
         create_markdown_artifact(
             predictions_markdown(evaluation.predictions_path, dataset.split_dir("test"), gate, tuple(dataset.image_shape), dataset.classes),
-            key=KEYS["predictions"],
+            key=keys["predictions"],
             description=f"Test digits with true and predicted labels; {gate}",
         ),
         create_table_artifact(
             metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall, gate, dataset.classes),
-            key=KEYS["metrics"],
+            key=keys["metrics"],
             description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}; {gate}",
         ),
         create_markdown_artifact(
             checkpoint_markdown(evaluation.checkpoint, checkpoints, trained.run_dir, evaluation.accuracy, gate),
-            key=KEYS["checkpoint"],
+            key=keys["checkpoint"],
             description=f"Path of the checkpoint evaluation used; {gate}",
         ),
     ]
@@ -684,7 +704,7 @@ class TrainingProgress(UserCallback):
             logging.getLogger(__name__).warning("Progress artifact %s not updated: %s", self.artifact_id, exc)
 
 
-def training_progress_callbacks(epochs: int, run_name: str) -> list[TrainingProgress]:
+def training_progress_callbacks(epochs: int, run_name: str, workload: str = DEFAULT_WORKLOAD) -> list[TrainingProgress]:
     """Create the training progress artifact (at 0%) and return the callback that moves it.
 
     Returns an empty list, with a warning, when the artifact cannot be created (no Prefect
@@ -701,7 +721,7 @@ def training_progress_callbacks(epochs: int, run_name: str) -> list[TrainingProg
         from prefect.artifacts import create_progress_artifact
 
         artifact_id = create_progress_artifact(
-            0.0, key=KEYS["progress"], description=f"Training {run_name}: starting, {epochs} epoch(s)", _sync=True
+            0.0, key=artifact_keys(workload)["progress"], description=f"Training {run_name}: starting, {epochs} epoch(s)", _sync=True
         )
     except Exception as exc:
         stage_logger(__name__).warning("No training progress artifact: %s: %s", type(exc).__name__, exc)

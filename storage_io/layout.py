@@ -1,7 +1,7 @@
 """Where everything of a run lives under the storage root (`StorageLayout`, passed to every stage).
 
     <root>/raw/<source>/                  the four IDX .gz files of one data source
-    <root>/datasets/mnist-<fingerprint>/  Parquet splits + _manifest.json (shared across runs)
+    <root>/datasets/<workload>-<fingerprint>/  Parquet splits + _manifest.json (shared across runs)
     <root>/runs/<run>/                    the Ray Train run (checkpoints) + summary.json
     <root>/runs/<run>/evaluation/         metrics.json, confusion matrix, predictions
     <root>/locks/                         one dataset build at a time (`storage_io.locks`)
@@ -40,8 +40,8 @@ class StorageLayout(BaseModel):
     def raw_dir(self, source_key: str) -> str:
         return join(self.root, "raw", source_key)
 
-    def dataset_dir(self, fingerprint: str) -> str:
-        return join(self.root, "datasets", f"mnist-{fingerprint}")
+    def dataset_dir(self, fingerprint: str, workload: str = "mnist") -> str:
+        return join(self.root, "datasets", f"{workload}-{fingerprint}")
 
     @property
     def runs_dir(self) -> str:

@@ -6,7 +6,7 @@ the seeds' ``ModelWorker`` idea, batched). Results land in ``<run>/evaluation/``
 gate decides, so a failed gate keeps every artifact and shows its evidence.
 
 Last, champion promotion (`training.registry`): a model that passed the gate replaces the
-champion under ``<root>/models/<promote.model_name>/`` only when it is better on the same test
+champion under ``<root>/models/<promote.model_name>/`` (unset: ``<workload>-<model>``) only when it is better on the same test
 set; every run, gate failed or not, adds its row to the model's run-comparison table.
 """
 
@@ -22,7 +22,7 @@ from prefect import task
 from pydantic import BaseModel
 
 from dataset.transform import TransformSpec
-from pipeline_config import EvaluateConfig, PromoteConfig
+from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
 from reporting import environment, reports
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, lease_path, read_json, storage_writes
@@ -63,11 +63,14 @@ def evaluate(
     promote: PromoteConfig | None = None,
     run_config: dict[str, Any] | None = None,
     raw_dir: str | None = None,
+    workload: str = DEFAULT_WORKLOAD,
 ) -> Evaluation:
     """Score the best checkpoint on the held-out test split, apply the accuracy gate, promote a better model.
 
     ``promote``: the promotion settings (None: no promotion); ``run_config``: the run's whole
-    configuration, for the model card; ``raw_dir``: the raw data the dataset was built from.
+    configuration, for the model card; ``raw_dir``: the raw data the dataset was built from;
+    ``workload``: names the reports' artifact keys and, with the trained model, the registry's
+    model when ``promote.model_name`` is unset (``<workload>-<model>``).
     """
     logger = stage_logger(__name__)
     out = predict(spec, trained.best_checkpoint, cfg, trained.model)
@@ -102,12 +105,13 @@ def evaluate(
         result.accuracy, result.rows, plain_accuracy, reports.gate_verdict(result.accuracy, cfg.min_accuracy),
     )
     # The evidence first, the verdict second: a failed gate's run page shows why it failed.
-    reports.publish_evaluation_report(result, spec.dataset, trained)
+    reports.publish_evaluation_report(result, spec.dataset, trained, workload)
     if promote is not None and promote.enabled:
-        result.promotion = promote_model(result, trained, spec, cfg, layout, promote, run_config or {}, raw_dir)
+        name = promote.registry_name(workload, trained.model.name)
+        result.promotion = promote_model(result, trained, spec, cfg, layout, promote, run_config or {}, raw_dir, name)
         with storage_writes("evaluate"):
             atomic_write_json(result.metrics_path, result.model_dump())
-        logger.info("Model %s: %s", promote.model_name, promotion_line(result.promotion))
+        logger.info("Model %s: %s", name, promotion_line(result.promotion))
     if not result.passed_gate:
         raise QualityGateError(
             f"test accuracy {result.accuracy:.4f} is below evaluate.min_accuracy {cfg.min_accuracy:.4f}; "
@@ -132,8 +136,9 @@ def promote_model(
     promote: PromoteConfig,
     run_config: dict[str, Any],
     raw_dir: str | None,
+    model_name: str,
 ) -> registry.Promotion:
-    """Compare the evaluated model with the champion, promote it when better, and publish the run comparison."""
+    """Compare the evaluated model with the champion of ``model_name``, promote it when better, and publish the run comparison."""
     from prefect.runtime import flow_run
 
     candidate = registry.Candidate(
@@ -173,11 +178,11 @@ def promote_model(
         out = predict(spec, folder, cfg, registry.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 
-    promotion = registry.promote(layout, promote.model_name, candidate, promote.min_improvement, pictures, rescore)
+    promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, pictures, rescore)
     with storage_writes("evaluate"):
-        registry.record_run(layout.root, promote.model_name, run_row(result, trained, candidate, promotion, layout))
-    runs = registry.recent_runs(layout.root, promote.model_name, promote.recent_runs)
-    reports.publish_run_comparison(promote.model_name, runs, promotion.model_dump())
+        registry.record_run(layout.root, model_name, run_row(result, trained, candidate, promotion, layout))
+    runs = registry.recent_runs(layout.root, model_name, promote.recent_runs)
+    reports.publish_run_comparison(model_name, runs, promotion.model_dump())
     return promotion
 
 

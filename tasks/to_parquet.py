@@ -14,7 +14,7 @@ from prefect import task
 from dataset import folder
 from dataset.parquet import FORMAT_VERSION, ParquetDataset, build_manifest, convert, manifest_data, manifest_problem
 from dataset.sources import RawData
-from pipeline_config import ParquetConfig
+from pipeline_config import DEFAULT_WORKLOAD, ParquetConfig
 from reporting.logs import stage_logger
 from storage_io import (
     MANIFEST,
@@ -47,13 +47,16 @@ def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | None
 
 
 @task(name="to-parquet")
-def to_parquet(raw: RawData, cfg: ParquetConfig, layout: StorageLayout, image_size: int | None = None) -> ParquetDataset:
+def to_parquet(
+    raw: RawData, cfg: ParquetConfig, layout: StorageLayout, image_size: int | None = None, workload: str = DEFAULT_WORKLOAD
+) -> ParquetDataset:
     """Convert the IDX files or the image folder to train/val/test Parquet (skipped when a verified build exists).
 
-    ``image_size``: ``transform.image_size``, the square size an image folder's images are resized to."""
+    ``image_size``: ``transform.image_size``, the square size an image folder's images are resized to.
+    ``workload``: names the dataset folder, ``datasets/<workload>-<fingerprint>``."""
     logger = stage_logger(__name__)
     fingerprint = dataset_fingerprint(raw, cfg, image_size)
-    final = layout.dataset_dir(fingerprint)
+    final = layout.dataset_dir(fingerprint, workload)
     # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
     with storage_writes("to-parquet", parent(final)), file_lock(layout, f"dataset-{fingerprint}"):
         return _build_or_reuse(raw, cfg, final, fingerprint, logger, image_size)

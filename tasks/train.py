@@ -34,7 +34,7 @@ import ray
 from prefect import task
 
 from dataset.transform import TransformSpec
-from pipeline_config import ModelConfig, TrainConfig
+from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig
 from reporting.logs import stage_logger
 from reporting.reports import training_progress_callbacks
 from storage_io import StorageLayout
@@ -52,8 +52,13 @@ def retry_infrastructure_failures(task, task_run, state) -> bool:
 
 
 @task(name="train")
-def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, model: ModelConfig | None = None) -> TrainedModel:
-    """Train ``model.name`` (default ResNet-18) with Ray Train on the transformed data; checkpoints go to the run folder."""
+def train(
+    spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, model: ModelConfig | None = None, workload: str = DEFAULT_WORKLOAD,
+) -> TrainedModel:
+    """Train ``model.name`` (default ResNet-18) with Ray Train on the transformed data; checkpoints go to the run folder.
+
+    ``workload`` names the live progress artifact (``<workload>-training-progress``).
+    """
     logger = stage_logger(__name__)
     network = ModelSpec.for_data((model or ModelConfig()).name, spec.dataset)
     logger.info("Model %s for %d-channel images and %d classes", network.name, network.in_channels, network.num_classes)
@@ -66,7 +71,7 @@ def train(spec: TransformSpec, cfg: TrainConfig, layout: StorageLayout, model: M
         use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
         logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
         # Live progress in the Prefect UI: the callback runs in the Train controller process.
-        callbacks = training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name)
+        callbacks = training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name, workload)
         trainer = torch_trainer(spec, cfg, network, layout.run_dir, use_gpu, cpus, threads, callbacks)
         trained = fit(trainer, cfg, layout.run_dir, cpus)
     if len(trained.attempts) > 1:

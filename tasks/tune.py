@@ -19,7 +19,7 @@ import ray
 from prefect import task
 
 from dataset.transform import TransformSpec
-from pipeline_config import ModelConfig, TrainConfig, TransformConfig, TuneConfig
+from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig, TransformConfig, TuneConfig
 from reporting.logs import stage_logger
 from reporting.reports import publish_tuning_report
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
@@ -47,10 +47,12 @@ class TrialsFailed(RuntimeError):
 @task(name="tune")
 def tune_search(
     spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfig, layout: StorageLayout, model: ModelConfig | None = None,
+    workload: str = DEFAULT_WORKLOAD,
 ) -> TuningResult:
     """Run (or restore) the search in the run folder; write the best config; publish the trial table and curves.
 
-    Every trial trains ``model.name`` (default ResNet-18), built for the dataset's channels and classes.
+    Every trial trains ``model.name`` (default ResNet-18), built for the dataset's channels and classes;
+    ``workload`` names the reports' artifact keys and goes into the best config.
     """
     logger = stage_logger(__name__)
     resources = ray.cluster_resources()
@@ -75,10 +77,13 @@ def tune_search(
     if best is None or len(errors) == len(trials):
         first = errors[0] if errors else None
         raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
-    values = best_config_values(train_cfg, TransformConfig.model_validate(spec.config.model_dump()), best.config, network.name)
+    other = workload if workload != DEFAULT_WORKLOAD else None  # MNIST's file stays as it was
+    transform = TransformConfig.model_validate(spec.config.model_dump())
+    values = best_config_values(train_cfg, transform, best.config, network.name, other)
     path = join(layout.run_dir, BEST_CONFIG_FILE)
+    module = "flows.train" if other else "flows.mnist"
     with storage_writes("tune", path):
-        atomic_write_bytes(path, best_config_yaml(values, best, tune_cfg.metric, layout.run_name).encode())
+        atomic_write_bytes(path, best_config_yaml(values, best, tune_cfg.metric, layout.run_name, module).encode())
     result = TuningResult(
         run_dir=layout.run_dir, experiment_dir=experiment_dir(layout.run_dir), metric=tune_cfg.metric, mode=tune_cfg.direction,
         trials=trials, best=best, best_config=values, best_config_path=path, restored=restored, plan=plan,
@@ -87,5 +92,5 @@ def tune_search(
         logger.info("trial %s: %s after %d epoch(s), best %s %s", record.trial_id, record.status, record.epochs_run,
                     tune_cfg.metric, "-" if record.best_metric is None else f"{record.best_metric:.4f}")
     logger.info("Best trial %s (%s %.4f); its config: %s", best.trial_id, tune_cfg.metric, best.best_metric, path)
-    publish_tuning_report([record.model_dump() for record in trials], tune_cfg.metric, best.trial_id, path)
+    publish_tuning_report([record.model_dump() for record in trials], tune_cfg.metric, best.trial_id, path, workload)
     return result

@@ -78,6 +78,12 @@ def test_every_field_has_a_description():
         ({"train": {"strategy": "fsdp"}}, "ema_decay", "fsdp"),
         ({"download": {"mirror_url": "ftp://x/"}}, "download.mirror_url", "http://"),
         ({"transform": {"cpus_per_task": 2.0}, "train": {"data_cpus": 1.0}}, "cpus_per_task", "data_cpus"),
+        ({"workload": "MNIST"}, "workload", "lowercase letters, digits and '-'"),
+        ({"workload": "my_data"}, "workload", "lowercase letters, digits and '-'"),
+        ({"workload": "-x"}, "workload", "starting with a letter or digit"),
+        ({"workload": ""}, "workload", "lowercase letters, digits and '-'"),
+        ({"workload": "a" * 41}, "workload", "at most 40"),
+        ({"workload": "a\nb"}, "workload", "line break"),
     ],
 )
 def test_bad_values_name_the_field(data, field, hint):
@@ -86,6 +92,51 @@ def test_bad_values_name_the_field(data, field, hint):
     text = str(info.value)
     assert field.split(".")[-1] in text
     assert hint in text
+
+
+def test_the_workload_names_runs_artifacts_and_the_registry_and_mnist_keeps_its_names(monkeypatch):
+    """The defaults are MNIST's names exactly (deployments, artifacts and champions stay valid); another
+    workload's names start with it."""
+    from flows.train import default_run_name, run_name_prefix
+    from pipeline_config import TunePipelineConfig
+    from reporting.reports import artifact_keys, tune_keys
+
+    mnist = PipelineConfig()
+    assert mnist.workload == "mnist" and mnist.registry_name == "mnist-resnet18"
+    assert run_name_prefix(mnist) == "mnist" and default_run_name().startswith("mnist-")
+    assert run_name_prefix(TunePipelineConfig()) == "tune"  # a search's runs, as they always were
+    assert artifact_keys() == {
+        "samples": "mnist-sample-digits", "progress": "mnist-training-progress", "curves": "mnist-training-curves",
+        "confusion": "mnist-confusion-matrix", "predictions": "mnist-test-predictions", "metrics": "mnist-test-metrics",
+        "checkpoint": "mnist-checkpoint", "environment": "mnist-run-environment",
+    }
+    assert tune_keys() == {"trials": "mnist-tune-trials", "trial_curves": "mnist-tune-curves"}
+
+    other = PipelineConfig(workload="rgb-shapes", model={"name": "training.models:small_cnn"})
+    assert other.registry_name == "rgb-shapes-small-cnn"
+    assert run_name_prefix(other) == "rgb-shapes" and run_name_prefix(TunePipelineConfig(workload="rgb-shapes")) == "rgb-shapes-tune"
+    assert set(artifact_keys("rgb-shapes").values()) == {key.replace("mnist-", "rgb-shapes-", 1) for key in artifact_keys().values()}
+
+    # flows.mnist (and flows.tune) read MNIST_*, the generic flows.train PIPELINE_*
+    from pipeline_config.settings import TrainSettings
+
+    monkeypatch.setenv("PIPELINE_WORKLOAD", "rgb-shapes")
+    monkeypatch.setenv("PIPELINE_TRAIN__EPOCHS", "4")
+    monkeypatch.setenv("MNIST_TRAIN__EPOCHS", "6")
+    generic = parse_cli(["--preset", "smoke"], TrainSettings).pipeline_config()
+    assert (generic.workload, generic.train.epochs, generic.download.source) == ("rgb-shapes", 4, "sample")
+    assert (parse_cli([]).pipeline_config().workload, parse_cli([]).pipeline_config().train.epochs) == ("mnist", 6)
+
+
+def test_cli_refuses_a_bad_workload_naming_the_field_before_any_work(tmp_path):
+    root = tmp_path / "root"
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.train", "--storage-root", str(root), "--workload", "My Data"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "workload" in out.stderr and "lowercase letters" in out.stderr
+    assert not root.exists()  # nothing created
 
 
 def test_good_ray_addresses():
@@ -142,3 +193,19 @@ def test_elastic_worker_range_is_checked_and_passed_to_ray_train():
     assert worker_range(parse_cli(["--train.num-workers", "3"]).pipeline_config().train) == 3
     with pytest.raises(ValueError, match="train.min_workers"):
         parse_cli(["--train.num-workers", "2", "--train.min-workers", "3"]).pipeline_config()
+
+
+def test_predict_finds_the_workloads_champion_by_default_and_refuses_a_bad_workload(tmp_path, capsys):
+    from pydantic_settings import CliApp
+
+    from flows.predict import PredictSettings, main
+
+    def model(*args: str) -> str:
+        return CliApp.run(PredictSettings, cli_args=["--input", str(tmp_path), *args]).model_name()
+
+    assert model() == "mnist-resnet18"  # MNIST's champion, as before
+    assert model("--workload", "shapes") == "shapes-resnet18"
+    assert model("--workload", "shapes", "--model", "shapes-small-cnn") == "shapes-small-cnn"
+    root = tmp_path / "root"
+    assert main(["--input", str(tmp_path), "--storage-root", str(root), "--workload", "Shapes"]) == 2
+    assert "workload" in capsys.readouterr().err and not root.exists()

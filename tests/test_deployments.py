@@ -2,8 +2,9 @@
 
 The fast checks (no server) compare prefect.yaml with the nightly preset and check the
 parameter schemas (training flow and tune flow) against the known UI form bugs. The ``slow``
-ones start ``prefect server start`` with a fresh SQLite database, serve the three deployments
-(``mnist-resnet18/nightly``, ``mnist-resnet18/manual``, ``mnist-resnet18-tune/manual``) with
+ones start ``prefect server start`` with a fresh SQLite database, serve the four deployments
+(``mnist-resnet18/nightly``, ``mnist-resnet18/manual``, ``mnist-resnet18-tune/manual`` and the
+generic flow's ``train/manual``) with
 ``python -m deployments.serve``, start runs through the REST API with the body the UI's run form
 posts, and let the served process execute them on a real local Ray.
 
@@ -40,8 +41,9 @@ from deployments.serve import (
     tune_preset_parameters,
 )
 from flows.mnist import STAGE_CPUS, mnist_pipeline
+from flows.train import train_pipeline
 from flows.tune import TUNE_STAGE_CPUS, mnist_tune
-from pipeline_config import PipelineConfig, TuneConfig, TunePipelineConfig
+from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, TuneConfig, TunePipelineConfig, registry_model_name
 from pipeline_config.settings import load_preset
 from reporting.reports import KEYS, TUNE_KEYS, comparison_keys
 from tests.support.models import SMALL_MODEL, pause_env, wait_for_pause
@@ -49,6 +51,7 @@ from tests.support.prefect_server import (
     FINAL,
     PREFECT,
     RUN_TIMEOUT_S,
+    TRAIN_FLOW,
     TUNE_FLOW,
     PrefectServer,
     clean_env,
@@ -65,6 +68,7 @@ from training.faults import paused, release_pauses
 
 ROOT = Path(__file__).resolve().parent.parent
 MNIST_ENTRYPOINT, TUNE_ENTRYPOINT = "flows/mnist.py:mnist_pipeline", "flows/tune.py:mnist_tune"
+TRAIN_ENTRYPOINT = "flows/train.py:train_pipeline"
 
 
 def embedded_png(markdown: str) -> Image.Image:
@@ -84,6 +88,25 @@ def _schema() -> dict:
 
 def _tune_schema() -> dict:
     return mnist_tune.parameters.model_dump_for_openapi()
+
+
+def _train_schema() -> dict:
+    return train_pipeline.parameters.model_dump_for_openapi()
+
+
+def assert_workload_and_model_fields(schema: dict) -> None:
+    """The form has ``workload`` (a described string, default mnist) and the model section with ``model.name``."""
+    definitions = schema["definitions"]
+    config = definitions[schema["properties"]["config"]["$ref"].rsplit("/", 1)[-1]]["properties"]
+    workload = config["workload"]
+    assert workload["type"] == "string" and workload["default"] == DEFAULT_WORKLOAD
+    assert workload["description"] == PipelineConfig.model_fields["workload"].description
+    assert config["model"]["$ref"] == "#/definitions/ModelConfig" and config["model"]["description"]
+    name = definitions["ModelConfig"]["properties"]["name"]
+    assert name["type"] == "string" and name["default"] == "resnet18"
+    assert name["description"] == ModelConfig.model_fields["name"].description
+    model_name = definitions["PromoteConfig"]["properties"]["model_name"]  # unset: <workload>-<model>
+    assert "<workload>-<model.name>" in model_name["description"]
 
 
 def assert_tune_section(schema: dict) -> None:
@@ -113,12 +136,15 @@ def test_prefect_yaml_declares_the_nightly_schedule_and_preset():
     # Both flows have a deployment named "manual": a deployment is its flow (entrypoint) and its name.
     by_key = {(d["entrypoint"], d["name"]): d for d in spec["deployments"]}
     assert len(by_key) == len(spec["deployments"])
-    assert set(by_key) == {(MNIST_ENTRYPOINT, "nightly"), (MNIST_ENTRYPOINT, "manual"), (TUNE_ENTRYPOINT, "manual")}
+    assert set(by_key) == {
+        (MNIST_ENTRYPOINT, "nightly"), (MNIST_ENTRYPOINT, "manual"), (TUNE_ENTRYPOINT, "manual"), (TRAIN_ENTRYPOINT, "manual"),
+    }
     nightly, manual = by_key[MNIST_ENTRYPOINT, "nightly"], by_key[MNIST_ENTRYPOINT, "manual"]
-    tune = by_key[TUNE_ENTRYPOINT, "manual"]
+    tune, train = by_key[TUNE_ENTRYPOINT, "manual"], by_key[TRAIN_ENTRYPOINT, "manual"]
     assert nightly["schedules"] == [{"cron": NIGHTLY_CRON, "timezone": NIGHTLY_TIMEZONE, "active": True}]
-    assert manual["schedules"] == [] and tune["schedules"] == []
+    assert manual["schedules"] == [] and tune["schedules"] == [] and train["schedules"] == []
     assert tune["parameters"] == {} and "tune" in tune["tags"]
+    assert train["parameters"] == {} and "mnist" not in train["tags"]  # the generic flow: any workload
     assert {d["work_pool"]["name"] for d in by_key.values()} == {"mnist-process"}
     assert all(d["enforce_parameter_schema"] is True for d in by_key.values())
     # the same nightly values as the preset `python -m deployments.serve` uses
@@ -141,6 +167,19 @@ def test_parameter_schema_is_the_same_from_the_entrypoint_as_from_the_flow():
     assert _schema()["properties"]["config"]["$ref"] == "#/definitions/PipelineConfig"
 
 
+def test_generic_flow_schema_has_the_workload_and_model_fields_on_every_path():
+    """flows.train's form (`prefect deploy` from the file, serve from the module) is the pipeline's, with
+    workload and model.name; the MNIST flow's and the search's forms show them too."""
+    from prefect.utilities.callables import parameter_schema_from_entrypoint
+
+    assert parameter_schema_from_entrypoint(TRAIN_ENTRYPOINT).model_dump_for_openapi() == _train_schema()
+    assert parameter_schema_from_entrypoint("flows.train.train_pipeline").model_dump_for_openapi() == _train_schema()
+    assert _train_schema() == _schema()  # the same parameters as flows.mnist: MNIST is its defaults
+    for schema in (_train_schema(), _schema(), _tune_schema()):
+        assert_workload_and_model_fields(schema)
+    assert train_pipeline.name == TRAIN_FLOW and mnist_pipeline.name == "mnist-resnet18" and mnist_tune.name == TUNE_FLOW
+
+
 def test_tune_parameter_schema_from_the_entrypoint_has_the_typed_described_tune_section():
     """`prefect deploy` (file entrypoint) and serve (module path) give the tune flow one form, with its tune section."""
     from prefect.utilities.callables import parameter_schema_from_entrypoint
@@ -151,10 +190,12 @@ def test_tune_parameter_schema_from_the_entrypoint_has_the_typed_described_tune_
 
 
 def test_build_deployments_adds_the_manual_tune_search_with_the_tune_preset():
-    nightly, manual, tune = build_deployments(manual_preset="smoke", tune_preset="smoke")
-    assert [(d.flow_name, d.name) for d in (nightly, manual, tune)] == [
-        ("mnist-resnet18", "nightly"), ("mnist-resnet18", "manual"), (TUNE_FLOW, "manual"),
+    nightly, manual, tune, train = build_deployments(manual_preset="smoke", tune_preset="smoke")
+    assert [(d.flow_name, d.name) for d in (nightly, manual, tune, train)] == [
+        ("mnist-resnet18", "nightly"), ("mnist-resnet18", "manual"), (TUNE_FLOW, "manual"), (TRAIN_FLOW, "manual"),
     ]
+    assert train.entrypoint == "flows.train.train_pipeline" and train.enforce_parameter_schema is True
+    assert train.schedules == [] and train.parameters == preset_parameters("smoke")  # the manual form's preset
     assert tune.entrypoint == "flows.tune.mnist_tune" and tune.enforce_parameter_schema is True
     assert tune.schedules == [] and "tune" in tune.tags
     assert tune.parameters == tune_preset_parameters("smoke")
@@ -170,7 +211,7 @@ def test_build_deployments_adds_the_manual_tune_search_with_the_tune_preset():
         parse_args(["--tune-preset", "no-such-preset"])
 
 
-@pytest.mark.parametrize("schema", [_schema, _tune_schema], ids=["mnist", "tune"])
+@pytest.mark.parametrize("schema", [_schema, _tune_schema, _train_schema], ids=["mnist", "tune", "train"])
 def test_parameter_schema_avoids_the_known_form_bugs(schema):
     """No free-form dicts (prefect#17798), no unions of models (#18084); typed, described, with choices."""
     definitions = schema()["definitions"]
@@ -238,7 +279,7 @@ def release_other_pauses(storage: Path, stop: threading.Event) -> None:
 
 @pytest.fixture(scope="module")
 def served(server, work, webhook) -> Iterator[dict]:
-    """The three deployments served from one process: nightly on a real (far-off) schedule, search form from tune smoke.
+    """The four deployments served from one process: nightly on a real (far-off) schedule, search form from tune smoke.
 
     Its environment carries the test-only pause (``PAUSE``): its flow-run processes hand it to their
     Ray workers, so the cancel test's run holds still in training until it is cancelled."""
@@ -298,6 +339,16 @@ def test_served_tune_deployment_has_no_schedule_the_tune_preset_and_the_tune_for
     assert tune["enforce_parameter_schema"] is True
     assert tune["parameter_openapi_schema"] == _tune_schema()
     assert_tune_section(tune["parameter_openapi_schema"])
+
+
+@pytest.mark.slow
+def test_served_generic_deployment_has_no_schedule_and_the_form_with_workload_and_model(server, served):
+    train = server.deployment("manual", TRAIN_FLOW)
+    assert train["id"] not in {server.deployment("manual")["id"], server.deployment("manual", TUNE_FLOW)["id"]}
+    assert train["schedules"] == [] and train["parameters"] == preset_parameters("default")
+    assert train["entrypoint"] == "flows.train.train_pipeline" and train["enforce_parameter_schema"] is True
+    assert train["parameter_openapi_schema"] == _train_schema()
+    assert_workload_and_model_fields(train["parameter_openapi_schema"])
 
 
 @pytest.mark.slow
@@ -396,7 +447,7 @@ def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, w
     assert summary["best_checkpoint"] in artifacts[KEYS["checkpoint"]]["data"]
     assert rows[0]["accuracy"] == round(summary["test_accuracy"], 4)
     # The model's run comparison: this run's row (newest first) and the picture, under keys stable across runs
-    comparison = comparison_keys("mnist-resnet18")
+    comparison = comparison_keys(registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL))  # mnist-small-cnn: the small model's
     runs = json.loads(artifacts[comparison["table"]]["data"])
     assert runs[0]["run"] == "api-run" and runs[0]["test_accuracy"] == round(summary["test_accuracy"], 4)
     assert runs[0]["promoted"].startswith("v") == summary["promotion"]["promoted"]
@@ -514,7 +565,7 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
 
 
 @pytest.mark.slow
-def test_prefect_yaml_deploys_the_three_deployments_to_a_process_work_pool(tmp_path):
+def test_prefect_yaml_deploys_the_four_deployments_to_a_process_work_pool(tmp_path):
     """`prefect deploy` with deployments/prefect.yaml, as docs/operations.md says, against its own fresh server."""
     srv = PrefectServer(tmp_path / "prefect-home").start()
     try:
@@ -526,12 +577,13 @@ def test_prefect_yaml_deploys_the_three_deployments_to_a_process_work_pool(tmp_p
             out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
             assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         nightly, manual = srv.deployment("nightly"), srv.deployment("manual")
-        tune = srv.deployment("manual", TUNE_FLOW)
+        tune, train = srv.deployment("manual", TUNE_FLOW), srv.deployment("manual", TRAIN_FLOW)
     finally:
         srv.stop()
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == [NIGHTLY_CRON] and nightly["schedules"][0]["active"]
-    assert manual["schedules"] == [] and tune["schedules"] == []
-    for deployment in (nightly, manual, tune):
+    assert manual["schedules"] == [] and tune["schedules"] == [] and train["schedules"] == []
+    assert train["entrypoint"] == TRAIN_ENTRYPOINT and train["parameter_openapi_schema"] == _train_schema()
+    for deployment in (nightly, manual, tune, train):
         assert deployment["work_pool_name"] == "mnist-process"
         assert deployment["enforce_parameter_schema"] is True
         assert deployment["pull_steps"] == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]

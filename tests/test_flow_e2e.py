@@ -31,6 +31,7 @@ from prefect.settings import get_current_settings
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
+from pipeline_config import DEFAULT_WORKLOAD, registry_model_name
 from pipeline_config.settings import parse_cli
 from reporting.reports import KEYS
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
@@ -40,6 +41,7 @@ from training.models import ModelSpec, small_cnn
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 STAGES = set(STAGE_CPUS)
+CHAMPION = registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL)  # mnist-small-cnn: these runs train the small model
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def test_smoke_run_completes_every_stage(smoke_run, storage):
     assert metrics["rows"] == 1000 and sum(map(sum, metrics["confusion"])) == 1000
     # The first model of its name on this root becomes the champion
     assert summary["promotion"]["promoted"] is True and summary["promotion"]["version"] == 1
-    pointer = json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())
+    pointer = json.loads((storage / "models" / CHAMPION / "champion").read_text())
     assert pointer["run_name"] == "smoke-e2e" and pointer["test_accuracy"] == metrics["accuracy"]
 
 
@@ -156,7 +158,7 @@ def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smok
     assert verdict in paragraph and KEYS["confusion"] in paragraph and KEYS["metrics"] in paragraph
     # A failed gate is never promoted: the champion stays the first run's
     assert printed["promotion"]["promoted"] is False and printed["promotion"]["reason"].startswith("gate failed")
-    assert json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())["run_name"] == "smoke-e2e"
+    assert json.loads((storage / "models" / CHAMPION / "champion").read_text())["run_name"] == "smoke-e2e"
     assert "not promoted: gate failed" in out.stderr
 
 
@@ -182,7 +184,7 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
     from pyarrow import parquet as pq
 
     address, cluster_env = ray_cluster
-    champion = json.loads((storage / "models" / "mnist-resnet18" / "champion").read_text())
+    champion = json.loads((storage / "models" / CHAMPION / "champion").read_text())
     with prefect_test_harness(server_startup_timeout=120):
         api_url = get_current_settings().api.url
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")} | {"PREFECT_API_URL": api_url}
@@ -193,8 +195,8 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
             storage, "better", "--train.epochs", "2", "--parquet.validation-every", "10", "--ray.address", address,
             "--cleanup.delete-parquet", "--cleanup.delete-raw", env=cluster_env | {"PREFECT_API_URL": api_url},
         )
-        table = httpx.get(f"{api_url}/artifacts/mnist-resnet18-run-comparison/latest").raise_for_status().json()
-        picture = httpx.get(f"{api_url}/artifacts/mnist-resnet18-accuracy-over-runs/latest").raise_for_status().json()
+        table = httpx.get(f"{api_url}/artifacts/{CHAMPION}-run-comparison/latest").raise_for_status().json()
+        picture = httpx.get(f"{api_url}/artifacts/{CHAMPION}-accuracy-over-runs/latest").raise_for_status().json()
 
     # The better run on the existing cluster: completed there (its gate passed), the cluster still up
     assert "Ray: local cluster" in worse_out.stdout and "Ray: the cluster at" not in worse_out.stdout
@@ -215,10 +217,10 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
     assert better["test_accuracy"] > champion["test_accuracy"], "two epochs should beat one; the test cannot judge otherwise"
     promotion = better["promotion"]
     assert promotion["promoted"] is True and promotion["version"] == 2 and promotion["champion_rescored"] is True
-    assert "promoted: mnist-resnet18 v2 is the champion" in better_out.stdout
+    assert f"promoted: {CHAMPION} v2 is the champion" in better_out.stdout
     assert "python -m flows.predict" in better_out.stdout
 
-    models = storage / "models" / "mnist-resnet18"
+    models = storage / "models" / CHAMPION
     pointer = json.loads((models / "champion").read_text())
     card = json.loads((models / "v2" / "model_card.json").read_text())
     assert pointer["version"] == 2 and pointer["run_name"] == card["run_name"] == "better"
@@ -245,7 +247,7 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
     predictions = storage.parent / "champion-predictions.parquet"
     out = subprocess.run(
         [sys.executable, "-m", "flows.predict", "--storage-root", str(storage),
-         "--input", str(Path(better["data"]["dataset_dir"]) / "test"), "--output", str(predictions)],
+         "--model", CHAMPION, "--input", str(Path(better["data"]["dataset_dir"]) / "test"), "--output", str(predictions)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert out.returncode == 0, out.stderr[-3000:]

@@ -222,7 +222,18 @@ def test_run_comparison_rows_and_picture(tmp_path):
 def test_model_name_is_checked_before_any_work():
     with pytest.raises(ValueError, match="promote.model_name"):
         PipelineConfig(promote={"model_name": "My Model"})
-    assert PromoteConfig().model_name == MODEL and PromoteConfig().min_improvement == 0.0
+    assert PromoteConfig().min_improvement == 0.0
+
+
+def test_the_registry_name_follows_the_workload_and_the_model():
+    """Unset promote.model_name: <workload>-<model>; the defaults keep MNIST's champion name exactly."""
+    assert PromoteConfig().model_name is None and PipelineConfig().registry_name == MODEL
+    assert PipelineConfig(model={"name": "training.models:small_cnn"}).registry_name == "mnist-small-cnn"
+    other = PipelineConfig(workload="rgb-shapes", model={"name": "mobilenet_v3_small"})
+    assert other.registry_name == "rgb-shapes-mobilenet-v3-small"
+    named = PipelineConfig(workload="rgb-shapes", promote={"model_name": "my-champion"})
+    assert named.registry_name == "my-champion"  # set: used as given, whatever the workload
+    assert len(PipelineConfig(workload="w" * 40, model={"name": "pkg.mod:" + "x" * 60}).registry_name) <= 63
 
 
 def test_prediction_inputs_from_idx_and_parquet_folders(tmp_path):

@@ -25,7 +25,7 @@ import pytest
 
 from dataset.parquet import ParquetDataset
 from dataset.sources import RawData
-from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
+from pipeline_config import DEFAULT_WORKLOAD, CleanupConfig, DownloadConfig, ParquetConfig, registry_model_name
 from pipeline_config.settings import parse_cli
 from storage_io import (
     MANIFEST,
@@ -371,12 +371,13 @@ def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
     fresh = spec.build()
     assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in fresh.named_parameters()]
     # Promoted in the bucket: a whole version (card uploaded last), then the champion pointer
-    assert {"models/mnist-resnet18/v1/model.pt", "models/mnist-resnet18/v1/model_card.json",
-            "models/mnist-resnet18/champion", "models/mnist-resnet18/runs/s3-first.json"} <= set(keys)
-    champion = read_json(join(s3_root, "models", "mnist-resnet18", "champion"))
+    registered = registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL)  # mnist-small-cnn
+    assert {f"models/{registered}/v1/model.pt", f"models/{registered}/v1/model_card.json",
+            f"models/{registered}/champion", f"models/{registered}/runs/s3-first.json"} <= set(keys)
+    champion = read_json(join(s3_root, "models", registered, "champion"))
     # The pointer names its version relative to the storage root (absolute in pointers written before that)
     version_dir = champion["path"] if champion["path"].startswith("s3://") else join(s3_root, champion["path"])
-    assert champion["run_name"] == "s3-first" and version_dir == f"{s3_root}/models/mnist-resnet18/v1"
+    assert champion["run_name"] == "s3-first" and version_dir == f"{s3_root}/models/{registered}/v1"
     assert registry.version_model(version_dir) == spec  # the card in the bucket records the model
     champion_model = load_model(version_dir, registry.version_model(version_dir))  # the card says what to build
     weights = model.state_dict()

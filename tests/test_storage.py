@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline_config import DEFAULT_WORKLOAD, registry_model_name
 from storage_io import (
     RunInUseError,
     StorageLayout,
@@ -31,7 +32,7 @@ from storage_io import (
 )
 from tasks.cleanup import check_deletable, cleanup
 from tests.support.digits import real_digits_mirror
-from tests.support.models import SMALL_MODEL_ARGS
+from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,11 +184,12 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
         assert not [f for f in files if f.startswith("locks/")]
     # Both passed their gate and finished together: they took turns on the model's lock, so the
     # champion is the better of the two (the first on a tie) and every version it names is whole.
-    champion = read_json(join(storage, "models", "mnist-resnet18", "champion"))
+    model = registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL)  # mnist-small-cnn
+    champion = read_json(join(storage, "models", model, "champion"))
     promoted = sorted(s["promotion"]["version"] for s in summaries.values() if s["promotion"]["promoted"])
     assert promoted in ([1], [1, 2]) and champion["version"] == promoted[-1]
     assert champion["test_accuracy"] == max(s["test_accuracy"] for s in summaries.values())
     assert champion["run_name"] in runs
     for version in promoted:
-        card = read_json(join(storage, "models", "mnist-resnet18", f"v{version}", "model_card.json"))
-        assert f"models/mnist-resnet18/v{version}/model.pt" in files and card["version"] == version
+        card = read_json(join(storage, "models", model, f"v{version}", "model_card.json"))
+        assert f"models/{model}/v{version}/model.pt" in files and card["version"] == version

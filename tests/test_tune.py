@@ -132,6 +132,27 @@ def test_best_config_yaml_is_accepted_by_the_main_flow_and_sets_the_trial_recipe
     assert (config.train.learning_rate, config.train.global_batch_size, config.transform.shift_px) == (1e-3, 64, 1)
 
 
+def test_another_workloads_best_config_names_it_for_flows_train(tmp_path):
+    """A search of another workload: the best config carries the workload, says flows.train, and the
+    summary's hint trains it with flows.train; MNIST's file and hint stay as they were."""
+    from pipeline_config.settings import TrainSettings
+
+    best = best_trial([_record("a_00000", "completed", [0.9, 0.4])], TuneConfig())
+    values = best_config_values(TrainConfig(), TransformConfig(), best.config, "training.models:small_cnn", "shapes")
+    text = best_config_yaml(values, best, "val_ce", "shapes-tune-x", "flows.train")
+    assert "# Train it: python -m flows.train --config-file" in text and "download.*" in text
+    path = tmp_path / "best_config.yaml"
+    path.write_text(text)
+    config = parse_cli(["--config-file", str(path)], TrainSettings).pipeline_config()
+    assert (config.workload, config.model.name, config.registry_name) == ("shapes", "training.models:small_cnn", "shapes-small-cnn")
+    assert "workload" not in best_config_values(TrainConfig(), TransformConfig(), best.config)  # MNIST's: unchanged
+    tuning = {"metric": "val_ce", "trials": 1, "stopped_early": 0, "best_trial": {
+        "trial_id": "a_00000", "val_ce": 0.4, "epochs_run": 2, "sampled": {}, "config_file": str(path)}}
+    assert any(line.strip().startswith(f"train it       python -m flows.train --config-file {path}")
+               for line in console.tuning_lines(tuning, "shapes"))
+    assert any(f"python -m flows.mnist --config-file {path}" in line for line in console.tuning_lines(tuning, "mnist"))
+
+
 def test_trial_table_and_picture_show_every_trial_and_which_stopped_early():
     records = [r.model_dump() for r in (_record("a_00000", "completed", [0.9, 0.4]), _record("a_00001", "stopped early", [1.6]))]
     rows = trial_rows(records, "val_ce", "a_00000")

@@ -18,10 +18,26 @@ from pathlib import Path
 import pytest
 
 from deployments.serve import tune_preset_parameters
-from pipeline_config import ModelConfig, SearchSpace, TuneConfig, TunePipelineConfig
+from pipeline_config import (
+    DEFAULT_WORKLOAD,
+    ModelConfig,
+    PipelineConfig,
+    SearchSpace,
+    TuneConfig,
+    TunePipelineConfig,
+    registry_model_name,
+)
 from reporting.reports import KEYS, comparison_keys
 from tests.support.models import SMALL_MODEL
-from tests.support.prefect_server import TUNE_FLOW, PrefectServer, far_cron, serve_deployments, stop_group, wait_for
+from tests.support.prefect_server import (
+    TRAIN_FLOW,
+    TUNE_FLOW,
+    PrefectServer,
+    far_cron,
+    serve_deployments,
+    stop_group,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,6 +58,7 @@ FORM_FIELDS = {  # label -> its description, as the schema gives them
     "Min Accuracy (Optional)": "Gate: the flow fails (keeping every artifact) below this test accuracy.",
     "Storage Root (Optional)": "Folder every Ray node can reach",
     "Name (Optional)": ModelConfig.model_fields["name"].description[:40],  # model.name
+    "Workload (Optional)": PipelineConfig.model_fields["workload"].description[:40],
 }
 # The tune deployment's form, label -> the start of its description (from the model, which is
 # still moving); the UI labels a nested section by its model's title ("TuneConfig").
@@ -71,13 +88,14 @@ def shots(work) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def served(server, work) -> Iterator[dict]:
-    """The three deployments served from ``work`` (the forms' default storage root lands there), from smoke presets."""
+    """The four deployments served from ``work`` (the forms' default storage root lands there), from smoke presets."""
     cron = far_cron()
     proc = serve_deployments(server, work, "--cron", cron, "--manual-preset", "smoke", "--tune-preset", "smoke")
     try:
         yield {
             "cron": cron, "log": work / "serve.log", "manual": server.deployment("manual"),
             "nightly": server.deployment("nightly"), "tune": server.deployment("manual", TUNE_FLOW),
+            "train": server.deployment("manual", TRAIN_FLOW),
         }
     finally:
         stop_group(proc)
@@ -146,6 +164,19 @@ def test_run_form_is_typed_described_and_refuses_invalid_values(page, server, se
     assert refused[0] is True and "1" in refused[1], refused
     assert page.url.endswith("/run")  # still on the form
     assert len(server.post("/flow_runs/filter", manual_runs)) == runs_before  # nothing was started
+
+
+def test_generic_run_form_shows_the_workload_and_the_model(page, server, served, shots):
+    """The generic flow's form (train/manual, no run): the pipeline's fields, workload and model.name among them."""
+    train_runs = {"deployments": {"id": {"any_": [served["train"]["id"]]}}}
+    open_run_form(page, server, served["train"], ready="Workload (Optional)")
+    page.screenshot(path=shots / "train-run-form.png", full_page=True)
+    for label, description in FORM_FIELDS.items():
+        assert description in field_group(page, label).inner_text(), label
+    assert page.get_by_label("Workload (Optional)", exact=True).input_value() == DEFAULT_WORKLOAD  # the served default
+    assert page.get_by_label("Name (Optional)", exact=True).input_value() == "resnet18"  # model.name
+    assert page.get_by_label("Epochs (Optional)", exact=True).input_value() == "1"  # served with --manual-preset smoke
+    assert server.post("/flow_runs/filter", train_runs) == []  # looking at the form starts nothing
 
 
 def test_tune_run_form_shows_the_typed_described_tune_section(page, server, served, shots):
@@ -232,7 +263,8 @@ def test_report_pictures_render_in_the_browser(page, server, form_run, shots):
 def test_run_comparison_table_and_picture_show_in_the_browser(page, server, form_run, shots):
     """The model's run-comparison artifacts (stable keys) as the UI shows them: this run's row, the picture."""
     artifacts = {a["key"]: a for a in server.artifacts(form_run["id"])}
-    keys = comparison_keys("mnist-resnet18")
+    model = registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL)  # mnist-small-cnn: the form run trains the small model
+    keys = comparison_keys(model)
     page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[keys['table']]['id']}", wait_until="networkidle")
     table = page.get_by_role("table")
     table.get_by_role("cell", name="ui-run", exact=True).wait_for()
@@ -240,7 +272,7 @@ def test_run_comparison_table_and_picture_show_in_the_browser(page, server, form
     assert headers == ["date", "run", "test_accuracy", "promoted", "val_loss", "epochs", "train_images_per_s", "wall_s", "data"]
     page.screenshot(path=shots / "artifact-run-comparison.png", full_page=True)
     page.goto(f"{server.url}/v2/artifacts/artifact/{artifacts[keys['picture']]['id']}", wait_until="networkidle")
-    image = page.get_by_role("img", name="mnist-resnet18: test accuracy over runs")
+    image = page.get_by_role("img", name=f"{model}: test accuracy over runs")
     image.wait_for()
     page.wait_for_function("e => e.complete", arg=image.element_handle())
     width, height = image.evaluate("e => [e.naturalWidth, e.naturalHeight]")

@@ -639,7 +639,7 @@ def protected_data(root: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m training.registry``: check a model's registry, or repair it (exit 0 intact or repaired, 1 damaged, 2 bad input)."""
-    from pipeline_config import PipelineConfig, PromoteConfig
+    from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, PromoteConfig, registry_model_name
 
     parser = argparse.ArgumentParser(
         prog="python -m training.registry",
@@ -647,7 +647,10 @@ def main(argv: list[str] | None = None) -> int:
         "not matching its checksum); --repair moves the damage aside and points the champion at the newest intact version.",
     )
     parser.add_argument("--storage-root", default="storage", help="The storage root (folder or s3://bucket/prefix).")
-    parser.add_argument("--model", default="mnist-resnet18", help="promote.model_name of the runs.")
+    default = registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)
+    parser.add_argument(
+        "--model", default=default, help=f"The model's registry name: promote.model_name of the runs, or <workload>-<model> (default {default})."
+    )
     parser.add_argument("--repair", action="store_true", help="Move damaged files aside (nothing is deleted) and rewrite the pointer.")
     args = parser.parse_args(argv)
     try:

@@ -144,12 +144,14 @@ def trial_spec(spec: TransformSpec, sampled: dict[str, Any]) -> TransformSpec:
 
 def best_config_values(
     train: TrainConfig, transform: TransformConfig, sampled: dict[str, Any], model_name: str | None = None,
+    workload: str | None = None,
 ) -> dict[str, Any]:
-    """The fields a best trial sets, as a config file for ``python -m flows.mnist --config-file``
-    (with ``model.name`` when given: the model the trials trained)."""
+    """The fields a best trial sets, as a config file for ``python -m flows.train --config-file``
+    (with ``model.name`` when given: the model the trials trained; with ``workload`` when given)."""
     chosen = trial_train_config(train, sampled)
     augmented = scaled_augmentation(transform, float(sampled["augmentation"]))
     return {
+        **({"workload": workload} if workload else {}),
         **({"model": {"name": model_name}} if model_name else {}),
         "train": {name: getattr(chosen, name) for name in ("learning_rate", "weight_decay", "global_batch_size", "label_smoothing")},
         "transform": {name: getattr(augmented, name) for name in ("shift_px", "rotate_deg", "scale")},
@@ -369,13 +371,15 @@ class TuningResult(BaseModel):
         }
 
 
-def best_config_yaml(values: dict[str, Any], best: TrialRecord, metric: str, run_name: str) -> str:
-    """The best trial's fields as YAML for ``python -m flows.mnist --config-file``, with where they came from."""
+def best_config_yaml(values: dict[str, Any], best: TrialRecord, metric: str, run_name: str, module: str = "flows.mnist") -> str:
+    """The best trial's fields as YAML for ``python -m <module> --config-file``, with where they came from."""
     import yaml
 
     header = (
         f"# Best trial {best.trial_id} of tune run {run_name}: {metric} {best.best_metric:.4f} after "
         f"{best.epochs_run} epoch(s).\n"
-        "# Train it: python -m flows.mnist --config-file <this file>  (presets, env vars and flags layer as usual)\n"
+        f"# Train it: python -m {module} --config-file <this file>  (presets, env vars and flags layer as usual)\n"
     )
+    if "workload" in values:  # another workload's data is not the default: say so
+        header += "# with the data options (download.*) the search ran with\n"
     return header + yaml.safe_dump(values, sort_keys=True)

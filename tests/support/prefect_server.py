@@ -1,7 +1,7 @@
 """A real Prefect server on 127.0.0.1 and the ``deployments.serve`` process, driven over its REST API.
 
 ``PrefectServer`` is ``prefect server start`` with a fresh SQLite database; ``serve_deployments``
-serves the three deployments against it; ``ui_run_body`` is what the UI's run form posts;
+serves the four deployments against it; ``ui_run_body`` is what the UI's run form posts;
 ``wait_for``, ``stop_group`` and ``log_tail`` poll, stop and report on the processes a test starts.
 """
 
@@ -28,8 +28,9 @@ from tests.support.models import SMALL_MODEL
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 FLOW = "mnist-resnet18"
 TUNE_FLOW = "mnist-resnet18-tune"
-# (flow, deployment) of everything ``python -m deployments.serve`` registers; both flows have a "manual".
-SERVED = ((FLOW, "nightly"), (FLOW, "manual"), (TUNE_FLOW, "manual"))
+TRAIN_FLOW = "train"  # the generic flow (flows.train)
+# (flow, deployment) of everything ``python -m deployments.serve`` registers; every flow has a "manual".
+SERVED = ((FLOW, "nightly"), (FLOW, "manual"), (TUNE_FLOW, "manual"), (TRAIN_FLOW, "manual"))
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 RUN_TIMEOUT_S = 780  # a smoke run takes ~2-4 minutes on this 2-core machine
 
@@ -169,7 +170,7 @@ class PrefectServer:
 
 
 def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) -> subprocess.Popen:
-    """Start ``python -m deployments.serve`` against ``server``; return once its three deployments exist."""
+    """Start ``python -m deployments.serve`` against ``server``; return once its four deployments exist."""
     log = cwd / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -186,7 +187,7 @@ def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) 
                 return False
         return "being served" in log.read_text(errors="replace")
 
-    wait_for(registered, 180, f"the three deployments to be served\n{log_tail(log)}")
+    wait_for(registered, 180, f"the four deployments to be served\n{log_tail(log)}")
     return proc
 
 
