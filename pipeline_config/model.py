@@ -152,7 +152,8 @@ class DownloadConfig(_Section):
             raise ValueError("download.path is empty; name a folder or an s3://bucket/prefix")
         if "://" in value and not value.startswith("s3://"):
             raise ValueError(f"download.path {value!r}: use a local folder or s3://bucket/prefix")
-        return value.rstrip("/") if value.startswith("s3://") else str(Path(value).expanduser())
+        # A relative folder is the caller's: made absolute here, since Ray workers run elsewhere.
+        return value.rstrip("/") if value.startswith("s3://") else str(Path(value).expanduser().absolute())
 
     @model_validator(mode="after")
     def _mirror_needs_url(self) -> DownloadConfig:
