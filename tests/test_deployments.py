@@ -45,7 +45,9 @@ from flows.train import train_pipeline
 from flows.tune import TUNE_STAGE_CPUS, mnist_tune
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, TuneConfig, TunePipelineConfig, registry_model_name
 from pipeline_config.settings import load_preset
-from reporting.reports import KEYS, TUNE_KEYS, comparison_keys
+from reporting.reports import KEYS, TUNE_KEYS, artifact_keys, comparison_keys, tune_keys
+from tests.support.images import CLASSES as SHAPE_CLASSES
+from tests.support.images import write_image_folder
 from tests.support.models import SMALL_MODEL, pause_env, wait_for_pause
 from tests.support.prefect_server import (
     FINAL,
@@ -513,13 +515,33 @@ def test_cancel_from_the_ui_ends_cancelled_and_the_summary_says_cancelled(server
     assert kept["epoch"] == CANCELLED_EPOCHS - 2 and not kept.get("mid_epoch") and Path(kept["path"]).is_dir(), kept
 
 
+SHAPES = "shapes"  # the second workload: the tests' own RGB image folder (tests/support/images.py), not MNIST
+
+
 @pytest.fixture(scope="module")
-def tune_run(server, served, work) -> dict:
-    """One search started like the UI's Run button: the tune smoke preset cut to 2 trials of 1 epoch
-    (the CLI's slow test runs the whole preset; this one is about the deployment path), with
-    ``tune.train_best``: the best recipe then trains and is evaluated in the same flow run."""
+def shapes_images(work) -> Path:
+    return write_image_folder(work / "shapes-images", {"train": 40, "test": 15})
+
+
+def shapes_config(config: dict, images: Path) -> dict:
+    """``config`` turned to the second workload: its name, its image folder, batches its 114 training images fill."""
+    config["workload"] = SHAPES
+    config["download"].update(source="folder", path=str(images))
+    config["train"]["global_batch_size"] = 16
+    return config
+
+
+@pytest.fixture(scope="module")
+def tune_run(server, served, work, shapes_images) -> dict:
+    """One search started like the UI's Run button, on the second workload (RGB shapes from an image
+    folder): the tune smoke preset cut to 2 trials of 3 epochs (the CLI's slow test runs the whole
+    preset on MNIST; this one is about the deployment path and another workload), with
+    ``tune.train_best``: the best recipe then trains, is evaluated and becomes the workload's champion
+    in the same flow run."""
     deployment = server.deployment("manual", TUNE_FLOW)
-    config = tune_smoke_config(work / "storage", "api-tune", num_samples=2, epochs=1, train_best=True)
+    config = tune_smoke_config(work / "storage", "api-tune", num_samples=2, epochs=3, train_best=True)
+    config = shapes_config(config, shapes_images)
+    config["tune"]["search_space"]["global_batch_size"] = [16, 32]
     started = time.monotonic()
     body = ui_run_body(deployment, {"config": config}, "api-tune")
     created = server.post(f"/deployments/{deployment['id']}/create_flow_run", body)
@@ -528,7 +550,32 @@ def tune_run(server, served, work) -> dict:
 
 
 @pytest.mark.slow
-def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(server, tune_run, work):
+def test_the_generic_deployment_trains_the_second_workload_from_its_image_folder(server, served, work, shapes_images):
+    """`train/manual` (flows.train) started like the UI's Run button with another workload: RGB shapes
+    from an image folder, 3 classes, the small model. Every name it publishes is the workload's."""
+    deployment = server.deployment("manual", TRAIN_FLOW)
+    config = shapes_config(smoke_config(work / "storage", "api-shapes", epochs=3), shapes_images)
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-shapes"))
+    run = server.wait_final(created["id"], served["log"])
+    assert run["state_type"] == "COMPLETED", run["state"]["message"]
+    assert run["parameters"]["config"] == config
+    summary = json.loads((work / "storage" / "runs" / "api-shapes" / "summary.json").read_text())
+    print(f"shapes run via train/manual: test accuracy {summary['test_accuracy']:.2%}")
+    assert summary["workload"] == SHAPES and summary["data_source"] == "folder" and summary["status"] == "completed"
+    assert summary["evaluation"]["classes"] == list(SHAPE_CLASSES) and summary["evaluation"]["rows"] == 45
+    assert summary["test_accuracy"] >= summary["evaluation"]["min_accuracy"]
+    model = registry_model_name(SHAPES, SMALL_MODEL)
+    assert summary["promotion"]["model"] == model
+    card = json.loads((work / "storage" / "models" / model / "champion").read_text())
+    assert card["version"] >= 1  # this run's model or the search's: the workload's own champion
+    keys = {artifact["key"] for artifact in server.artifacts(run["id"])}
+    assert keys == set(artifact_keys(SHAPES).values()) | set(comparison_keys(model).values())
+    rows = json.loads(next(a for a in server.artifacts(run["id"]) if a["key"] == artifact_keys(SHAPES)["metrics"])["data"])
+    assert [row["class"] for row in rows] == ["all", *SHAPE_CLASSES]
+
+
+@pytest.mark.slow
+def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(server, tune_run, work, shapes_images):
     run = tune_run["run"]
     print(f"API-triggered tune smoke run: {tune_run['seconds']:.0f}s")
     assert run["state_type"] == "COMPLETED", run["state"]["message"]
@@ -546,20 +593,27 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
     best_values = yaml.safe_load(best_file.read_text())  # the recipe `python -m flows.mnist --config-file` trains
     assert best_values["train"] and PipelineConfig.model_validate(best_values)
     assert best_values["model"] == {"name": SMALL_MODEL}  # the model the trials trained
+    assert best_values["workload"] == SHAPES and best_values["download"]["path"] == str(shapes_images)
     # train_best: the best trial's recipe trained in the run folder itself, evaluated, and passed the gate.
     assert [summary["stages"][name]["status"] for name in ("train", "evaluate", "cleanup")] == ["completed"] * 3
     assert summary["test_accuracy"] >= summary["evaluation"]["min_accuracy"]
+    print(f"shapes search via the tune deployment: best trial's recipe, test accuracy {summary['test_accuracy']:.2%}")
+    assert summary["evaluation"]["classes"] == list(SHAPE_CLASSES) and len(summary["evaluation"]["confusion"]) == 3
+    assert summary["data"]["dataset_dir"].startswith(str(work / "storage" / "datasets" / f"{SHAPES}-"))
     run_dir = work / "storage" / "runs" / "api-tune"
     assert len((run_dir / "history.jsonl").read_text().splitlines()) == summary["config"]["train"]["epochs"]
     assert summary["best_checkpoint"].startswith(str(run_dir / "checkpoint_epoch-"))
 
     artifacts = {a["key"]: a for a in server.artifacts(run["id"])}
-    trials = artifacts[TUNE_KEYS["trials"]]
+    assert set(artifacts) <= set(tune_keys(SHAPES).values()) | set(artifact_keys(SHAPES).values()) | set(
+        comparison_keys(registry_model_name(SHAPES, SMALL_MODEL)).values()
+    )  # the workload's names, none of MNIST's
+    trials = artifacts[tune_keys(SHAPES)["trials"]]
     assert trials["type"] == "table"
     rows = json.loads(trials["data"])
     assert len(rows) == 2 and sum(row["trial"].endswith("(best)") for row in rows) == 1
     assert tuning["best_trial"]["trial_id"] + " (best)" in {row["trial"] for row in rows}
-    curves = artifacts[TUNE_KEYS["trial_curves"]]
+    curves = artifacts[tune_keys(SHAPES)["trial_curves"]]
     assert curves["type"] == "markdown" and "data:image/png;base64," in curves["data"]
     assert embedded_png(curves["data"]).width > 100
 
