@@ -63,6 +63,18 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def api_env(api_url: str, **extra: str) -> dict[str, str]:
+    """This environment for a CLI run against the Prefect API at ``api_url`` (``PREFECT_API_URL``), plus ``extra``.
+
+    No other Prefect API or profile setting and no test hook (``MNIST_FAULT_INJECT``,
+    ``MNIST_RECORD_ROWS``) is inherited: a run gets those only from ``extra``.
+    """
+    from training.faults import TEST_HOOK_ENVS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_PROFILE")) and k not in TEST_HOOK_ENVS}
+    return env | {"PREFECT_API_URL": api_url, **extra}
+
+
 def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """SIGTERM the process group this test started, SIGKILL it if it lingers."""
     if proc.poll() is not None:
