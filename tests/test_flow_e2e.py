@@ -140,7 +140,8 @@ def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its
     assert f"below evaluate.min_accuracy {gate:.4f}" in out.stderr
     assert json.loads(summary_out.read_text()) == printed
     assert printed["status"] == "failed"
-    assert printed["config"]["model"]["name"] == SMALL_MODEL and printed["evaluation"]["min_accuracy"] == gate  # the default gate
+    stored = json.loads((storage / "runs" / "gate" / "summary.json").read_text())
+    assert stored["config"]["model"]["name"] == SMALL_MODEL and stored["evaluation"]["min_accuracy"] == gate  # the default gate
     assert printed["stages"]["evaluate"]["status"] == "failed" and "cleanup" not in printed["stages"]
     assert "QualityGateError" in printed["stages"]["evaluate"]["error"]
     assert printed["test_accuracy"] < 0.5  # about chance
