@@ -28,7 +28,6 @@ import pytest
 import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
-from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config import PipelineConfig
@@ -36,7 +35,7 @@ from pipeline_config.settings import parse_cli
 from reporting.reports import KEYS
 from tests.support.digits import shuffled_labels_mirror
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
-from tests.support.prefect_server import api_env
+from tests.support.prefect_server import api_env, using_api
 from training.model import checkpoint_model, load_model
 from training.models import ModelSpec, small_cnn
 
@@ -56,7 +55,7 @@ def smoke_run(storage, shared_server):
     config = parse_cli(
         ["--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage), "--run-name", "smoke-e2e"]
     ).pipeline_config()
-    with temporary_settings(updates={PREFECT_API_URL: shared_server.api}):
+    with using_api(shared_server.api):
         state = mnist_pipeline(config, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         with get_client(sync_client=True) as client:
@@ -130,7 +129,7 @@ def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its
         cwd=ROOT, env=api_env(shared_server.api), capture_output=True, text=True, timeout=900,
     )
     printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
-    with temporary_settings(updates={PREFECT_API_URL: shared_server.api}), get_client(sync_client=True) as client:
+    with using_api(shared_server.api), get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(printed["flow_run_id"])
         runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
         artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=runs)}
