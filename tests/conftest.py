@@ -1,4 +1,4 @@
-"""Shared fixtures: a storage layout, a local Ray, the loopback S3 server, a run tree, a Prefect server.
+"""Shared fixtures: a storage layout, a local Ray, the loopback S3 server, a run tree, Prefect servers.
 
 The plain helpers these fixtures use (and test modules import) are in ``tests/support/``.
 """
@@ -78,3 +78,23 @@ def server(work) -> Iterator[PrefectServer]:
         yield srv
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    """One ``prefect server start`` for the whole session, for runs that are not about the Prefect server.
+
+    A CLI run without ``PREFECT_API_URL`` starts (and stops) a temporary server of its own, about
+    5 s of each run on the 2-core CI machine; runs that only need *a* Prefect API (fault tolerance,
+    concurrent runs, the e2e flow, promotion) point ``PREFECT_API_URL`` at this one instead
+    (``tests.support.prefect_server.api_env``), as deployments and ``make run`` with a server up
+    do. The tests about the temporary server itself (first start, stopping, the tune search
+    killed whole) keep their own. Its flow runs and artifacts outlive their test: a test reads
+    its own flow run by id, and a "latest" artifact only right after its own run wrote it.
+    """
+    srv = PrefectServer(tmp_path_factory.mktemp("shared-prefect") / "prefect-home").start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+

@@ -1,17 +1,18 @@
 """Fault tolerance: the test-only fault hook, which failures are retried, and real flow runs under faults.
 
-The slow tests run the real CLI (real local Ray, a temporary Prefect server, a file:// mirror of
-600 real digits from the bundled sample, the small model: they prove recovery, not the network)
-with faults injected through ``MNIST_FAULT_INJECT``:
+The slow tests run the real CLI (real local Ray, a file:// mirror of 600 real digits from the
+bundled sample, the small model: they prove recovery, not the network) against the session's
+Prefect server (``shared_server``: recovery is not about starting one) with faults injected
+through ``MNIST_FAULT_INJECT``:
 
 * worker kills: one Ray Train restarts (``max_failures``), one more exhausts it and Prefect's
   retry of the training stage resumes the same run from its latest checkpoint;
-* a driver killed mid-training (held there by the test-only pause), then the same run name
-  again: finished stages skipped after verification, training resumed from a checkpoint;
 * a stalled worker: the run fails within ``train.hang_timeout_s`` with the rank named;
-* exactly-once mid-epoch resumption: kills between mid-epoch checkpoints, the last attempt with a
-  different number of workers; the row_ids every rank trained on (``MNIST_RECORD_ROWS``) add up to
-  the training set once per epoch;
+* exactly-once mid-epoch resumption and a killed driver, in one run: kills between mid-epoch
+  checkpoints, then the driver killed mid-training (held there by the test-only pause), then the
+  same run name again on a different number of workers: finished stages skipped after
+  verification, training resumed from the last checkpoint, and the row_ids every rank trained on
+  (``MNIST_RECORD_ROWS``) add up to the training set once per epoch;
 * node loss on a real two-node cluster, while training is held paused.
 """
 
@@ -37,6 +38,7 @@ from ray.train import WorkerGroupError
 
 from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_for_pause
+from tests.support.prefect_server import api_env
 from training.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
 from training.loop import HISTORY_FILE, read_history
 from training.trainer import is_infrastructure_failure
@@ -117,45 +119,85 @@ def mirror_flags(tmp_path_factory) -> list[str]:
     return real_digits_mirror(tmp_path_factory.mktemp("mirror"), train_per_class=60, test_per_class=20)
 
 
-def run_cli(
-    args: list[str], storage: Path, faults: str | None = None, timeout: float = 900, record_rows: bool = False
-) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", FAULT_ENV, ROW_LOG_ENV)}
-    if faults:
-        env[FAULT_ENV] = faults
-    if record_rows:
-        env[ROW_LOG_ENV] = "1"
-    out = subprocess.run(
-        [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
-    )
+def hooks(faults: str | None = None, record_rows: bool = False) -> dict[str, str]:
+    """The test-only environment: ``faults`` (``MNIST_FAULT_INJECT``) and the row log (``MNIST_RECORD_ROWS``)."""
+    return {**({FAULT_ENV: faults} if faults else {}), **({ROW_LOG_ENV: "1"} if record_rows else {})}
+
+
+def start_cli(
+    args: list[str], storage: Path, api: str, faults: str | None = None, record_rows: bool = False
+) -> tuple[subprocess.Popen, Path]:
+    """``python -m flows.mnist`` against the Prefect API ``api`` (the session's shared server), started; (process, log prefix).
+
+    Its output goes to files, not pipes: a run started beside another must never block on a full pipe.
+    """
     name = args[args.index("--run-name") + 1]
+    log = storage.parent / f"{name}-{time.monotonic_ns()}"
+    with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
+            cwd=ROOT, env=api_env(api, **hooks(faults, record_rows)), stdout=out, stderr=err, text=True,
+            start_new_session=True,
+        )
+    return proc, log
+
+
+def finish_cli(started: tuple[subprocess.Popen, Path], storage: Path, name: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, dict]:
+    """Wait for a run `start_cli` started; (its exit code and output, its summary.json or {})."""
+    proc, log = started
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        stop_cli(started)
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, Path(f"{log}.out").read_text(), Path(f"{log}.err").read_text())
     summary_path = storage / "runs" / name / "summary.json"
     return out, json.loads(summary_path.read_text()) if summary_path.is_file() else {}
 
 
+def stop_cli(started: tuple[subprocess.Popen, Path]) -> None:
+    """SIGKILL a run `start_cli` started, with its process group (its local Ray), if it is still running."""
+    proc, _ = started
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+
+
+def run_cli(
+    args: list[str], storage: Path, api: str, faults: str | None = None, timeout: float = 900, record_rows: bool = False
+) -> tuple[subprocess.CompletedProcess, dict]:
+    """``python -m flows.mnist`` to its end against the Prefect API ``api`` (the session's shared server)."""
+    name = args[args.index("--run-name") + 1]
+    return finish_cli(start_cli(args, storage, api, faults, record_rows), storage, name, timeout)
+
+
 @pytest.mark.slow
-def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path, mirror_flags):
+def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path, mirror_flags, shared_server):
     storage = tmp_path / "storage"
-    # First kill: Ray Train restarts the worker group (max_failures=1). Second kill: Ray Train gives
-    # up, Prefect retries the stage, and fit() resumes the same run from its epoch-1 checkpoint.
-    faults = "kill:rank=1:epoch=1:step=2;kill:rank=0:epoch=2:step=2"
-    args = [*mirror_flags, *COMMON, "--run-name", "kills", "--train.max-failures", "1", "--train.stage-retries", "1"]
-    out, summary = run_cli(args, storage, faults)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert summary["status"] == "completed"
-    assert len(list((storage / "runs" / "kills" / "faults").glob("*.fired"))) == 2  # both faults really fired
-    starts = [a["start_epoch"] for a in summary["training_attempts"]]
-    assert starts == [0, 1, 2], starts  # every restart resumed from the latest checkpoint, none from scratch
-    assert summary["resumed_from_epoch"] == 1
-    # The run's per-epoch record has every epoch once, the ones rerun after a restart replaced
-    # (Ray Train's own metrics_dataframe would hold only the num_to_keep=2 kept checkpoints).
-    history = read_history(storage / "runs" / "kills" / HISTORY_FILE)
-    assert [row["epoch"] for row in history] == [0, 1, 2]
-    assert all(0 <= row["val_accuracy"] <= 1 and row["finished_at"] > 0 for row in history)
-    reference, ref_summary = run_cli([*mirror_flags, *COMMON, "--run-name", "calm"], storage)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-    assert [a["start_epoch"] for a in ref_summary["training_attempts"]] == [0]
+    # The uninterrupted reference run with the same seed, started first and running beside the
+    # interrupted one on the same root (one builds the dataset, the other waits for it and reuses it).
+    calm = start_cli([*mirror_flags, *COMMON, "--run-name", "calm"], storage, shared_server.api)
+    try:
+        # First kill: Ray Train restarts the worker group (max_failures=1). Second kill: Ray Train gives
+        # up, Prefect retries the stage, and fit() resumes the same run from its epoch-1 checkpoint.
+        faults = "kill:rank=1:epoch=1:step=2;kill:rank=0:epoch=2:step=2"
+        args = [*mirror_flags, *COMMON, "--run-name", "kills", "--train.max-failures", "1", "--train.stage-retries", "1"]
+        out, summary = run_cli(args, storage, shared_server.api, faults)
+        assert out.returncode == 0, out.stderr[-3000:]
+        assert summary["status"] == "completed"
+        assert len(list((storage / "runs" / "kills" / "faults").glob("*.fired"))) == 2  # both faults really fired
+        starts = [a["start_epoch"] for a in summary["training_attempts"]]
+        assert starts == [0, 1, 2], starts  # every restart resumed from the latest checkpoint, none from scratch
+        assert summary["resumed_from_epoch"] == 1
+        # The run's per-epoch record has every epoch once, the ones rerun after a restart replaced
+        # (Ray Train's own metrics_dataframe would hold only the num_to_keep=2 kept checkpoints).
+        history = read_history(storage / "runs" / "kills" / HISTORY_FILE)
+        assert [row["epoch"] for row in history] == [0, 1, 2]
+        assert all(0 <= row["val_accuracy"] <= 1 and row["finished_at"] > 0 for row in history)
+        reference, ref_summary = finish_cli(calm, storage, "calm")
+        assert reference.returncode == 0, reference.stderr[-3000:]
+        assert [a["start_epoch"] for a in ref_summary["training_attempts"]] == [0]
+    finally:
+        stop_cli(calm)  # only when the test failed before it ended
     # Same seed, same result: each epoch's order and augmentation are fixed by (seed, epoch) and
     # the restarts resumed from exact checkpoints (weights, optimizer, EMA), so the interrupted
     # run matches the uninterrupted one within half a point (200 test digits: one digit).
@@ -165,38 +207,6 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
     # learning fast at 3 epochs, so a restart from a wrong state would move it far more than this).
     calm = read_history(storage / "runs" / "calm" / HISTORY_FILE)
     assert len(calm) == len(history) and all(abs(a["val_loss"] - b["val_loss"]) <= 1e-3 for a, b in zip(history, calm)), (history, calm)
-
-
-@pytest.mark.slow
-def test_killed_driver_resumes_with_the_same_run_name(tmp_path, mirror_flags):
-    storage = tmp_path / "storage"
-    args = [*mirror_flags, *COMMON, "--run-name", "crash", "--train.epochs", "4"]
-    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MNIST_FAULT_INJECT")}
-    # Training pauses at the first step of its second epoch, epoch 0's checkpoint committed first.
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
-        cwd=ROOT, env=env | pause_env(epoch=1, step=0), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    run_dir = storage / "runs" / "crash"
-    try:
-        wait_for_pause(storage, "crash", timeout_s=600, alive=lambda: proc.poll() is None)
-        assert has_committed_checkpoint(run_dir)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the flow process, its Prefect server and its local Ray
-        proc.wait(timeout=60)
-    assert list(run_dir.glob("checkpoint_*")), "no checkpoint before the crash"
-    assert not (run_dir / "summary.json").is_file() or json.loads((run_dir / "summary.json").read_text())["status"] != "completed"
-    out, summary = run_cli(args, storage)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert summary["status"] == "completed"
-    assert summary["data"]["download_skipped"] and summary["data"]["conversion_skipped"]  # verified on storage, skipped
-    starts = [a["start_epoch"] for a in summary["training_attempts"]]
-    assert starts == [0, 1] and summary["resumed_from_epoch"] == 1, starts  # the crashed attempt, then from epoch 0's checkpoint
-    from ray.train import Result
-
-    assert Result.from_path(str(run_dir)).metrics["epoch"] == 3  # the resumed run finished all 4 epochs
-    assert [row["epoch"] for row in read_history(run_dir / HISTORY_FILE)] == [0, 1, 2, 3]
 
 
 def has_committed_checkpoint(run_dir: Path) -> bool:
@@ -236,42 +246,64 @@ def committed_rows(row_log: Path, attempts: list[dict]) -> dict[int, Counter]:
 
 
 @pytest.mark.slow
-def test_interrupted_epochs_train_every_row_exactly_once(tmp_path, mirror_flags):
+def test_interrupted_epochs_train_every_row_exactly_once_and_a_killed_driver_resumes(tmp_path, mirror_flags, shared_server):
+    """Kills between mid-epoch checkpoints, then the driver killed mid-training, then the same run name
+    on a different number of workers: the run resumes (finished stages skipped after verification,
+    training from the last committed checkpoint) and the rows that every surviving step trained on
+    add up to the training set exactly once per epoch."""
     storage = tmp_path / "storage"
     base = [*mirror_flags, *COMMON, "--run-name", "exact", "--train.checkpoint-every-steps", "3", "--train.stage-retries", "0"]
     # First run, 2 workers: a kill at step 5 of epoch 1 is repaired by Ray Train from the step-3
-    # checkpoint; a kill at step 4 of epoch 2 exhausts max_failures and the flow fails.
-    faults = "kill:rank=1:epoch=1:step=5;kill:rank=0:epoch=2:step=4"
-    out, _ = run_cli([*base, "--train.max-failures", "1"], storage, faults, record_rows=True)
-    assert out.returncode == 1, out.stderr[-3000:]
+    # checkpoint; at step 4 of epoch 2 training pauses (its step-3 checkpoint committed first) and
+    # the driver is SIGKILLed with its whole process group: the flow process and its local Ray.
+    faults = f"kill:rank=1:epoch=1:step=5;{pause_env(epoch=2, step=4)[FAULT_ENV]}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *base, "--train.max-failures", "1"],
+        cwd=ROOT, env=api_env(shared_server.api, **hooks(faults, record_rows=True)), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    run_dir = storage / "runs" / "exact"
+    try:
+        wait_for_pause(storage, "exact", timeout_s=600, alive=lambda: proc.poll() is None)
+        assert has_committed_checkpoint(run_dir)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    assert list(run_dir.glob("checkpoint_*")), "no checkpoint before the crash"
+    assert not (run_dir / "summary.json").is_file() or json.loads((run_dir / "summary.json").read_text())["status"] != "completed"
     # Second run of the same run name with 1 worker: the rest of epoch 2 is split over 1 rank.
-    out, summary = run_cli([*base, "--train.num-workers", "1"], storage, record_rows=True)
+    out, summary = run_cli([*base, "--train.num-workers", "1"], storage, shared_server.api, record_rows=True)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert summary["status"] == "completed"
+    assert summary["data"]["download_skipped"] and summary["data"]["conversion_skipped"]  # verified on storage, skipped
     attempts = summary["training_attempts"]
     assert [a["world_size"] for a in attempts] == [2, 2, 1], attempts
-    assert [a["start_epoch"] for a in attempts] == [0, 1, 2], attempts
+    assert [a["start_epoch"] for a in attempts] == [0, 1, 2], attempts  # the crashed run's two attempts, then the resumed one
     assert attempts[1]["start_step"] > 0 and attempts[2]["start_step"] > 0, attempts  # resumed mid-epoch
+    from ray.train import Result
+
+    assert Result.from_path(str(run_dir)).metrics["epoch"] == 2  # the resumed run finished all 3 epochs
+    assert [row["epoch"] for row in read_history(run_dir / HISTORY_FILE)] == [0, 1, 2]
     train_ids = pq.read_table(Path(summary["data"]["dataset_dir"]) / "train", columns=["row_id"]).column("row_id").to_pylist()
     expected = Counter(train_ids)
     assert len(expected) == summary["data"]["rows"]["train"] == len(train_ids)
-    consumed = committed_rows(storage / "runs" / "exact" / "row_log", attempts)
+    consumed = committed_rows(run_dir / "row_log", attempts)
     assert sorted(consumed) == [0, 1, 2]
     for epoch, rows in consumed.items():
         twice = sorted(r for r, n in rows.items() if n > 1)
         missing = sorted(expected - rows)
         assert rows == expected, f"epoch {epoch}: {len(twice)} rows twice {twice[:10]}, {len(missing)} missing {missing[:10]}"
-    assert summary["status"] == "completed"
 
 
 @pytest.mark.slow
-def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, mirror_flags):
+def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, mirror_flags, shared_server):
     storage = tmp_path / "storage"
     args = [
         *mirror_flags, *COMMON, "--run-name", "stall", "--train.epochs", "1", "--train.hang-timeout-s", "20",
         "--train.max-failures", "0", "--train.stage-retries", "0",
     ]
     start = time.monotonic()
-    out, summary = run_cli(args, storage, faults="stall:rank=1:epoch=0:step=2", timeout=600)
+    out, summary = run_cli(args, storage, shared_server.api, faults="stall:rank=1:epoch=0:step=2", timeout=600)
     elapsed = time.monotonic() - start
     assert out.returncode == 1
     assert summary["status"] == "failed" and summary["stages"]["train"]["status"] == "failed"
@@ -281,7 +313,7 @@ def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, 
 
 
 @pytest.mark.slow
-def test_node_loss_restarts_on_the_remaining_node_with_elastic_workers(tmp_path, mirror_flags):
+def test_node_loss_restarts_on_the_remaining_node_with_elastic_workers(tmp_path, mirror_flags, shared_server):
     """A real two-node Ray cluster on loopback (`ray start` head + worker node); the worker node is killed mid-training."""
     ray_bin = Path(sys.executable).with_name("ray")
     temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must stay < 108 bytes
@@ -321,7 +353,8 @@ def test_node_loss_restarts_on_the_remaining_node_with_elastic_workers(tmp_path,
         with open(log, "w") as out:
             flow = subprocess.Popen(
                 [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
-                cwd=ROOT, env=env | {FAULT_ENV: pauses}, stdout=out, stderr=subprocess.STDOUT, text=True,
+                cwd=ROOT, env=env | {FAULT_ENV: pauses, "PREFECT_API_URL": shared_server.api}, stdout=out,
+                stderr=subprocess.STDOUT, text=True,
             )
         run_dir = storage / "runs" / "nodes"
         deadline = time.monotonic() + 600

@@ -1,4 +1,5 @@
-"""The real flow end to end: smoke preset, real local Ray (2 CPUs, 2 training workers), real Prefect API.
+"""The real flow end to end: smoke preset, real local Ray (2 CPUs, 2 training workers), real Prefect API
+(the session's shared server, ``shared_server``: these runs are not about starting one).
 
 Every run trains the small model (``training.models:small_cnn``, tests/support/models.py): these
 tests prove the stages, the gate, promotion and the Ray connection, not the network. The seeds'
@@ -27,14 +28,14 @@ import pytest
 import torch
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
-from prefect.settings import get_current_settings
-from prefect.testing.utilities import prefect_test_harness
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
-from pipeline_config import DEFAULT_WORKLOAD, registry_model_name
+from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, registry_model_name
 from pipeline_config.settings import parse_cli
 from reporting.reports import KEYS
+from tests.support.digits import shuffled_labels_mirror
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
+from tests.support.prefect_server import api_env, using_api
 from training.model import checkpoint_model, load_model
 from training.models import ModelSpec, small_cnn
 
@@ -50,12 +51,12 @@ def storage(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def smoke_run(storage):
-    """One smoke run of the flow against a real (temporary) Prefect server; returns (state, summary, API data)."""
+def smoke_run(storage, shared_server):
+    """One smoke run of the flow in this process against a real Prefect server (the session's); returns (state, summary, API data)."""
     config = parse_cli(
         ["--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage), "--run-name", "smoke-e2e"]
     ).pipeline_config()
-    with prefect_test_harness(server_startup_timeout=120):
+    with using_api(shared_server.api):
         state = mnist_pipeline(config, return_state=True)
         flow_run_id = state.state_details.flow_run_id
         with get_client(sync_client=True) as client:
@@ -115,39 +116,41 @@ def test_ray_train_checkpoints_record_the_model_they_hold_and_load_back(smoke_ru
     assert all(tensor.equal(model.state_dict()[name]) for name, tensor in weights.items())
 
 
-def test_cli_rerun_skips_finished_data_and_a_failed_gate_shows_its_evidence(smoke_run, storage, tmp_path):
-    """Second run on the same root, from the CLI into a real Prefect API: download and conversion are
-    skipped; an unreachable gate fails the run, keeps every artifact and publishes the evaluation
-    reports marked as failed, and the failure paragraph names accuracy, gate and artifact keys."""
+def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its_evidence(smoke_run, storage, tmp_path, shared_server):
+    """Second run on the same root, from the CLI into a real Prefect API: a broken pipeline (every
+    training label shuffled) cannot pass the default gate (the default preset's, not a test's) and
+    fails it by a wide margin, about chance; the failed run keeps every artifact and publishes the
+    evaluation reports marked as failed, and the failure paragraph names accuracy, gate and artifact keys."""
     summary_out = tmp_path / "summary-copy.json"
-    with prefect_test_harness(server_startup_timeout=120):
-        api_url = get_current_settings().api.url
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")} | {"PREFECT_API_URL": api_url}
-        out = subprocess.run(
-            [
-                sys.executable, "-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", str(storage),
-                "--run-name", "gate", "--evaluate.min-accuracy", "1.0", "--summary-out", str(summary_out), "--json",
-            ],
-            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-        )
-        printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
-        with get_client(sync_client=True) as client:
-            flow_run = client.read_flow_run(printed["flow_run_id"])
-            runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
-            artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=runs)}
-            logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+    out = subprocess.run(
+        [
+            sys.executable, "-m", "flows.mnist", *shuffled_labels_mirror(tmp_path / "shuffled"), *SMALL_MODEL_ARGS,
+            "--train.epochs", "1", "--storage-root", str(storage), "--run-name", "gate", "--summary-out", str(summary_out), "--json",
+        ],
+        cwd=ROOT, env=api_env(shared_server.api), capture_output=True, text=True, timeout=900,
+    )
+    printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
+    with using_api(shared_server.api), get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(printed["flow_run_id"])
+        runs = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+        artifacts = {a.key: a for a in client.read_artifacts(flow_run_filter=runs)}
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run.id])))
+    gate = PipelineConfig().evaluate.min_accuracy
     assert out.returncode == 1, out.stderr[-3000:]
-    assert "below evaluate.min_accuracy 1.0000" in out.stderr
+    assert f"below evaluate.min_accuracy {gate:.4f}" in out.stderr
     assert json.loads(summary_out.read_text()) == printed
     assert printed["status"] == "failed"
-    assert printed["data"]["download_skipped"] is True and printed["data"]["conversion_skipped"] is True
+    stored = json.loads((storage / "runs" / "gate" / "summary.json").read_text())
+    assert stored["config"]["model"]["name"] == SMALL_MODEL and stored["evaluation"]["min_accuracy"] == gate  # the default gate
     assert printed["stages"]["evaluate"]["status"] == "failed" and "cleanup" not in printed["stages"]
+    assert "QualityGateError" in printed["stages"]["evaluate"]["error"]
+    assert printed["test_accuracy"] < 0.5  # about chance
     run_dir = storage / "runs" / "gate"
     assert (run_dir / "evaluation" / "metrics.json").is_file()  # the failed gate kept every artifact
     assert Path(printed["best_checkpoint"]).is_dir()
 
     assert flow_run.state.is_failed()
-    verdict = f"gate FAILED: {printed['test_accuracy']:.2%} < 100.00%"
+    verdict = f"gate FAILED: {printed['test_accuracy']:.2%} < {gate:.2%}"
     for key in (KEYS["confusion"], KEYS["predictions"], KEYS["checkpoint"]):
         assert verdict in artifacts[key].data.split("\n", 1)[0], key  # in the report's title
         assert verdict in artifacts[key].description
@@ -172,7 +175,7 @@ def _cli(storage: Path, run_name: str, *args: str, env: dict[str, str]) -> tuple
     return out, json.loads((storage.parent / f"{run_name}.json").read_text())
 
 
-def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_with_the_champion(smoke_run, storage, ray_cluster):
+def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_with_the_champion(smoke_run, storage, ray_cluster, shared_server):
     """After the first run (champion v1) and the failed gate: a worse run is not promoted; a better one
     on changed data (the champion scored again on its test set) is, and its cleanup keeps the data its
     model card names. The comparison table in the Prefect API lists all four runs; `flows.predict`
@@ -185,18 +188,18 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
 
     address, cluster_env = ray_cluster
     champion = json.loads((storage / "models" / CHAMPION / "champion").read_text())
-    with prefect_test_harness(server_startup_timeout=120):
-        api_url = get_current_settings().api.url
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")} | {"PREFECT_API_URL": api_url}
-        worse_out, worse = _cli(
-            storage, "worse", "--train.mode", "single", "--train.learning-rate", "1e-6", "--evaluate.min-accuracy", "0", env=env
-        )
-        better_out, better = _cli(
-            storage, "better", "--train.epochs", "2", "--parquet.validation-every", "10", "--ray.address", address,
-            "--cleanup.delete-parquet", "--cleanup.delete-raw", env=cluster_env | {"PREFECT_API_URL": api_url},
-        )
-        table = httpx.get(f"{api_url}/artifacts/{CHAMPION}-run-comparison/latest").raise_for_status().json()
-        picture = httpx.get(f"{api_url}/artifacts/{CHAMPION}-accuracy-over-runs/latest").raise_for_status().json()
+    api_url = shared_server.api
+    env = api_env(api_url)
+    worse_out, worse = _cli(
+        storage, "worse", "--train.mode", "single", "--train.learning-rate", "1e-6", "--evaluate.min-accuracy", "0", env=env
+    )
+    better_out, better = _cli(
+        storage, "better", "--train.epochs", "2", "--parquet.validation-every", "10", "--ray.address", address,
+        "--cleanup.delete-parquet", "--cleanup.delete-raw", env=cluster_env | {"PREFECT_API_URL": api_url},
+    )
+    # The "latest" versions are the better run's: nothing else has run on the shared server since.
+    table = httpx.get(f"{api_url}/artifacts/{CHAMPION}-run-comparison/latest").raise_for_status().json()
+    picture = httpx.get(f"{api_url}/artifacts/{CHAMPION}-accuracy-over-runs/latest").raise_for_status().json()
 
     # The better run on the existing cluster: completed there (its gate passed), the cluster still up
     assert "Ray: local cluster" in worse_out.stdout and "Ray: the cluster at" not in worse_out.stdout
@@ -211,6 +214,8 @@ def test_only_a_better_model_is_promoted_compared_in_the_ui_and_predict_scores_w
     )
     assert probe.returncode == 0 and probe.stdout.strip().endswith("2.0"), probe.stderr[-2000:]
 
+    # Second run on the same data and root: download and conversion verified on storage and skipped
+    assert worse["data"]["download_skipped"] is True and worse["data"]["conversion_skipped"] is True
     assert worse["test_accuracy"] < champion["test_accuracy"]
     assert worse["promotion"]["promoted"] is False and "does not beat champion v1" in worse["promotion"]["reason"]
     assert "not promoted: test accuracy" in worse_out.stdout

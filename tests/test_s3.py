@@ -3,8 +3,9 @@
 Every stage that touches storage runs here on the bucket: the storage primitives, the build lock
 (a conditional PUT), the raw download, the Parquet conversion with its manifest (a truncated
 object is detected and rebuilt), checkpoints refused when tampered or of another architecture,
-cleanup with its refusals, and, in the slow test, the whole flow with Ray Train checkpointing
-through a pyarrow S3 filesystem and evaluation loading from S3.
+cleanup with its refusals. The whole flow on a bucket (Ray Train checkpointing through a pyarrow
+S3 filesystem, evaluation and promotion loading from S3) is the S3 case of the concurrent-runs
+test in tests/test_storage.py: two whole flows at once on one bucket.
 No test reaches the internet; nothing is mocked (moto is a real HTTP server speaking the S3 API).
 """
 
@@ -47,7 +48,6 @@ from tasks.download import download
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import to_parquet
 from tests.support.digits import write_raw
-from training import registry
 from training.model import SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
@@ -325,62 +325,3 @@ def test_an_s3_root_says_whether_the_endpoint_the_bucket_or_the_credentials_are_
     with pytest.raises(ValueError, match="no S3 credentials found; set AWS_ACCESS_KEY_ID"):
         StorageLayout.create(s3_root, "r").check_reachable()
 
-
-@pytest.mark.slow
-def test_the_whole_flow_runs_on_an_s3_root(s3_root, tmp_path, monkeypatch):
-    """Smoke preset, real local Ray and a real Prefect API, every artifact in the bucket.
-
-    A second flow reusing the bucket's verified data is the concurrent-runs test on S3
-    (tests/test_storage.py), where one of two runs skips the conversion.
-    """
-    from prefect.testing.utilities import prefect_test_harness
-
-    from flows.mnist import mnist_pipeline
-    from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
-    from training.model import checkpoint_model, load_model
-    from training.models import ModelSpec
-
-    monkeypatch.chdir(tmp_path)  # nothing may land in the working directory instead of the bucket
-    with prefect_test_harness(server_startup_timeout=120):
-        args = ["--preset", "smoke", *SMALL_MODEL_ARGS, "--storage-root", s3_root, "--run-name", "s3-first"]
-        config = parse_cli(args).pipeline_config()
-        state = mnist_pipeline(config, return_state=True)
-        assert state.is_completed(), state.message
-    first = read_json(join(s3_root, "runs", "s3-first", "summary.json"))
-    assert first["status"] == "completed"
-    assert first["data"]["rows"] == {"train": 3800, "val": 200, "test": 1000}
-    assert first["data"]["raw_dir"] == f"{s3_root}/raw/sample"
-    assert first["data"]["dataset_dir"].startswith(f"{s3_root}/datasets/mnist-")
-
-    keys = objects(s3_root)
-    best = first["best_checkpoint"]
-    assert best.startswith(f"{s3_root}/runs/s3-first/checkpoint_")  # Ray Train wrote it through pyarrow's S3 filesystem
-    checkpoint_key = best.removeprefix(s3_root + "/")
-    assert {f"{checkpoint_key}/model.pt", f"{checkpoint_key}/optimizer.pt", f"{checkpoint_key}/extra_state.pt"} <= set(keys)
-    for name in ("summary.json", "history.jsonl", "train_attempts.jsonl", "transform.json",
-                 "evaluation/metrics.json", "evaluation/predictions.parquet"):
-        assert f"runs/s3-first/{name}" in keys, name
-    assert not any(key.startswith("leases/") or key.startswith("locks/") for key in keys)  # released at the end
-
-    metrics = read_json(join(s3_root, "runs", "s3-first", "evaluation", "metrics.json"))
-    assert first["test_accuracy"] == metrics["accuracy"] >= 0.5 and metrics["rows"] == 1000
-    # The model the checkpoint's extra_state.pt records (read from the bucket), rebuilt and loaded from it
-    spec = checkpoint_model(best)
-    assert spec == ModelSpec(name=SMALL_MODEL, in_channels=1, num_classes=10)
-    model = load_model(best)  # downloaded from the bucket, checksums verified, loaded strictly into spec.build()
-    fresh = spec.build()
-    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in fresh.named_parameters()]
-    # Promoted in the bucket: a whole version (card uploaded last), then the champion pointer
-    registered = registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL)  # mnist-small-cnn
-    assert {f"models/{registered}/v1/model.pt", f"models/{registered}/v1/model_card.json",
-            f"models/{registered}/champion", f"models/{registered}/runs/s3-first.json"} <= set(keys)
-    champion = read_json(join(s3_root, "models", registered, "champion"))
-    # The pointer names its version relative to the storage root (absolute in pointers written before that)
-    version_dir = champion["path"] if champion["path"].startswith("s3://") else join(s3_root, champion["path"])
-    assert champion["run_name"] == "s3-first" and version_dir == f"{s3_root}/models/{registered}/v1"
-    assert registry.version_model(version_dir) == spec  # the card in the bucket records the model
-    champion_model = load_model(version_dir, registry.version_model(version_dir))  # the card says what to build
-    weights = model.state_dict()
-    assert champion_model.state_dict().keys() == weights.keys()
-    assert all(tensor.equal(weights[name]) for name, tensor in champion_model.state_dict().items())
-    assert list(tmp_path.iterdir()) == []

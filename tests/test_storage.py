@@ -33,6 +33,7 @@ from storage_io import (
 from tasks.cleanup import check_deletable, cleanup
 from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
+from tests.support.prefect_server import api_env
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -141,31 +142,30 @@ def test_lease_records_the_folders_a_run_reads(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["local", "s3"])
-def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_path, request, where):
+def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_path, request, where, shared_server):
     """A scheduled run overlapping a manual one: same storage root, same data, started together.
 
     ``s3``: the root is a bucket on moto's S3 server on 127.0.0.1 (tests/conftest.py), and the
-    build lock a conditional PUT instead of fcntl.
+    build lock a conditional PUT instead of fcntl; the runs start in an empty working folder, and
+    every file of both whole flows is checked in the bucket (`check_whole_flow_on_s3`).
+    Both runs report to the session's Prefect server, as runs of deployments do: two CLI runs
+    without PREFECT_API_URL would each start a temporary server on the same default SQLite database.
     """
-    from prefect.settings import PREFECT_API_URL
-    from prefect.testing.utilities import prefect_test_harness
-
     storage = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "storage")
     flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
     common = [*flags, *SMALL_MODEL_ARGS, "--storage-root", storage, "--train.epochs", "1",
               "--train.global-batch-size", "64", "--evaluate.min-accuracy", "0"]
-    # One Prefect server for both, as deployments have: two CLI runs without PREFECT_API_URL would
-    # each start a temporary server on the same default SQLite database.
-    with prefect_test_harness(server_startup_timeout=120):
-        env = {k: v for k, v in os.environ.items() if k != "MNIST_FAULT_INJECT"} | {"PREFECT_API_URL": PREFECT_API_URL.value()}
-        runs = {
-            name: subprocess.Popen(
-                [sys.executable, "-m", "flows.mnist", *common, "--run-name", name],
-                cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-            for name in ("scheduled", "manual")
-        }
-        outputs = {name: proc.communicate(timeout=900)[0] for name, proc in runs.items()}
+    cwd = tmp_path / "cwd"  # on S3, nothing may land in the working folder instead of the bucket
+    cwd.mkdir()
+    env = api_env(shared_server.api, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    runs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "flows.mnist", *common, "--run-name", name],
+            cwd=cwd if where == "s3" else ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for name in ("scheduled", "manual")
+    }
+    outputs = {name: proc.communicate(timeout=900)[0] for name, proc in runs.items()}
     for name, proc in runs.items():
         assert proc.returncode == 0, outputs[name][-4000:]
     summaries = {name: read_json(join(storage, "runs", name, "summary.json")) for name in runs}
@@ -175,7 +175,7 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
     assert sorted(s["data"]["conversion_skipped"] for s in summaries.values()) == [False, True]  # ... built once
     files = list_files(storage)
     built = {f.split("/")[1] for f in files if f.startswith("datasets/")}
-    assert built == {basename(datasets.pop())}  # no second copy, no staging folder left
+    assert built == {basename(next(iter(datasets)))}  # no second copy, no staging folder left
     for name in runs:
         assert any(f.startswith(f"runs/{name}/checkpoint_") for f in files), name
         assert summaries[name]["best_checkpoint"].startswith(join(storage, "runs", name))
@@ -193,3 +193,48 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
     for version in promoted:
         card = read_json(join(storage, "models", model, f"v{version}", "model_card.json"))
         assert f"models/{model}/v{version}/model.pt" in files and card["version"] == version
+    if where == "s3":
+        check_whole_flow_on_s3(storage, summaries, files, champion, model)
+        assert list(cwd.iterdir()) == []
+
+
+def check_whole_flow_on_s3(root: str, summaries: dict[str, dict], files: list[str], champion: dict, model_name: str) -> None:
+    """Every artifact of both runs is in the bucket (once tests/test_s3.py's whole-flow test):
+    Ray Train's checkpoints written through pyarrow's S3 filesystem, the run files, the evaluation,
+    the model rebuilt from what the checkpoint records and loaded from the bucket, and the champion
+    (a whole version, its card recording the model) with exactly the checkpoint's weights."""
+    from training import registry
+    from training.model import checkpoint_model, load_model
+    from training.models import ModelSpec
+
+    spec = ModelSpec(name=SMALL_MODEL, in_channels=1, num_classes=10)
+    for name, summary in summaries.items():
+        assert summary["data"]["rows"] == {"train": 570, "val": 30, "test": 200}, summary["data"]["rows"]
+        assert summary["data"]["raw_dir"].startswith(f"{root}/raw/")
+        assert summary["data"]["dataset_dir"].startswith(f"{root}/datasets/mnist-")
+        best = summary["best_checkpoint"]
+        assert best.startswith(f"{root}/runs/{name}/checkpoint_")  # Ray Train wrote it through pyarrow's S3 filesystem
+        checkpoint_key = best.removeprefix(root + "/")
+        assert {f"{checkpoint_key}/model.pt", f"{checkpoint_key}/optimizer.pt", f"{checkpoint_key}/extra_state.pt"} <= set(files)
+        for file in ("summary.json", "history.jsonl", "train_attempts.jsonl", "transform.json",
+                     "evaluation/metrics.json", "evaluation/predictions.parquet"):
+            assert f"runs/{name}/{file}" in files, file
+        assert f"models/{model_name}/runs/{name}.json" in files
+        metrics = read_json(join(root, "runs", name, "evaluation", "metrics.json"))
+        assert summary["test_accuracy"] == metrics["accuracy"] and metrics["rows"] == 200
+    # The champion's checkpoint: the model its extra_state.pt records (read from the bucket), rebuilt and loaded from it
+    best = summaries[champion["run_name"]]["best_checkpoint"]
+    assert checkpoint_model(best) == spec
+    model = load_model(best)  # downloaded from the bucket, checksums verified, loaded strictly into spec.build()
+    fresh = spec.build()
+    assert [(n, p.shape) for n, p in model.named_parameters()] == [(n, p.shape) for n, p in fresh.named_parameters()]
+    # Promoted in the bucket: a whole version (card uploaded last), then the champion pointer, which
+    # names its version relative to the storage root (absolute in pointers written before that)
+    version_dir = champion["path"] if champion["path"].startswith("s3://") else join(root, champion["path"])
+    assert version_dir == f"{root}/models/{model_name}/v{champion['version']}"
+    assert {f"models/{model_name}/v{champion['version']}/model_card.json", f"models/{model_name}/champion"} <= set(files)
+    assert registry.version_model(version_dir) == spec  # the card in the bucket records the model
+    champion_model = load_model(version_dir, registry.version_model(version_dir))  # the card says what to build
+    weights = model.state_dict()
+    assert champion_model.state_dict().keys() == weights.keys()
+    assert all(tensor.equal(weights[name]) for name, tensor in champion_model.state_dict().items())

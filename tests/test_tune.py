@@ -21,7 +21,7 @@ from pipeline_config.settings import PipelineSettings, parse_cli
 from reporting.reports import trial_curves_png, trial_rows
 from tests.support.cli import ROOT, CliRun, wait_gone
 from tests.support.models import SMALL_MODEL, pause_env
-from tests.support.prefect_server import free_port
+from tests.support.prefect_server import api_env, free_port
 from training.faults import FAULT_ENV, paused, release_pauses
 from training.tuning import (
     TrialRecord,
@@ -197,7 +197,7 @@ def _paused_trials(run_dir: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its_best_config_trains(tmp_path):
+def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its_best_config_trains(tmp_path, shared_server):
     """The smoke search (4 trials of up to 2 epochs, ASHA after epoch 1) of the small model (CliRun's) on the
     bundled sample, on 2 CPUs (one trial at a time).
 
@@ -258,7 +258,8 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its
     assert "best trial" in out and "best config" in out
 
     # The best config file, as the summary names it, trains through the main flow: the small model
-    # too, since the file names the model the trials trained (no --model.name here).
+    # too, since the file names the model the trials trained (no --model.name here). Against the
+    # session's Prefect server: this run is not about starting one (the search runs are).
     config_file = Path(best["config_file"])
     chosen = yaml.safe_load(config_file.read_text())
     assert chosen["model"] == {"name": SMALL_MODEL}
@@ -266,7 +267,7 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_its
     main = subprocess.run(
         [sys.executable, "-m", "flows.mnist", "--preset", "smoke", "--config-file", str(config_file),
          "--storage-root", str(first.root), "--run-name", "best", "--summary-out", str(tmp_path / "best.json")],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT, env=api_env(shared_server.api), capture_output=True, text=True, timeout=600,
     )
     assert main.returncode == 0, (main.stdout + main.stderr)[-3000:]
     trained = json.loads((tmp_path / "best.json").read_text())

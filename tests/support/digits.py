@@ -73,3 +73,21 @@ def real_digits_mirror(folder: Path, train_per_class: int, test_per_class: int) 
         (folder / name).write_bytes(gzip.compress(idx_bytes(array), mtime=0))
         flags += [f"--download.mirror-sha256.{field}", sha256_file(folder / name)]
     return flags
+
+
+def shuffled_labels_mirror(folder: Path) -> list[str]:
+    """A file:// mirror of the whole bundled sample with every training label shuffled (a broken
+    pipeline's data: nothing to learn); returns the CLI flags that use it."""
+    from pipeline_config.model import SAMPLE_DIR
+
+    folder.mkdir(parents=True, exist_ok=True)
+    flags = ["--download.source", "mirror", "--download.mirror-url", folder.as_uri() + "/"]
+    for name, field in (("train-images-idx3-ubyte.gz", "train-images"), ("train-labels-idx1-ubyte.gz", "train-labels"),
+                        ("t10k-images-idx3-ubyte.gz", "test-images"), ("t10k-labels-idx1-ubyte.gz", "test-labels")):
+        content = (SAMPLE_DIR / name).read_bytes()
+        if name == "train-labels-idx1-ubyte.gz":
+            labels = np.frombuffer(gzip.decompress(content), dtype=np.uint8, offset=8)
+            content = gzip.compress(idx_bytes(np.random.default_rng(0).permutation(labels)), mtime=0)
+        (folder / name).write_bytes(content)
+        flags += [f"--download.mirror-sha256.{field}", sha256_file(folder / name)]
+    return flags

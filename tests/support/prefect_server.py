@@ -14,7 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,51 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_PROFILE", "PREFECT_HOME"))}
     env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1", **extra)
     return env
+
+
+def api_env(api_url: str, **extra: str) -> dict[str, str]:
+    """This environment for a CLI run against the Prefect API at ``api_url`` (``PREFECT_API_URL``), plus ``extra``.
+
+    No other Prefect API or profile setting and no test hook (``MNIST_FAULT_INJECT``,
+    ``MNIST_RECORD_ROWS``) is inherited: a run gets those only from ``extra``.
+    """
+    from training.faults import TEST_HOOK_ENVS
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_PROFILE")) and k not in TEST_HOOK_ENVS}
+    return env | {"PREFECT_API_URL": api_url, **extra}
+
+
+@contextmanager
+def using_api(api_url: str) -> Iterator[None]:
+    """This process's Prefect client on ``api_url`` for the block (a flow called in-process reports there).
+
+    Its queued logs and events are sent before the block ends, as ``prefect_test_harness`` does on
+    exit: left queued, they would be sent at interpreter exit with no API configured, and Prefect
+    would start a temporary server just for them.
+    """
+    import inspect
+
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def drain() -> None:
+        try:
+            sent = APILogWorker.instance().drain()
+            if inspect.isawaitable(sent):
+                await sent
+        except RuntimeError:  # the worker never started
+            pass
+        sent = EventsWorker.drain_all()
+        if inspect.isawaitable(sent):
+            await sent
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        try:
+            yield
+        finally:
+            run_coro_as_sync(drain())
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
