@@ -11,7 +11,6 @@ docs/extending.md as written: a user's own model module and config file, `flows.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -212,14 +211,19 @@ def guide_blocks() -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_the_extending_guide_runs_as_written(tmp_path):
+def test_the_extending_guide_runs_as_written(tmp_path, shared_server):
     """docs/extending.md, run as written on the tests' own RGB workload: the user's model module and
     config file as the page shows them, `python -m flows.train --config-file shapes.yaml` from their
     folder (no file of the project edited), then `flows.predict` on the folder's test/ with the champion.
-    Checks what the page says you get: names after the workload, the shape and classes in the manifest
-    and the model card, a 3x3 evaluation, a champion, predict reproducing the evaluation's accuracy."""
-    from prefect.settings import get_current_settings
-    from prefect.testing.utilities import prefect_test_harness
+    Checks what the page says you get: every name after the workload (run, Prefect flow run, dataset,
+    artifact keys, champion), the shape and classes in the manifest and the model card, a 3x3
+    evaluation, a champion, predict reproducing the evaluation's accuracy.
+    (The session's Prefect server: this run is not about starting one.)"""
+    import re
+
+    from pipeline_config import registry_model_name
+    from reporting.reports import artifact_keys, comparison_keys
+    from tests.support.prefect_server import api_env
 
     blocks = guide_blocks()
     (tmp_path / "my_models.py").write_text(blocks["my_models.py"])
@@ -233,16 +237,17 @@ def test_the_extending_guide_runs_as_written(tmp_path):
         argv = [sys.executable, *command.split()[1:]]  # "python": the project's interpreter
         return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
-    with prefect_test_harness(server_startup_timeout=120):
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PIPELINE_", "PYTHONPATH"))}
-        env["PREFECT_API_URL"] = get_current_settings().api.url
-        out = run(train_command, env)
+    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("PIPELINE_", "PYTHONPATH"))}
+    out = run(train_command, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
     (run_dir,) = (storage / "runs").iterdir()
-    assert run_dir.name.startswith("shapes-")
+    assert re.fullmatch(r"shapes-\d{8}-\d{6}-[0-9a-f]{6}", run_dir.name), run_dir.name  # no run_name: the workload's default
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["data_source"] == "folder" and summary["workload"] == "shapes"
+    assert summary["module"] == "flows.train" and f"Training pipeline: run {run_dir.name}" in out.stdout + out.stderr
+    flow_run = shared_server.flow_run(summary["flow_run_id"])  # the Prefect flow run: named as the run, flow "train"
+    assert flow_run["name"] == run_dir.name and shared_server.get(f"/flows/{flow_run['flow_id']}")["name"] == "train"
     assert summary["data"]["rows"] == {"train": 114, "val": 6, "test": 45}  # 2 of each class's 40 held out
     assert len(summary["evaluation"]["confusion"]) == 3 and summary["evaluation"]["rows"] == 45
     assert summary["evaluation"]["classes"] == list(CLASSES) and summary["data"]["download_skipped"] is False
@@ -258,6 +263,11 @@ def test_the_extending_guide_runs_as_written(tmp_path):
     assert card["data"]["image"] == manifest["image"] and card["data"]["classes"] == list(CLASSES)
     assert card["architecture"] == {"name": "my_models:tiny_net", "in_channels": 3, "num_classes": 3}
     assert summary["promotion"]["promoted"] is True and summary["promotion"]["model"] == "shapes-tiny-net"
+    assert registry_model_name("shapes", "my_models:tiny_net") == "shapes-tiny-net"
+    assert "--model shapes-tiny-net" in out.stdout + out.stderr  # the printed predict command names it
+    keys = {artifact["key"] for artifact in shared_server.artifacts(summary["flow_run_id"])}  # nothing named mnist
+    assert keys == set(artifact_keys("shapes").values()) | set(comparison_keys("shapes-tiny-net").values())
+    assert all(key.startswith("shapes-") for key in keys)
     assert len(list((images / "train").rglob("*.png"))) == 120  # the user's folder is only read
 
     scored = run(predict_command, env)

@@ -26,7 +26,7 @@ import pytest
 
 from dataset.parquet import ParquetDataset
 from dataset.sources import RawData
-from pipeline_config import DEFAULT_WORKLOAD, CleanupConfig, DownloadConfig, ParquetConfig, registry_model_name
+from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
 from pipeline_config.settings import parse_cli
 from storage_io import (
     MANIFEST,
