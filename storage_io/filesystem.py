@@ -60,10 +60,13 @@ class S3Settings(BaseSettings):
         return kwargs
 
     def boto3_client(self, config=None):
-        """A boto3 S3 client for these settings; ``config``: an optional ``botocore.config.Config``."""
+        """A boto3 S3 client for these settings; ``config``: an optional ``botocore.config.Config``.
+
+        From a session of its own: boto3's default session keeps the first credentials it resolved
+        from the environment or ~/.aws, and this client must see the environment as it is now."""
         import boto3  # only S3 roots need it (conditional PUTs for locks; pyarrow has none)
 
-        return boto3.client(
+        return boto3.session.Session().client(
             "s3",
             config=config,
             endpoint_url=self.endpoint_url,
