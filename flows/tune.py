@@ -74,7 +74,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
     tuned = stage(
         tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout, model=config.model,
-        workload=workload,
+        workload=workload, download=config.download,
     )
     if config.tune.train_best:
         best_train = trial_train_config(config.train, tuned.best.config)

@@ -19,7 +19,7 @@ import ray
 from prefect import task
 
 from dataset.transform import TransformSpec
-from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig, TransformConfig, TuneConfig
+from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, TrainConfig, TransformConfig, TuneConfig
 from reporting.logs import stage_logger
 from reporting.reports import publish_tuning_report
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
@@ -47,7 +47,7 @@ class TrialsFailed(RuntimeError):
 @task(name="tune")
 def tune_search(
     spec: TransformSpec, train_cfg: TrainConfig, tune_cfg: TuneConfig, layout: StorageLayout, model: ModelConfig | None = None,
-    workload: str = DEFAULT_WORKLOAD,
+    workload: str = DEFAULT_WORKLOAD, download: DownloadConfig | None = None,
 ) -> TuningResult:
     """Run (or restore) the search in the run folder; write the best config; publish the trial table and curves.
 
@@ -79,7 +79,9 @@ def tune_search(
         raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
     other = workload if workload != DEFAULT_WORKLOAD else None  # MNIST's file stays as it was
     transform = TransformConfig.model_validate(spec.config.model_dump())
-    values = best_config_values(train_cfg, transform, best.config, network.name, other)
+    # An image folder's search: the best config names the folder, so the winner trains on the same images.
+    data = {"source": "folder", "path": download.path} if download is not None and download.source == "folder" else None
+    values = best_config_values(train_cfg, transform, best.config, network.name, other, data)
     path = join(layout.run_dir, BEST_CONFIG_FILE)
     module = "flows.train" if other else "flows.mnist"
     with storage_writes("tune", path):

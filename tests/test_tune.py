@@ -146,6 +146,12 @@ def test_another_workloads_best_config_names_it_for_flows_train(tmp_path):
     config = parse_cli(["--config-file", str(path)], TrainSettings).pipeline_config()
     assert (config.workload, config.model.name, config.registry_name) == ("shapes", "training.models:small_cnn", "shapes-small-cnn")
     assert "workload" not in best_config_values(TrainConfig(), TransformConfig(), best.config)  # MNIST's: unchanged
+    # A search on an image folder: the file names the folder (and the resize), so the winner trains on the same images
+    folder = {"source": "folder", "path": str(tmp_path)}
+    on_images = best_config_values(TrainConfig(), TransformConfig(image_size=16), best.config, None, "shapes", folder)
+    assert on_images["download"] == folder and on_images["transform"]["image_size"] == 16
+    assert "on the data the search ran on" in best_config_yaml(on_images, best, "val_ce", "shapes-tune-x", "flows.train")
+    assert "download" not in values and "image_size" not in values["transform"]
     tuning = {"metric": "val_ce", "trials": 1, "stopped_early": 0, "best_trial": {
         "trial_id": "a_00000", "val_ce": 0.4, "epochs_run": 2, "sampled": {}, "config_file": str(path)}}
     assert any(line.strip().startswith(f"train it       python -m flows.train --config-file {path}")

@@ -144,17 +144,23 @@ def trial_spec(spec: TransformSpec, sampled: dict[str, Any]) -> TransformSpec:
 
 def best_config_values(
     train: TrainConfig, transform: TransformConfig, sampled: dict[str, Any], model_name: str | None = None,
-    workload: str | None = None,
+    workload: str | None = None, download: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The fields a best trial sets, as a config file for ``python -m flows.train --config-file``
-    (with ``model.name`` when given: the model the trials trained; with ``workload`` when given)."""
+    (with ``model.name`` when given: the model the trials trained; with ``workload`` when given; with
+    ``download``, the data the search ran on, when given: an image folder's source and path).
+    ``transform.image_size``, when the search's images were resized, comes along too."""
     chosen = trial_train_config(train, sampled)
     augmented = scaled_augmentation(transform, float(sampled["augmentation"]))
+    transform_values = {name: getattr(augmented, name) for name in ("shift_px", "rotate_deg", "scale")}
+    if transform.image_size is not None:
+        transform_values["image_size"] = transform.image_size
     return {
         **({"workload": workload} if workload else {}),
+        **({"download": download} if download else {}),
         **({"model": {"name": model_name}} if model_name else {}),
         "train": {name: getattr(chosen, name) for name in ("learning_rate", "weight_decay", "global_batch_size", "label_smoothing")},
-        "transform": {name: getattr(augmented, name) for name in ("shift_px", "rotate_deg", "scale")},
+        "transform": transform_values,
     }
 
 
@@ -380,6 +386,8 @@ def best_config_yaml(values: dict[str, Any], best: TrialRecord, metric: str, run
         f"{best.epochs_run} epoch(s).\n"
         f"# Train it: python -m {module} --config-file <this file>  (presets, env vars and flags layer as usual)\n"
     )
-    if "workload" in values:  # another workload's data is not the default: say so
+    if "download" in values:  # an image folder: the file names it, so the winner trains on the same images
+        header += "# on the data the search ran on (download.*)\n"
+    elif "workload" in values:  # another workload's data is not the default: say so
         header += "# with the data options (download.*) the search ran with\n"
     return header + yaml.safe_dump(values, sort_keys=True)
