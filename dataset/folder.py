@@ -99,9 +99,16 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
     return FolderLayout(path=path, classes=classes, files=files)
 
 
-def check_source(cfg) -> FolderLayout | None:
-    """Before any work: the layout of ``download.path`` when ``download.source=folder`` (FolderError naming it), else None."""
-    return check_folder(cfg.path) if cfg.source == "folder" and cfg.path else None
+def check_source(cfg, image_size: int | None = None) -> FolderLayout | None:
+    """Before any work: the layout of ``download.path`` when ``download.source=folder``, else None.
+
+    FolderError naming the path: a bad layout (`check_folder`), a file that is not a readable image,
+    or sizes that differ without ``transform.image_size`` (`scan_images`: headers only, no pixels)."""
+    if cfg.source != "folder" or not cfg.path:
+        return None
+    layout = check_folder(cfg.path)
+    scan_images(layout, image_size)
+    return layout
 
 
 def folder_files(layout: FolderLayout) -> dict[str, str]:

@@ -300,7 +300,7 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
     Cancelled. ``module``: the flow's CLI module, what the summary's resume command runs.
     """
     models.check_name(config.model.name)  # ValueError naming model.name: an unknown model, a module that does not import
-    folder.check_source(config.download)  # source=folder: a missing folder or a bad layout, named
+    folder.check_source(config.download, config.transform.image_size)  # source=folder: a bad layout or image, named
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     try:
@@ -376,7 +376,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
         settings = parse_cli(argv, settings_class)
         config = settings.pipeline_config()
         models.check_name(config.model.name)
-        folder.check_source(config.download)
+        folder.check_source(config.download, config.transform.image_size)
     except (ValidationError, ValueError) as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2

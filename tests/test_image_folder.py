@@ -93,6 +93,23 @@ def test_the_cli_refuses_a_bad_folder_before_any_work(tmp_path):
     assert out.returncode == 2 and f"download.path {tmp_path / 'absent'}: no such folder" in out.stderr
     assert not storage.exists()  # nothing was written
 
+    # A file that is not an image, and sizes that differ without transform.image_size: refused the same way
+    root = write_image_folder(tmp_path / "damaged", {"train": 2, "test": 1})
+    broken = root / "train" / "green_disc" / "green_disc-001.png"
+    broken.write_bytes(b"not a picture")
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.train", "--storage-root", str(storage), "--download.source", "folder",
+         "--download.path", str(root)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2 and f"{broken}: not a readable image" in out.stderr, out.stderr[-2000:]
+    assert not storage.exists()
+    write_image_folder(tmp_path / "big", {"train": 1}, size=24)
+    (tmp_path / "big" / "train" / "green_disc" / "green_disc-000.png").replace(broken)
+    with pytest.raises(folder.FolderError, match=f"{broken}: 24x24 pixels, but .* is 20x20; set transform.image_size"):
+        folder.check_source(DownloadConfig(source="folder", path=str(root)))
+    assert folder.check_source(DownloadConfig(source="folder", path=str(root)), image_size=16).classes == list(CLASSES)
+
 
 def test_stratified_split_is_seeded_and_keeps_every_class():
     labels = [0] * 20 + [1] * 10 + [2] * 5
