@@ -325,3 +325,33 @@ def test_an_s3_root_says_whether_the_endpoint_the_bucket_or_the_credentials_are_
     with pytest.raises(ValueError, match="no S3 credentials found; set AWS_ACCESS_KEY_ID"):
         StorageLayout.create(s3_root, "r").check_reachable()
 
+
+
+def test_an_image_folder_in_a_bucket_is_checked_read_and_converted_by_ray_data(tmp_path, s3_root, local_ray):
+    """download.path s3://...: the folder's checks, its files' checksums and Ray Data's conversion read
+    the bucket (the tests' own RGB workload, uploaded with boto3, not through the code under test)."""
+    from dataset import folder
+    from tests.support.images import CLASSES, SIZE, write_image_folder
+
+    local = write_image_folder(tmp_path / "images", {"train": 6, "test": 2})
+    images = f"{s3_root}/images"
+    bucket, _, prefix = images.removeprefix("s3://").partition("/")
+    client = boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+    for path in sorted(local.rglob("*.png")):
+        client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}")
+
+    cfg = DownloadConfig(source="folder", path=images)
+    checked = folder.check_source(cfg)
+    assert checked.classes == list(CLASSES) and len(checked.files["train"]) == 18 and len(checked.files["test"]) == 6
+    with pytest.raises(folder.FolderError, match=f"download.path {s3_root}/elsewhere: no such folder"):
+        folder.check_source(DownloadConfig(source="folder", path=f"{s3_root}/elsewhere"))
+
+    layout = StorageLayout.create(str(tmp_path / "storage"), "r")
+    raw = download.fn(cfg, layout)
+    assert raw.source == "folder" and raw.directory == images and len(raw.files) == 24
+    dataset = to_parquet.fn(raw, ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=3), layout)
+    assert dataset.image_shape == (3, SIZE, SIZE) and dataset.classes == list(CLASSES)
+    assert dataset.rows == {"train": 12, "val": 6, "test": 6}
+    test = pq.read_table(Path(dataset.directory) / "test")
+    assert sorted(test.column("label").to_pylist()) == [0, 0, 1, 1, 2, 2]
+    assert objects(images) == sorted(p.relative_to(local).as_posix() for p in local.rglob("*.png"))  # only read
