@@ -102,12 +102,15 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
 def check_source(cfg, image_size: int | None = None) -> FolderLayout | None:
     """Before any work: the layout of ``download.path`` when ``download.source=folder``, else None.
 
-    FolderError naming the path: a bad layout (`check_folder`), a file that is not a readable image,
-    or sizes that differ without ``transform.image_size`` (`scan_images`: headers only, no pixels)."""
+    FolderError naming the path: a bad layout (`check_folder`), and for a local folder a file that
+    is not a readable image or sizes that differ without ``transform.image_size`` (`scan_images`:
+    headers only, no pixels). An ``s3://`` folder's images are opened by the conversion stage only:
+    one request per image is too much to spend before any work."""
     if cfg.source != "folder" or not cfg.path:
         return None
     layout = check_folder(cfg.path)
-    scan_images(layout, image_size)
+    if not is_remote(cfg.path):
+        scan_images(layout, image_size)
     return layout
 
 
