@@ -26,7 +26,7 @@ from reporting.reports import accuracy_over_runs_png, comparison_rows
 from storage_io import MANIFEST, StorageLayout, atomic_write_json, exists, join, read_json
 from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
-from tests.support.registry import candidate, make_dataset
+from tests.support.registry import candidate, light_candidate, make_dataset
 from tests.support.runs import torchvision_resnet18_seed_style
 from training import registry
 from training.model import MODEL_FILE, build_resnet18, load_model
@@ -122,9 +122,9 @@ RACER = """
 import sys
 from storage_io import StorageLayout
 from training import registry
-from tests.support.registry import candidate
+from tests.support.registry import light_candidate
 layout = StorageLayout.create(sys.argv[1], "unused")
-result = registry.promote(layout, "mnist-resnet18", candidate(layout, sys.argv[2], float(sys.argv[3]), sys.argv[4]))
+result = registry.promote(layout, "mnist-resnet18", light_candidate(layout, sys.argv[2], float(sys.argv[3]), sys.argv[4]))
 print(result.model_dump_json())
 """
 
@@ -141,7 +141,8 @@ def check_one_consistent_champion(layout: StorageLayout, accuracies: dict[str, f
 
 
 def test_runs_finishing_at_once_leave_one_consistent_champion(tmp_path):
-    """Four processes promote at the same moment on one local root (the root's fcntl lock)."""
+    """Four processes promote at the same moment on one local root (the root's fcntl lock; light
+    candidates: the race is about the lock, and the registry copies and checksums model.pt, never loads it)."""
     layout = StorageLayout.create(str(tmp_path / "root"), "unused")
     data = make_dataset(layout, "mnist-a")
     accuracies = {"r1": 0.91, "r2": 0.94, "r3": 0.92, "r4": 0.93}
@@ -155,11 +156,12 @@ def test_runs_finishing_at_once_leave_one_consistent_champion(tmp_path):
 
 
 def test_concurrent_promotions_on_s3_leave_one_consistent_champion(s3_root):
-    """The same race on a bucket: the S3 lock (a conditional PUT) serializes the decisions."""
+    """The same race on a bucket: the S3 lock (a conditional PUT) serializes the decisions. (The race
+    is about the lock, not the weights: light candidates keep 45 MB models off the loopback server.)"""
     layout = StorageLayout.create(s3_root, "unused")
     data = make_dataset(layout, "mnist-a")
     accuracies = {"r1": 0.91, "r2": 0.94, "r3": 0.92}
-    candidates = {run: candidate(layout, run, acc, data) for run, acc in accuracies.items()}
+    candidates = {run: light_candidate(layout, run, acc, data) for run, acc in accuracies.items()}
     results: list[dict] = []
     threads = [
         threading.Thread(target=lambda c=c: results.append(registry.promote(layout, MODEL, c).model_dump()))

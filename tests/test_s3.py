@@ -169,20 +169,23 @@ def test_parquet_conversion_on_s3_reuses_a_verified_build_and_rebuilds_a_truncat
 
 
 def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp_path, s3_root):
+    """The checks are the model's files', whatever the model: the small CNN keeps ResNet-18's 45 MB
+    off the loopback server (tests/test_models.py and the unit tests check the same on ResNet-18 locally)."""
     import torch
-    from torchvision.models import resnet18
 
     from storage_io import upload_dir
-    from training.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, build_resnet18, load_model, save_checkpoint_files
+    from training.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, load_model, save_checkpoint_files
+    from training.models import ModelSpec
 
-    model = build_resnet18()
+    spec = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+    model = spec.build()
     (tmp_path / "ours").mkdir()
     (tmp_path / "other").mkdir()
-    save_checkpoint_files(tmp_path / "ours", model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    save_checkpoint_files(tmp_path / "ours", model, torch.optim.AdamW(model.parameters()), {"epoch": 0, "model": spec.model_dump()})
     ours = join(s3_root, "runs", "r", "checkpoint_000000")
     upload_dir(tmp_path / "ours", ours)
     loaded = load_model(ours)  # intact: the same weights come back from the bucket
-    assert torch.equal(loaded.conv1.weight, model.conv1.weight)
+    assert all(torch.equal(value, model.state_dict()[name]) for name, value in loaded.state_dict().items())
 
     original = (tmp_path / "ours" / MODEL_FILE).read_bytes()
     tampered = bytearray(original)
@@ -195,11 +198,12 @@ def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp
     with pytest.raises(IntegrityError, match=f"{ours}/{CHECKSUMS_FILE} is missing"):
         load_model(ours)
 
-    other = resnet18(num_classes=10)  # a 3-channel stem: another architecture, intact checksums
-    save_checkpoint_files(tmp_path / "other", other, torch.optim.AdamW(other.parameters()), {"epoch": 0})
+    # A 3-channel stem with intact checksums, under a record that says 1 channel: another architecture
+    other = spec.model_copy(update={"in_channels": 3}).build()
+    save_checkpoint_files(tmp_path / "other", other, torch.optim.AdamW(other.parameters()), {"epoch": 0, "model": spec.model_dump()})
     foreign = join(s3_root, "runs", "r", "checkpoint_000001")
     upload_dir(tmp_path / "other", foreign)
-    with pytest.raises(ValueError, match=f"{foreign}/{MODEL_FILE} does not hold a model.name=resnet18 with 1 input channel"):
+    with pytest.raises(ValueError, match=f"{foreign}/{MODEL_FILE} does not hold a model.name={spec.name} with 1 input channel"):
         load_model(foreign)
 
 
