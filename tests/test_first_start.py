@@ -55,14 +55,19 @@ def busy_cores(count: int = 2) -> Iterator[list[subprocess.Popen]]:
 
 @pytest.mark.slow
 def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_path):
+    """The cores are busy through the start (the temporary server's migrations, Ray's start, the
+    first stage); the run then finishes on a machine of its own, since what follows is not the start."""
     home, env = fresh_home(tmp_path)
-    with busy_cores(2) as loops:
-        run = first_start(tmp_path, "first", *SMALL_MODEL, env=env)
-        try:
-            code, _ = run.finish(timeout_s=600)
-        finally:
+    run = None
+    try:
+        with busy_cores(2) as loops:
+            run = first_start(tmp_path, "first", *SMALL_MODEL, env=env)
+            run.wait_for_line("[1/6] download done", timeout_s=600)
+            assert all(loop.poll() is None for loop in loops), "the busy loops ran through the whole start"
+        code, _ = run.finish(timeout_s=600)
+    finally:
+        if run is not None:
             run.kill()
-        assert all(loop.poll() is None for loop in loops), "the busy loops ran the whole time"
     out = run.output()
     assert code == 0, out[-3000:]
     for number, stage in enumerate(["download", "to-parquet", "transform", "train", "evaluate", "cleanup"], 1):
