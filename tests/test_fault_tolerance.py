@@ -321,6 +321,13 @@ def test_node_loss_restarts_on_the_remaining_node_with_elastic_workers(tmp_path,
     # the subprocesses only, since Ray fixes a process's auth mode the first time it reads it.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "MNIST_FAULT_INJECT"}
     env |= {"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": temp}
+    # How fast the cluster notices the loss is the cluster's setting, not what this test proves. With
+    # Ray's defaults the GCS marks a silent node dead after 5 failed health checks 3 s apart, and Ray
+    # Train, which may try to start both workers again before that, waits 60 s for the group before it
+    # settles for what is left (measured: 75 s of the test's 2 minutes). This cluster checks every
+    # second and gives a worker group 20 s; both nodes' processes, the Train controller included, read them.
+    env |= {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "3",
+            "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
     # Both ranks pause at the first step of epoch 1 (epoch 0's checkpoint committed first): which node
     # hosts rank 0 is not fixed, and the node is lost while both are surely training. The attempt
     # after the loss does not pause again (the markers stay).
