@@ -15,21 +15,16 @@ The server, serve-process and UI-body helpers are in ``tests/support/prefect_ser
 
 from __future__ import annotations
 
-import base64
-import io
 import json
-import re
 import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
 import yaml
-from PIL import Image
 
 from deployments.serve import (
     NIGHTLY_CRON,
@@ -40,12 +35,12 @@ from deployments.serve import (
     preset_parameters,
     tune_preset_parameters,
 )
-from flows.mnist import STAGE_CPUS, mnist_pipeline
+from flows.mnist import mnist_pipeline
 from flows.train import train_pipeline
 from flows.tune import TUNE_STAGE_CPUS, mnist_tune
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, TuneConfig, TunePipelineConfig, registry_model_name
 from pipeline_config.settings import load_preset
-from reporting.reports import KEYS, TUNE_KEYS, artifact_keys, comparison_keys, tune_keys
+from reporting.reports import artifact_keys, comparison_keys, tune_keys
 from tests.support.images import CLASSES as SHAPE_CLASSES
 from tests.support.images import write_image_folder
 from tests.support.models import SMALL_MODEL, pause_env, wait_for_pause
@@ -57,6 +52,7 @@ from tests.support.prefect_server import (
     TUNE_FLOW,
     PrefectServer,
     clean_env,
+    embedded_png,
     far_cron,
     log_tail,
     serve_deployments,
@@ -71,14 +67,6 @@ from training.faults import paused, release_pauses
 ROOT = Path(__file__).resolve().parent.parent
 MNIST_ENTRYPOINT, TUNE_ENTRYPOINT = "flows/mnist.py:mnist_pipeline", "flows/tune.py:mnist_tune"
 TRAIN_ENTRYPOINT = "flows/train.py:train_pipeline"
-
-
-def embedded_png(markdown: str) -> Image.Image:
-    match = re.search(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
-    assert match, markdown[:300]
-    image = Image.open(io.BytesIO(base64.b64decode(match.group(1))))
-    image.load()
-    return image
 
 
 # --------------------------------------------------------------------------- fast: config checks
@@ -300,22 +288,6 @@ def served(server, work, webhook) -> Iterator[dict]:
         releaser.join(5)
 
 
-@pytest.fixture(scope="module")
-def api_run(server, served, work) -> dict:
-    """One run of the manual deployment started like the UI's Run button, with non-default parameters.
-
-    The train section is sent the way the form sends a field switched to JSON input
-    (``{"__prefect_kind": "json", "value": "..."}``, prefect#17798): the server must hydrate it.
-    """
-    deployment = server.deployment("manual")
-    config = smoke_config(work / "storage", "api-run", seed=3)
-    config["train"] = {"__prefect_kind": "json", "value": json.dumps(config["train"])}
-    started = time.monotonic()
-    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-run"))
-    run = server.wait_final(created["id"], served["log"])
-    return {"run": run, "seconds": time.monotonic() - started, "config": smoke_config(work / "storage", "api-run", seed=3)}
-
-
 @pytest.mark.slow
 def test_served_deployments_have_schedule_presets_and_the_typed_form(server, served):
     nightly, manual = server.deployment("nightly"), server.deployment("manual")
@@ -421,50 +393,6 @@ def test_contradicting_tune_mode_passes_the_api_but_the_run_fails_before_any_wor
 
 
 @pytest.mark.slow
-def test_ui_style_run_completes_with_every_stage_and_artifact(server, api_run, work):
-    run = api_run["run"]
-    print(f"API-triggered smoke run: {api_run['seconds']:.0f}s")
-    assert run["state_type"] == "COMPLETED", run["state"]["message"]
-    assert run["parameters"]["config"] == api_run["config"]  # non-default values, JSON-kind section hydrated
-    task_runs = server.task_runs(run["id"])
-    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(STAGE_CPUS)
-    assert all(t["state_type"] == "COMPLETED" for t in task_runs)
-
-    artifacts = {a["key"]: a for a in server.artifacts(run["id"])}
-    assert set(KEYS.values()) <= set(artifacts)
-    assert not set(TUNE_KEYS.values()) & set(artifacts)
-    assert artifacts[KEYS["progress"]]["type"] == "progress"
-    assert artifacts[KEYS["progress"]]["data"] == 100  # moved by the Ray Train controller's callback
-    assert "epoch 1/1" in artifacts[KEYS["progress"]]["description"]
-    train_run = next(t for t in task_runs if t["name"].startswith("train-"))
-    updated = datetime.fromisoformat(artifacts[KEYS["progress"]]["updated"])
-    assert datetime.fromisoformat(train_run["start_time"]) < updated < datetime.fromisoformat(train_run["end_time"])  # live
-    for key in ("samples", "curves", "confusion", "predictions"):
-        assert artifacts[KEYS[key]]["type"] == "markdown"
-        assert embedded_png(artifacts[KEYS[key]]["data"]).width > 100
-    rows = json.loads(artifacts[KEYS["metrics"]]["data"])
-    assert rows[0]["class"] == "all" and rows[0]["support"] == 1000 and len(rows) == 11
-    summary = json.loads((work / "storage" / "runs" / "api-run" / "summary.json").read_text())
-    assert summary["config"]["train"]["seed"] == 3 and summary["status"] == "completed"
-    assert summary["best_checkpoint"] in artifacts[KEYS["checkpoint"]]["data"]
-    assert rows[0]["accuracy"] == round(summary["test_accuracy"], 4)
-    # The model's run comparison: this run's row (newest first) and the picture, under keys stable across runs
-    comparison = comparison_keys(registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL))  # mnist-small-cnn: the small model's
-    runs = json.loads(artifacts[comparison["table"]]["data"])
-    assert runs[0]["run"] == "api-run" and runs[0]["test_accuracy"] == round(summary["test_accuracy"], 4)
-    assert runs[0]["promoted"].startswith("v") == summary["promotion"]["promoted"]
-    assert embedded_png(artifacts[comparison["picture"]]["data"]).width > 100
-
-
-@pytest.mark.slow
-def test_progress_artifact_key_versions_across_runs(server, api_run):
-    """Stable keys: the latest version of each key is this run's, readable by key for the UI's Artifacts page."""
-    for key in KEYS.values():
-        latest = server.get(f"/artifacts/{key}/latest")
-        assert latest["flow_run_id"] == api_run["run"]["id"], key
-
-
-@pytest.mark.slow
 def test_failed_run_logs_the_summary_and_posts_it_to_the_webhook(server, served, webhook, work):
     deployment = server.deployment("manual")
     config = smoke_config(work / "storage", "api-fail")
@@ -552,13 +480,17 @@ def tune_run(server, served, work, shapes_images) -> dict:
 @pytest.mark.slow
 def test_the_generic_deployment_trains_the_second_workload_from_its_image_folder(server, served, work, shapes_images):
     """`train/manual` (flows.train) started like the UI's Run button with another workload: RGB shapes
-    from an image folder, 3 classes, the small model. Every name it publishes is the workload's."""
+    from an image folder, 3 classes, the small model, its train section sent as JSON input. Every
+    name it publishes is the workload's."""
     deployment = server.deployment("manual", TRAIN_FLOW)
     config = shapes_config(smoke_config(work / "storage", "api-shapes", epochs=3), shapes_images)
-    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": config}, "api-shapes"))
+    # The train section goes the way the form sends a field switched to JSON input
+    # ({"__prefect_kind": "json", "value": "..."}, prefect#17798): the server must hydrate it.
+    sent = {**config, "train": {"__prefect_kind": "json", "value": json.dumps(config["train"])}}
+    created = server.post(f"/deployments/{deployment['id']}/create_flow_run", ui_run_body(deployment, {"config": sent}, "api-shapes"))
     run = server.wait_final(created["id"], served["log"])
     assert run["state_type"] == "COMPLETED", run["state"]["message"]
-    assert run["parameters"]["config"] == config
+    assert run["parameters"]["config"] == config  # the JSON-kind section hydrated
     summary = json.loads((work / "storage" / "runs" / "api-shapes" / "summary.json").read_text())
     print(f"shapes run via train/manual: test accuracy {summary['test_accuracy']:.2%}")
     assert summary["workload"] == SHAPES and summary["data_source"] == "folder" and summary["status"] == "completed"

@@ -10,14 +10,17 @@ The pages are the UI that Prefect opens by default (V2, under ``/v2``; 3.8.8 and
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from deployments.serve import tune_preset_parameters
+from flows.mnist import STAGE_CPUS
 from pipeline_config import (
     DEFAULT_WORKLOAD,
     ModelConfig,
@@ -27,12 +30,13 @@ from pipeline_config import (
     TunePipelineConfig,
     registry_model_name,
 )
-from reporting.reports import KEYS, comparison_keys
+from reporting.reports import KEYS, TUNE_KEYS, comparison_keys
 from tests.support.models import SMALL_MODEL
 from tests.support.prefect_server import (
     TRAIN_FLOW,
     TUNE_FLOW,
     PrefectServer,
+    embedded_png,
     far_cron,
     serve_deployments,
     stop_group,
@@ -230,12 +234,42 @@ def form_run(browser, server, served, shots) -> dict:
     return server.wait_final(run["id"], served["log"])
 
 
-def test_run_from_the_form_completes_with_the_changed_parameters(form_run, server):
+def test_run_from_the_form_completes_with_the_changed_parameters_every_stage_and_artifact(form_run, server, work):
     assert form_run["state_type"] == "COMPLETED", form_run["state"]["message"]
     config = form_run["parameters"]["config"]
     assert config["run_name"] == "ui-run" and config["train"]["seed"] == 5 and config["model"]["name"] == SMALL_MODEL
     assert config["train"]["epochs"] == 1 and config["download"]["source"] == "sample"
-    assert {t["state_type"] for t in server.task_runs(form_run["id"])} == {"COMPLETED"}
+    task_runs = server.task_runs(form_run["id"])
+    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(STAGE_CPUS)
+    assert {t["state_type"] for t in task_runs} == {"COMPLETED"}
+
+    # What the run published, as the API gives it (the browser tests below look at the same artifacts)
+    artifacts = {a["key"]: a for a in server.artifacts(form_run["id"])}
+    assert set(KEYS.values()) <= set(artifacts) and not set(TUNE_KEYS.values()) & set(artifacts)
+    progress = artifacts[KEYS["progress"]]
+    assert progress["type"] == "progress" and progress["data"] == 100  # moved by the Ray Train controller's callback
+    assert "epoch 1/1" in progress["description"]
+    train_run = next(t for t in task_runs if t["name"].startswith("train-"))
+    updated = datetime.fromisoformat(progress["updated"])
+    assert datetime.fromisoformat(train_run["start_time"]) < updated < datetime.fromisoformat(train_run["end_time"])  # live
+    for key in ("samples", "curves", "confusion", "predictions"):
+        assert artifacts[KEYS[key]]["type"] == "markdown" and embedded_png(artifacts[KEYS[key]]["data"]).width > 100
+    rows = json.loads(artifacts[KEYS["metrics"]]["data"])
+    assert rows[0]["class"] == "all" and rows[0]["support"] == 1000 and len(rows) == 11
+    (summary_file,) = work.glob("**/runs/ui-run/summary.json")  # the form's storage root, under the serve folder
+    summary = json.loads(summary_file.read_text())
+    assert summary["config"]["train"]["seed"] == 5 and summary["status"] == "completed"
+    assert summary["best_checkpoint"] in artifacts[KEYS["checkpoint"]]["data"]
+    assert rows[0]["accuracy"] == round(summary["test_accuracy"], 4)
+    # The model's run comparison: this run's row (newest first) and the picture, under keys stable across runs
+    comparison = comparison_keys(registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL))  # mnist-small-cnn
+    runs = json.loads(artifacts[comparison["table"]]["data"])
+    assert runs[0]["run"] == "ui-run" and runs[0]["test_accuracy"] == round(summary["test_accuracy"], 4)
+    assert runs[0]["promoted"].startswith("v") == summary["promotion"]["promoted"]
+    assert embedded_png(artifacts[comparison["picture"]]["data"]).width > 100
+    # Stable keys: the latest version of each key is this run's, readable by key for the Artifacts page
+    for key in KEYS.values():
+        assert server.get(f"/artifacts/{key}/latest")["flow_run_id"] == form_run["id"], key
 
 
 def test_flow_run_artifacts_tab_lists_every_report(page, server, form_run, shots):

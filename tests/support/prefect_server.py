@@ -2,13 +2,17 @@
 
 ``PrefectServer`` is ``prefect server start`` with a fresh SQLite database; ``serve_deployments``
 serves the four deployments against it; ``ui_run_body`` is what the UI's run form posts;
-``wait_for``, ``stop_group`` and ``log_tail`` poll, stop and report on the processes a test starts.
+``wait_for``, ``stop_group`` and ``log_tail`` poll, stop and report on the processes a test starts;
+``embedded_png`` reads the picture a markdown artifact carries.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from PIL import Image
 
 from deployments.serve import preset_parameters, tune_preset_parameters
 from tests.support.models import SMALL_MODEL
@@ -281,3 +286,12 @@ def tune_smoke_config(storage: Path, run_name: str, *, model: str = SMALL_MODEL,
     config.update(storage_root=str(storage), run_name=run_name, model={"name": model})
     config["tune"].update(tune)
     return config
+
+
+def embedded_png(markdown: str) -> Image.Image:
+    """The PNG picture a markdown artifact embeds as a data URI."""
+    match = re.search(r"\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown)
+    assert match, markdown[:300]
+    image = Image.open(io.BytesIO(base64.b64decode(match.group(1))))
+    image.load()
+    return image
