@@ -53,7 +53,7 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
     import torch
 
     from dataset.transform import normalize, random_affine
-    from training.loop import inference_model, make_ema, one_cycle_lr
+    from training.loop import inference_model, make_ema, make_optimizer, one_cycle_lr
     from benchmarks import build_model
     from training.models import configure_cpu
 
@@ -70,7 +70,7 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
     torch.manual_seed(train_cfg.seed)
     rng = np.random.default_rng(train_cfg.seed)
     model = build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train_cfg.learning_rate, weight_decay=train_cfg.weight_decay)
+    optimizer = make_optimizer(model, train_cfg.learning_rate, train_cfg.weight_decay)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=train_cfg.label_smoothing)
     ema = make_ema(model, train_cfg.ema_decay)
     n = len(train_y)

@@ -6,7 +6,7 @@
 side by `measure`; no Ray anywhere) each pin torch to one thread (``training.models.configure_cpu(1)``
 and ``OMP_NUM_THREADS=1``), join a gloo process group on 127.0.0.1 (a free port, loopback
 interface), wrap the same model (``benchmarks.build_model``, same seed on every rank) in
-``DistributedDataParallel`` and train it with AdamW (lr 1e-3) and
+``DistributedDataParallel`` and train it with fused AdamW (lr 1e-3, as ours) and
 ``CrossEntropyLoss(label_smoothing=0.1)`` on in-memory random tensors: the global batch of 128
 split evenly, 64 images per process for 2. Two warm-up steps are not timed; then every process
 meets at a barrier, trains ``steps`` steps and meets at a barrier again, and rank 0's seconds
@@ -53,7 +53,7 @@ def rank_images_per_s(rank: int, world: int, port: int, steps: int, global_batch
     try:
         torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
         model = DistributedDataParallel(build_model())
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fused, as ours
         criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
         local = global_batch // world
         generator = torch.Generator().manual_seed(rank)

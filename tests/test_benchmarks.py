@@ -100,3 +100,16 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert "| 1,900 training rows (full-size mirror), 1 epoch(s), 1 worker x 2 threads |" in run.stdout
     assert "| time to 50% validation accuracy | 1,900 training rows (full-size mirror), 1 epochs, 1 worker(s) |" in run.stdout
     assert "| full-size default flow, by stage (`python -m flows.mnist`) | 1,900 train / 100 val / 500 test rows" in run.stdout
+
+
+def test_step_parts_times_every_part_of_a_step_both_ways(monkeypatch):
+    """`benchmarks.step_parts` on the small CNN: every part timed, old and new, and the step ratio from them."""
+    from benchmarks import MODEL_ENV, step_parts
+
+    monkeypatch.setenv(MODEL_ENV, "training.models:small_cnn")
+    row = step_parts.measure(batch=8, steps=2, rounds=1)
+    parts = ("forward_backward_ms", "adamw_default_ms", "adamw_fused_ms", "ema_per_tensor_ms", "ema_grouped_ms")
+    assert row["model"] == "training.models:small_cnn" and row["batch"] == 8 and all(row[p] > 0 for p in parts)
+    old = row["forward_backward_ms"] + row["adamw_default_ms"] + row["ema_per_tensor_ms"]
+    new = row["forward_backward_ms"] + row["adamw_fused_ms"] + row["ema_grouped_ms"]
+    assert row["step_ratio"] == pytest.approx(old / new, abs=0.001)

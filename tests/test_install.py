@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import tomllib
 from importlib import metadata
+from pathlib import Path
 
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
@@ -71,3 +72,11 @@ def test_environment_names_versions_machine_and_commit():
     assert len(env["requirements_lock_sha256"]) == 64
     rows = environment.environment_rows(env)
     assert {"what": "torch", "value": env["packages"]["torch"]} in rows
+    # The CPU by family, model and vector extensions, as /proc/cpuinfo gives them ("AMD EPYC" alone
+    # names CPUs whose training speed differs 3-4x)
+    flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split()
+    assert env["cpu"]["vector_extensions"] == [flag for flag in environment.VECTOR_FLAGS if flag in flags]
+    assert env["cpu"]["cpu_family"].isdigit() and env["cpu"]["model"].isdigit()
+    cpu_row = next(row["value"] for row in rows if row["what"] == "cpu")
+    assert f"family {env['cpu']['cpu_family']} model {env['cpu']['model']}" in cpu_row
+    assert ("avx2" in cpu_row) == ("avx2" in flags)

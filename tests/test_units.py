@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -199,6 +200,43 @@ def test_ema_warms_up_then_tracks_the_weights_slowly():
     ema.update_parameters(model)
     assert ema.module.weight.detach().flatten().tolist() == pytest.approx([1 - ema_decay_at(0.99, 1)] * 2)
     assert make_ema(model, 0.0) is None
+
+
+def test_ema_averages_batchnorm_buffers_including_the_integer_counter():
+    from training.loop import ema_decay_at, make_ema
+
+    model = torch.nn.BatchNorm1d(3)
+    ema = make_ema(model, 0.99)
+    ema.update_parameters(model)  # copies: mean 0, counter 0
+    with torch.no_grad():
+        model.running_mean.fill_(2.0)
+        model.num_batches_tracked.fill_(50)
+    ema.update_parameters(model)
+    d = ema_decay_at(0.99, 1)
+    assert ema.module.running_mean.tolist() == pytest.approx([2.0 * (1 - d)] * 3)
+    assert ema.module.num_batches_tracked.dtype == torch.int64 and int(ema.module.num_batches_tracked) == int(50 * (1 - d))
+
+
+def test_the_fused_adamw_stays_fused_after_loading_a_state_written_by_the_default_one():
+    from training.loop import load_optimizer_state, make_optimizer
+
+    torch.manual_seed(0)
+    old_model, model = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+    model.load_state_dict(old_model.state_dict())
+    old = torch.optim.AdamW(old_model.parameters(), lr=0.1, weight_decay=0.01)  # as checkpoints before the fused one
+    old_model(torch.ones(1, 4)).sum().backward()
+    old.step()
+    fused = make_optimizer(model, 0.1, 0.01)
+    assert fused.param_groups[0]["fused"] is True
+    load_optimizer_state(fused, copy.deepcopy(old.state_dict()))  # as torch.load gives it: no tensor shared
+    assert fused.param_groups[0]["fused"] is True and fused.param_groups[0]["foreach"] is None
+    assert fused.state_dict()["state"][0]["exp_avg"].tolist() == old.state_dict()["state"][0]["exp_avg"].tolist()
+    model.load_state_dict(old_model.state_dict())
+    for m, o in ((model, fused), (old_model, old)):  # the same next step from the same state
+        o.zero_grad()
+        m(torch.ones(1, 4)).sum().backward()
+        o.step()
+    assert torch.allclose(model.weight, old_model.weight, atol=1e-6) and int(fused.state[model.weight]["step"]) == 2
 
 
 def test_checkpoint_rank_follows_the_configured_score():

@@ -27,6 +27,7 @@ from training.loop import (
     inference_model,
     load_checkpoint,
     make_ema,
+    make_optimizer,
     read_history,
     record_attempt,
     record_epoch,
@@ -73,7 +74,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     epochs, batch_size, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
     device = torch.device("cpu")
     model = ModelSpec.model_validate(config["model"]).build().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, weight_decay=config["weight_decay"])
+    optimizer = make_optimizer(model, peak_lr, config["weight_decay"])
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
     ema = make_ema(model, config["ema_decay"])
     existing = epoch_checkpoints(folder)
