@@ -256,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
                              "ratio": round(two_workers["images_per_s"] / plain_ddp, 3),
                              "plain_loop_images_per_s": round(plain, 1),
                              "ratio_to_plain_loop": round(two_workers["images_per_s"] / plain, 3), "goal": ">= 0.9x"})
-            # Full: the default recipe over 10 epochs to 98% (a shorter one-cycle schedule than the
-            # default 30 epochs, so both sides finish in minutes). Quick: one epoch to 50%, which
+            # Full: the default recipe over 10 epochs to 98% (a slightly shorter one-cycle schedule than
+            # the default 12 epochs, so both sides finish in minutes). Quick: one epoch to 50%, which
             # only exercises the code.
             rows_out.append(accuracy.measure(work, epochs=1 if args.quick else 10, target=0.5 if args.quick else 0.98))
             # Tune's price per trial: one trial of the default recipe against the training stage.
