@@ -84,7 +84,7 @@ def main(argv: list[str]) -> None:
     from reporting import environment
 
     batches = [int(arg) for arg in argv] or [64, 128]
-    print(json.dumps({"environment": environment(), "rows": [measure(batch) for batch in batches]}, indent=2))
+    print(json.dumps({"environment": environment.describe(), "rows": [measure(batch) for batch in batches]}, indent=2))
 
 
 if __name__ == "__main__":
