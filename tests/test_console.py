@@ -126,7 +126,7 @@ def test_summary_lines_for_a_failed_gate_name_the_gate_folder_and_resume_command
     assert "  Prefect UI     http://127.0.0.1:4200/runs/flow-run/abc" in linked
 
 
-@pytest.mark.parametrize(("rows", "epochs"), [(3_800, 30), (57_000, 3), (1_000_000, 1), (100, 30)])
+@pytest.mark.parametrize(("rows", "epochs"), [(3_800, 12), (57_000, 3), (1_000_000, 1), (100, 12)])
 def test_epochs_follow_the_data_size(rows, epochs):
     assert TrainConfig().epochs_for(rows) == epochs
 
