@@ -53,7 +53,7 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
     import torch
 
     from dataset.transform import normalize, random_affine
-    from training.loop import inference_model, make_ema, make_optimizer, one_cycle_lr
+    from training.recipe import inference_model, make_ema, make_optimizer, one_cycle_lr
     from benchmarks import build_model
     from training.models import configure_cpu
 

@@ -23,7 +23,7 @@ import time
 def _process_start_time() -> float:
     """Wall-clock time this process was started (Linux: /proc/self/stat field 22, after boot time).
 
-    Not `training.loop.process_start_time`: importing that module in the worker would add its
+    Not `training.records.process_start_time`: importing that module in the worker would add its
     imports to the time measured.
     """
     with open("/proc/self/stat") as handle:

@@ -8,10 +8,10 @@ in-memory digits. For each batch size, in one process and alternating, the milli
 
 * ``forward_backward_ms``: the forward pass, the loss and the backward pass;
 * ``adamw_default_ms`` / ``adamw_fused_ms``: one ``AdamW.step`` with PyTorch's default kernel
-  (per tensor, or ``foreach`` where PyTorch picks it) and with ``fused=True`` (``training.loop.make_optimizer``);
+  (per tensor, or ``foreach`` where PyTorch picks it) and with ``fused=True`` (``training.recipe.make_optimizer``);
 * ``ema_per_tensor_ms`` / ``ema_grouped_ms``: one update of the weights' moving average, averaged a
   tensor at a time (``AveragedModel(avg_fn=...)``, the recipe before 2026-11-26) and a dtype group at
-  a time (``training.loop.make_ema``).
+  a time (``training.recipe.make_ema``).
 
 A part's figure is the median of ``rounds`` rounds of ``steps`` timed calls each, after two
 untimed calls. ``step_ratio`` is a whole step with the old parts over a whole step with ours.
@@ -42,7 +42,7 @@ def measure(batch: int, steps: int = 20, rounds: int = 3, threads: int = 2) -> d
     from torch.optim.swa_utils import AveragedModel
 
     from benchmarks import build_model, model_name
-    from training.loop import ema_decay_at, make_ema, make_optimizer
+    from training.recipe import ema_decay_at, make_ema, make_optimizer
     from training.models import configure_cpu
 
     configure_cpu(threads)

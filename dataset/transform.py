@@ -288,7 +288,7 @@ def build_split(
     split every part gets the same count (DDP ranks must take the same number of steps), which
     leaves out up to n - 1 rows per epoch, as ``streaming_split(equal=True)`` does. Streamed: by
     a hash of row_id (`keep_part`), not equal-sized: for validation, not for training
-    (`training.loop.EpochShards` splits streamed training rows with ``streaming_split``).
+    (`training.sharding.EpochShards` splits streamed training rows with ``streaming_split``).
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}

@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from storage_io import join, list_dirs
-from training.loop import HISTORY_FILE, read_history
+from training.records import HISTORY_FILE, read_history
 
 # flows.predict's --model when unset: the default workload's default model (mnist-resnet18).
 DEFAULT_MODEL = registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)

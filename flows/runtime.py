@@ -221,7 +221,7 @@ def start_failed_message(exc: ServerStartError | RayStartError) -> str:
 # they go idle once more workers exist than CPUs (and the Ray Data and Ray Train actors alone
 # exceed that), so every epoch's shuffle and map tasks paid for fresh Python processes importing
 # torch: measured 10-90 s per epoch on 2 cores instead of ~7, and with the per-epoch train
-# pipeline (training.loop.EpochShards) 8.4-8.7 s of data wait per epoch instead of 0.9-2.4.
+# pipeline (training.sharding.EpochShards) 8.4-8.7 s of data wait per epoch instead of 0.9-2.4.
 # Applies to the local Ray a run starts; a cluster started with `ray start` takes the same values
 # as RAY_num_workers_soft_limit / RAY_idle_worker_killing_time_threshold_ms in its environment.
 LOCAL_RAY_SYSTEM_CONFIG = {"num_workers_soft_limit": 16, "idle_worker_killing_time_threshold_ms": 600_000}

@@ -51,7 +51,7 @@ from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training import models
-from training.loop import HISTORY_FILE
+from training.records import HISTORY_FILE
 from training.trainer import latest_checkpoint, plan_resources
 from training.tuning import TRIALS_DIR
 

@@ -12,7 +12,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 
 from flows import console
 from pipeline_config import TrainConfig
-from training.loop import record_epoch
+from training.records import record_epoch
 
 
 def test_duration_reads_like_a_clock():

@@ -40,7 +40,7 @@ from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.parquet import read_split
 from tests.support.runs import torchvision_resnet18_seed_style
-from training.loop import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
+from training.checkpoints import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
 from training.model import (
     CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, SEEDS_MODEL, checkpoint_problem, load_state, save_checkpoint_files,
 )

@@ -40,7 +40,7 @@ from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_for_pause
 from tests.support.prefect_server import api_env
 from training.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
-from training.loop import HISTORY_FILE, read_history
+from training.records import HISTORY_FILE, read_history
 from training.trainer import is_infrastructure_failure
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -20,20 +20,10 @@ import torch
 
 from dataset.transform import build_split
 from storage_io import building, publish_dir
-from training.loop import (
-    HISTORY_FILE,
-    Position,
-    checkpoint_extra,
-    inference_model,
-    load_checkpoint,
-    make_ema,
-    make_optimizer,
-    read_history,
-    record_attempt,
-    record_epoch,
-    train_epoch,
-    validate,
-)
+from training.checkpoints import Position, checkpoint_extra, load_checkpoint
+from training.loop import train_epoch, validate
+from training.recipe import inference_model, make_ema, make_optimizer
+from training.records import HISTORY_FILE, read_history, record_attempt, record_epoch
 from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
 from training.models import ModelSpec, configure_cpu
 

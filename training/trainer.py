@@ -33,7 +33,8 @@ from storage_io import (
     storage_write_error,
 )
 from training.faults import ROW_LOG_ENV
-from training.loop import HISTORY_FILE, read_history, train_loop_per_worker
+from training.loop import train_loop_per_worker
+from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
 from training.single_process import fit_single
 
@@ -338,7 +339,7 @@ def torch_trainer(
             callbacks=callbacks,
         ),
         # No datasets= here: every worker builds its Ray Data pipelines inside the loop, the train
-        # rows per epoch (their order and augmentation depend on it; training.loop.EpochShards) and
+        # rows per epoch (their order and augmentation depend on it; training.sharding.EpochShards) and
         # its share of the validation rows once (training.loop.train_loop_per_worker).
     )
 

@@ -33,7 +33,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 from dataset.transform import TransformSpec
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig
 from storage_io import basename, filesystem, is_remote, join
-from training.loop import HISTORY_FILE, read_history
+from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
 from training.trainer import plan_resources, torch_trainer
 

@@ -1,0 +1,67 @@
+"""Each rank's share of an epoch's training rows, and the rows every rank consumed (for the data position).
+
+Each epoch's order and augmentation are fixed by (seed, epoch) (`dataset.transform.build_split`);
+a restart with any world size rebuilds the interrupted epoch without the consumed rows
+(`EpochShards`), so every row is trained on once per epoch and the rest come in the order they would have.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dataset.transform import TransformSpec, build_split, fits_in_memory
+from training.checkpoints import Position
+
+
+def gather_rows(local: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's consumed ``row_id``s since the epoch (or attempt) began, concatenated (a collective)."""
+    mine = torch.cat(local) if local else torch.empty(0, dtype=torch.int64)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return torch.cat(everyone)
+
+
+class EpochShards:
+    """Each rank's share of an epoch's training rows, in the epoch's (seed, epoch) order.
+
+    Built per epoch, not once for the run, because the order depends on the epoch, without the
+    rows ``start`` says an interrupted attempt already trained on when resuming that epoch, and
+    split across the current world size (which may differ from the failed attempt's). A training
+    split held in memory (`dataset.transform.fits_in_memory`) is cut by every rank itself
+    (`build_split(part=...)`): no coordinator, nothing sent between ranks. A streamed one is built
+    by rank 0 and split with ``streaming_split``, whose coordinator actor takes seconds to start,
+    so the next epoch's split is set up while this one trains; the other ranks receive their
+    iterators from it, as Ray Train hands out `get_dataset_shard` iterators. One worker iterates
+    its pipeline directly.
+    """
+
+    def __init__(self, config: dict[str, Any], start: Position, rank: int, world_size: int):
+        self.config, self.start, self.rank, self.world_size = config, start, rank, world_size
+        self.spec = TransformSpec.model_validate(config["transform"])
+        self.per_rank = world_size == 1 or fits_in_memory(self.spec, "train")
+        self._ahead: dict[int, Any] = {}
+
+    def _build(self, epoch: int):
+        resuming = epoch == self.start.epoch and self.start.consumed is not None
+        exclude = self.start.consumed.numpy() if resuming else None
+        if self.per_rank:
+            part = (self.rank, self.world_size) if self.world_size > 1 else None
+            return build_split(self.spec, "train", self.config["seed"], epoch, exclude=exclude, part=part)
+        dataset = build_split(self.spec, "train", self.config["seed"], epoch, exclude=exclude)
+        return dataset.streaming_split(self.world_size, equal=True)
+
+    def __call__(self, epoch: int):
+        if self.per_rank:
+            return self._build(epoch)
+        splits: list[Any] = [None]
+        if self.rank == 0:
+            splits = [self._ahead.pop(epoch, None) or self._build(epoch)]
+            if epoch + 1 < self.config["epochs"]:
+                self._ahead[epoch + 1] = self._build(epoch + 1)
+        dist.broadcast_object_list(splits, src=0)
+        return splits[0][self.rank]
