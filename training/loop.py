@@ -16,22 +16,101 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
+from pydantic import BaseModel, ConfigDict
+from torch.optim.swa_utils import AveragedModel
 
 from dataset.transform import TransformSpec, build_split
 from storage_io import storage_writes
 from training.checkpoints import Position, report, report_mid_epoch, restore
 from training.guard import StepGuard
-from training.models import ModelSpec, configure_cpu
 from training.model import unwrap
+from training.models import ModelSpec, configure_cpu
 from training.recipe import inference_model, make_ema, make_optimizer, one_cycle_lr
 from training.records import RowLog, record_attempt, record_epoch
 from training.sharding import EpochShards, gather_rows
+
+
+class LoopConfig(BaseModel):
+    """What every rank's loop needs, built by ``training.trainer.loop_config``.
+
+    Ray Train hands it to each worker as a plain dict (``train_loop_config``), which the loop
+    validates into this on arrival; single mode takes the same dict.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: dict[str, Any]  # the `training.models.ModelSpec` every rank builds, recorded in each checkpoint
+    epochs: int  # train.epochs, capped by train.max_images
+    global_batch_size: int
+    learning_rate: float  # the one-cycle schedule's peak
+    weight_decay: float
+    label_smoothing: float
+    ema_decay: float
+    seed: int
+    strategy: str = "ddp"
+    train_rows: int
+    torch_threads: int
+    hang_timeout_s: float = 0.0
+    fault_dir: str | None = None  # where test-only fault injection records what fired (training.faults)
+    run_dir: str | None = None  # Ray Train's run folder: checkpoints get deterministic names there
+    attempts_log: str | None = None
+    history_path: str | None = None  # every epoch's metrics, from rank 0
+    checkpoint_every_steps: int = 0
+    transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
+    row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
+
+
+@dataclass
+class Attempt:
+    """One training attempt's parts on one rank: what every step, validation and report uses."""
+
+    cfg: LoopConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    criterion: torch.nn.Module
+    ema: AveragedModel | None
+    device: torch.device
+    batch_size: int  # this rank's share of the global batch
+    steps_per_epoch: int
+    checkpoint_every: int = 0  # mid-epoch reports every this many steps (0: never; Ray Train only)
+    guard: StepGuard | None = None
+    row_log: RowLog | None = None
+
+    def weights(self) -> torch.nn.Module:
+        """The weights validated and shipped: the moving average's, else the model's own."""
+        return inference_model(self.model, self.ema)
+
+
+def start_attempt(
+    cfg: LoopConfig, world_size: int, device: torch.device, prepare: Callable[[torch.nn.Module], torch.nn.Module],
+) -> Attempt:
+    """Seed, threads, the model (``prepare`` wraps or moves it), the recipe's optimizer, loss and weight average.
+
+    The same for every rank of a Ray Train run and for single mode, in the same order, so one
+    seed builds the same initial weights either way.
+    """
+    torch.manual_seed(cfg.seed)
+    configure_cpu(cfg.torch_threads)
+    batch_size = max(1, cfg.global_batch_size // world_size)
+    model = prepare(ModelSpec.model_validate(cfg.model).build())
+    return Attempt(
+        cfg=cfg,
+        model=model,
+        optimizer=make_optimizer(model, cfg.learning_rate, cfg.weight_decay),
+        criterion=torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
+        ema=make_ema(model, cfg.ema_decay),
+        device=device,
+        batch_size=batch_size,
+        steps_per_epoch=max(1, math.ceil(cfg.train_rows / world_size / batch_size)),
+    )
 
 
 def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
@@ -41,18 +120,16 @@ def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def train_epoch(
-    model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema=None, guard=None,
-    start: Position | None = None, checkpoint_every: int = 0, row_log: RowLog | None = None, run_dir: str | None = None,
-    model_spec: dict | None = None,
-) -> dict:
+def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = None) -> dict:
     """One pass over this rank's shard; returns global loss, accuracy, images/s and this rank's data wait.
 
     ``start`` resumes an interrupted epoch: step numbering (and the learning-rate schedule) go on
     from ``start.step`` and ``start.consumed`` is carried into the next mid-epoch checkpoint.
-    Every ``checkpoint_every`` steps (0: never) all ranks report a mid-epoch checkpoint holding
-    the data position: the steps done and every row_id they consumed (into ``run_dir``, see `report`).
+    Every ``attempt.checkpoint_every`` steps (0: never) all ranks report a mid-epoch checkpoint holding
+    the data position: the steps done and every row_id they consumed (into the run folder, see `report`).
     """
+    cfg, model, optimizer, ema, guard, row_log = attempt.cfg, attempt.model, attempt.optimizer, attempt.ema, attempt.guard, attempt.row_log
+    epochs, peak_lr, steps_per_epoch = cfg.epochs, cfg.learning_rate, attempt.steps_per_epoch
     model.train()
     first_step = start.step if start is not None else 0
     earlier = [start.consumed] if start is not None and start.consumed is not None else []
@@ -60,7 +137,7 @@ def train_epoch(
     loss_sum, correct, seen, start_time = 0.0, 0.0, 0.0, time.perf_counter()
     data_wait, mark, first_step_at = 0.0, start_time, None
     lr = one_cycle_lr(epoch / epochs, peak_lr)
-    for step, batch in enumerate(shard.iter_torch_batches(batch_size=batch_size, device=device), start=first_step):
+    for step, batch in enumerate(shard.iter_torch_batches(batch_size=attempt.batch_size, device=attempt.device), start=first_step):
         data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
         if first_step_at is None:
             first_step_at = time.time()  # wall clock: the fixed overhead ends here (benchmarks/deployment_overhead.py)
@@ -71,7 +148,7 @@ def train_epoch(
             group["lr"] = lr
         images, labels = batch["image"], batch["label"]
         logits = model(images)
-        loss = criterion(logits, labels)
+        loss = attempt.criterion(logits, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -84,13 +161,13 @@ def train_epoch(
         consumed.append(row_ids)
         if row_log is not None:
             row_log.write(epoch, step, row_ids)
-        if checkpoint_every and (step + 1) % checkpoint_every == 0:
+        if attempt.checkpoint_every and (step + 1) % attempt.checkpoint_every == 0:
             rows = gather_rows(consumed)
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
-            report_mid_epoch(position, model, optimizer, ema, run_dir, model_spec)
+            report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model)
         mark = time.perf_counter()
     elapsed = time.perf_counter() - start_time
-    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], device)
+    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], attempt.device)
     return {
         "train_loss": loss_sum / max(seen, 1),
         "train_accuracy": correct / max(seen, 1),
@@ -103,15 +180,16 @@ def train_epoch(
 
 
 @torch.no_grad()
-def validate(model, criterion, shard, batch_size, device) -> dict:
-    """Loss and accuracy over the validation split (summed across ranks).
+def validate(attempt: Attempt, shard) -> dict:
+    """Loss and accuracy of the attempt's shipped weights (`Attempt.weights`) over the validation split (summed across ranks).
 
     ``val_loss`` is the training criterion (label smoothing included); ``val_ce`` is plain
     cross-entropy, which compares runs trained with different label smoothing (the tune flow's metric).
     """
+    model, criterion, device = attempt.weights(), attempt.criterion, attempt.device
     model.eval()
     loss_sum, ce_sum, correct, seen = 0.0, 0.0, 0.0, 0.0
-    for batch in shard.iter_torch_batches(batch_size=batch_size, device=device):
+    for batch in shard.iter_torch_batches(batch_size=attempt.batch_size, device=device):
         logits = model(batch["image"])
         loss_sum += criterion(logits, batch["label"]).item() * len(batch["label"])
         ce_sum += torch.nn.functional.cross_entropy(logits, batch["label"], reduction="sum").item()
@@ -122,46 +200,36 @@ def validate(model, criterion, shard, batch_size, device) -> dict:
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train entry point: config keys are documented in ``training.trainer.loop_config``."""
-    epochs, global_batch, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
-    torch.manual_seed(config["seed"])
-    configure_cpu(config["torch_threads"])
-    world_size = ray.train.get_context().get_world_size()
-    batch_size = max(1, global_batch // world_size)
-    steps_per_epoch = max(1, math.ceil(config["train_rows"] / world_size / batch_size))
-    device = ray.train.torch.get_device()
-
-    model = ray.train.torch.prepare_model(ModelSpec.model_validate(config["model"]).build(), parallel_strategy=config["strategy"])
-    optimizer = make_optimizer(model, peak_lr, config["weight_decay"])
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
-    ema = make_ema(model, config["ema_decay"])
-    start = restore(model, optimizer, ema)
-    rank = ray.train.get_context().get_world_rank()
-    if rank == 0 and config.get("attempts_log"):
-        with storage_writes("train", config["attempts_log"]):
-            record_attempt(config["attempts_log"], start, world_size)
-    guard = StepGuard(rank, world_size, config.get("hang_timeout_s", 0), config.get("fault_dir"))
-    row_log = RowLog(config["row_log_dir"], start, world_size, rank) if config.get("row_log_dir") else None
+    """Ray Train entry point: ``config`` is a `LoopConfig` as a dict (``training.trainer.loop_config``)."""
+    cfg = LoopConfig.model_validate(config)
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    attempt = start_attempt(
+        cfg, world_size, ray.train.torch.get_device(),
+        prepare=lambda model: ray.train.torch.prepare_model(model, parallel_strategy=cfg.strategy),
+    )
+    start = restore(attempt.model, attempt.optimizer, attempt.ema)
+    if rank == 0 and cfg.attempts_log:
+        with storage_writes("train", cfg.attempts_log):
+            record_attempt(cfg.attempts_log, start, world_size)
+    attempt.checkpoint_every = cfg.checkpoint_every_steps
+    attempt.guard = StepGuard(rank, world_size, cfg.hang_timeout_s, cfg.fault_dir)
+    attempt.row_log = RowLog(cfg.row_log_dir, start, world_size, rank) if cfg.row_log_dir else None
 
     # This rank's share of the validation rows, built here once per attempt: a Ray Train dataset
     # shard would start a split coordinator actor first (measured: 8.6 s for epoch 0's validation
     # of 200 rows with it, against 0.2-0.4 s for every later epoch).
-    val_shard = build_split(TransformSpec.model_validate(config["transform"]), "val", part=(rank, world_size))
-    epoch_shard = EpochShards(config, start, rank, world_size)
-    for epoch in range(start.epoch, epochs):
+    val_shard = build_split(TransformSpec.model_validate(cfg.transform), "val", part=(rank, world_size))
+    epoch_shard = EpochShards(cfg.transform, cfg.seed, cfg.epochs, start, rank, world_size)
+    for epoch in range(start.epoch, cfg.epochs):
         begin = time.perf_counter()
         resuming = epoch == start.epoch and start.step > 0
-        shard = epoch_shard(epoch)
         metrics = {"epoch": epoch}
-        metrics |= train_epoch(
-            model, optimizer, criterion, shard, batch_size, epoch, epochs, steps_per_epoch, peak_lr, device, ema, guard,
-            start=start if resuming else None, checkpoint_every=config.get("checkpoint_every_steps", 0), row_log=row_log,
-            run_dir=config.get("run_dir"), model_spec=config["model"],
-        )
-        metrics |= validate(inference_model(model, ema), criterion, val_shard, batch_size, device)
+        metrics |= train_epoch(attempt, epoch_shard(epoch), epoch, start=start if resuming else None)
+        metrics |= validate(attempt, val_shard)
         metrics["epoch_seconds"] = time.perf_counter() - begin
         metrics["finished_at"] = time.time()  # wall clock, for time-to-accuracy (benchmarks/accuracy.py)
-        if rank == 0 and config.get("history_path"):
-            with storage_writes("train", config["history_path"]):
-                record_epoch(config["history_path"], metrics)
-        report(metrics, model, optimizer, epoch, ema, run_dir=config.get("run_dir"), model_spec=config["model"])
+        if rank == 0 and cfg.history_path:
+            with storage_writes("train", cfg.history_path):
+                record_epoch(cfg.history_path, metrics)
+        report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir, model_spec=cfg.model)

@@ -40,9 +40,9 @@ class EpochShards:
     its pipeline directly.
     """
 
-    def __init__(self, config: dict[str, Any], start: Position, rank: int, world_size: int):
-        self.config, self.start, self.rank, self.world_size = config, start, rank, world_size
-        self.spec = TransformSpec.model_validate(config["transform"])
+    def __init__(self, transform: dict[str, Any] | TransformSpec, seed: int, epochs: int, start: Position, rank: int, world_size: int):
+        self.seed, self.epochs, self.start, self.rank, self.world_size = seed, epochs, start, rank, world_size
+        self.spec = TransformSpec.model_validate(transform)
         self.per_rank = world_size == 1 or fits_in_memory(self.spec, "train")
         self._ahead: dict[int, Any] = {}
 
@@ -51,8 +51,8 @@ class EpochShards:
         exclude = self.start.consumed.numpy() if resuming else None
         if self.per_rank:
             part = (self.rank, self.world_size) if self.world_size > 1 else None
-            return build_split(self.spec, "train", self.config["seed"], epoch, exclude=exclude, part=part)
-        dataset = build_split(self.spec, "train", self.config["seed"], epoch, exclude=exclude)
+            return build_split(self.spec, "train", self.seed, epoch, exclude=exclude, part=part)
+        dataset = build_split(self.spec, "train", self.seed, epoch, exclude=exclude)
         return dataset.streaming_split(self.world_size, equal=True)
 
     def __call__(self, epoch: int):
@@ -61,7 +61,7 @@ class EpochShards:
         splits: list[Any] = [None]
         if self.rank == 0:
             splits = [self._ahead.pop(epoch, None) or self._build(epoch)]
-            if epoch + 1 < self.config["epochs"]:
+            if epoch + 1 < self.epochs:
                 self._ahead[epoch + 1] = self._build(epoch + 1)
         dist.broadcast_object_list(splits, src=0)
         return splits[0][self.rank]

@@ -10,7 +10,6 @@ latest epoch checkpoint in ``<run>/single/``.
 
 from __future__ import annotations
 
-import math
 import shutil
 import time
 from pathlib import Path
@@ -21,11 +20,9 @@ import torch
 from dataset.transform import build_split
 from storage_io import building, publish_dir
 from training.checkpoints import Position, checkpoint_extra, load_checkpoint
-from training.loop import train_epoch, validate
-from training.recipe import inference_model, make_ema, make_optimizer
-from training.records import HISTORY_FILE, read_history, record_attempt, record_epoch
+from training.loop import LoopConfig, start_attempt, train_epoch, validate
 from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
-from training.models import ModelSpec, configure_cpu
+from training.records import HISTORY_FILE, read_history, record_attempt, record_epoch
 
 SINGLE_DIR = "single"
 
@@ -59,31 +56,23 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     """
     folder = Path(run_dir) / SINGLE_DIR
     folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(config["seed"])
-    configure_cpu(config["torch_threads"])
-    epochs, batch_size, peak_lr = config["epochs"], config["global_batch_size"], config["learning_rate"]
+    cfg = LoopConfig.model_validate(config)
     device = torch.device("cpu")
-    model = ModelSpec.model_validate(config["model"]).build().to(device)
-    optimizer = make_optimizer(model, peak_lr, config["weight_decay"])
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=config["label_smoothing"])
-    ema = make_ema(model, config["ema_decay"])
+    attempt = start_attempt(cfg, 1, device, prepare=lambda model: model.to(device))  # the Ray Train ranks' setup
     existing = epoch_checkpoints(folder)
-    start = load_checkpoint(existing[-1], model, optimizer, ema) if existing else Position()
-    if config.get("attempts_log"):
-        record_attempt(config["attempts_log"], start, world_size=1)
+    start = load_checkpoint(existing[-1], attempt.model, attempt.optimizer, attempt.ema) if existing else Position()
+    if cfg.attempts_log:
+        record_attempt(cfg.attempts_log, start, world_size=1)
     history_path = folder / HISTORY_FILE
     history = [row for row in read_history(history_path) if row["epoch"] < start.epoch]  # later epochs were rolled back
-    steps_per_epoch = max(1, math.ceil(config["train_rows"] / batch_size))
-    for epoch in range(start.epoch, epochs):
+    for epoch in range(start.epoch, cfg.epochs):
         metrics: dict[str, Any] = {"epoch": epoch}
-        metrics |= train_epoch(
-            model, optimizer, criterion, build_split(spec, "train", config["seed"], epoch), batch_size, epoch, epochs,
-            steps_per_epoch, peak_lr, device, ema,
-        )
-        metrics |= validate(inference_model(model, ema), criterion, build_split(spec, "val", config["seed"]), batch_size, device)
+        metrics |= train_epoch(attempt, build_split(spec, "train", cfg.seed, epoch), epoch)
+        metrics |= validate(attempt, build_split(spec, "val", cfg.seed))
         metrics["finished_at"] = time.time()
+        extra = checkpoint_extra(metrics, attempt.model, epoch, attempt.ema, model_spec=cfg.model)
         with building(folder / f"checkpoint_epoch_{epoch:04d}") as staging:
-            save_checkpoint_files(staging, inference_model(model, ema), optimizer, checkpoint_extra(metrics, model, epoch, ema, model_spec=config["model"]))
+            save_checkpoint_files(staging, attempt.weights(), attempt.optimizer, extra)
             publish_dir(staging, folder / f"checkpoint_epoch_{epoch:04d}")
         history = record_epoch(history_path, metrics)
         prune(folder, num_to_keep, score)

@@ -33,7 +33,7 @@ from storage_io import (
     storage_write_error,
 )
 from training.faults import ROW_LOG_ENV
-from training.loop import train_loop_per_worker
+from training.loop import LoopConfig, train_loop_per_worker
 from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
 from training.single_process import fit_single
@@ -111,31 +111,31 @@ def loop_config(
     cfg: TrainConfig, train_rows: int, torch_threads: int, model: ModelSpec, fault_dir: str | None = None,
     spec: TransformSpec | None = None,
 ) -> dict:
-    """The plain dict ``train_loop_per_worker`` unpacks."""
+    """The `training.loop.LoopConfig` every rank runs, as the plain dict Ray Train hands over (``train_loop_config``)."""
     run_dir = parent(fault_dir) if fault_dir else None
-    return {
-        "model": model.model_dump(),  # what every rank builds (training.models), recorded in each checkpoint
-        "epochs": cfg.epochs_for(train_rows),  # train.epochs, capped by train.max_images
-        "global_batch_size": cfg.global_batch_size,
-        "learning_rate": cfg.learning_rate,
-        "weight_decay": cfg.weight_decay,
-        "label_smoothing": cfg.label_smoothing,
-        "ema_decay": cfg.ema_decay,
-        "seed": cfg.seed,
-        "strategy": cfg.strategy,
-        "train_rows": train_rows,
-        "torch_threads": torch_threads,
-        "hang_timeout_s": cfg.hang_timeout_s,
-        "fault_dir": fault_dir,  # where test-only fault injection records what fired (training.faults)
-        "run_dir": run_dir,  # Ray Train's run folder: checkpoints get deterministic names there (train_loop.report)
-        "attempts_log": join(run_dir, ATTEMPTS_LOG) if run_dir else None,
-        "history_path": join(run_dir, HISTORY_FILE) if run_dir else None,  # every epoch's metrics, from rank 0
-        "checkpoint_every_steps": cfg.checkpoint_every_steps,
+    return LoopConfig(
+        model=model.model_dump(),
+        epochs=cfg.epochs_for(train_rows),
+        global_batch_size=cfg.global_batch_size,
+        learning_rate=cfg.learning_rate,
+        weight_decay=cfg.weight_decay,
+        label_smoothing=cfg.label_smoothing,
+        ema_decay=cfg.ema_decay,
+        seed=cfg.seed,
+        strategy=cfg.strategy,
+        train_rows=train_rows,
+        torch_threads=torch_threads,
+        hang_timeout_s=cfg.hang_timeout_s,
+        fault_dir=fault_dir,
+        run_dir=run_dir,
+        attempts_log=join(run_dir, ATTEMPTS_LOG) if run_dir else None,
+        history_path=join(run_dir, HISTORY_FILE) if run_dir else None,
+        checkpoint_every_steps=cfg.checkpoint_every_steps,
         # Each epoch builds its train pipeline from it (a resumed one without the rows already trained on).
-        "transform": spec.model_dump(mode="json") if spec is not None else None,
+        transform=spec.model_dump(mode="json") if spec is not None else None,
         # Test-only: every rank logs the row_ids it trains on (training.faults.ROW_LOG_ENV).
-        "row_log_dir": join(run_dir, "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
-    }
+        row_log_dir=join(run_dir, "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
+    ).model_dump()
 
 
 # Failures of a lost process or node, or a hang: worth another attempt from the latest checkpoint.
