@@ -21,7 +21,7 @@ import httpx
 
 from flows.console import resume_command
 from pipeline_config import DEFAULT_WORKLOAD
-from reporting.reports import artifact_keys, gate_verdict
+from reporting.artifacts import artifact_keys, gate_verdict
 from storage_io import StorageLayout, read_json
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"

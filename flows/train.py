@@ -33,7 +33,7 @@ from flows import console, hooks, stopping
 from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import TrainSettings, parse_cli
-from reporting import environment, reports
+from reporting import artifacts, environment
 from storage_io import (
     RunInUseError,
     StorageLayout,
@@ -276,12 +276,12 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
         to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload
     )
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
-    reports.publish_dataset_report(dataset, workload)
+    artifacts.publish_dataset_report(dataset, workload)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
     trained = stage(
         train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout, model=config.model, workload=workload,
     )
-    reports.publish_training_report(trained, workload)
+    artifacts.publish_training_report(trained, workload)
     # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
     # Evaluation ends with champion promotion (config.promote): the model replaces the champion only when better.
     evaluation = stage(
@@ -309,7 +309,7 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
             with run_lease(layout):  # refuses a live run of the same name
                 hooks.remember_run(layout)
                 env = environment.describe()
-                reports.publish_environment_report(env, config.workload)
+                artifacts.publish_environment_report(env, config.workload)
                 stage = StageRecorder(runner, layout, config, env, plan, module)
                 try:
                     stages(stage, layout, config)

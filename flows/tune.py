@@ -23,7 +23,7 @@ from flows import hooks
 from flows.train import STAGE_CPUS, StageRecorder, flow_run_name, run_cli, run_flow, train_with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
-from reporting import reports
+from reporting import artifacts
 from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download
@@ -70,7 +70,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
         to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload
     )
     lease_uses(layout, raw.directory, dataset.directory)
-    reports.publish_dataset_report(dataset, workload)
+    artifacts.publish_dataset_report(dataset, workload)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
     tuned = stage(
         tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout, model=config.model,
@@ -82,7 +82,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
         trained = stage(
             train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout, model=config.model, workload=workload,
         )
-        reports.publish_training_report(trained, workload)
+        artifacts.publish_training_report(trained, workload)
         recipe = config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")}  # what the model card names
         evaluation = stage(
             evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout,

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from dataset.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
-from reporting import environment, reports
+from reporting import artifacts, environment, pictures
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, lease_path, read_json, storage_writes
 from training import registry
@@ -102,10 +102,10 @@ def evaluate(
         atomic_write_json(result.metrics_path, result.model_dump())
     logger.info(
         "Test accuracy %.4f on %d images (without test-time augmentation %.4f; %s)",
-        result.accuracy, result.rows, plain_accuracy, reports.gate_verdict(result.accuracy, cfg.min_accuracy),
+        result.accuracy, result.rows, plain_accuracy, artifacts.gate_verdict(result.accuracy, cfg.min_accuracy),
     )
     # The evidence first, the verdict second: a failed gate's run page shows why it failed.
-    reports.publish_evaluation_report(result, spec.dataset, trained, workload)
+    artifacts.publish_evaluation_report(result, spec.dataset, trained, workload)
     if promote is not None and promote.enabled:
         name = promote.registry_name(workload, trained.model.name)
         result.promotion = promote_model(result, trained, spec, cfg, layout, promote, run_config or {}, raw_dir, name)
@@ -162,9 +162,9 @@ def promote_model(
         code_version=environment.git_commit(),
         data_spec=data_spec(spec),
     )
-    pictures = {"confusion_matrix.png": reports.confusion_matrix_png(result.confusion, spec.dataset.classes)}
+    pictures = {"confusion_matrix.png": pictures.confusion_matrix_png(result.confusion, spec.dataset.classes)}
     if trained.history:
-        pictures["training_curves.png"] = reports.training_curves_png(trained.history)
+        pictures["training_curves.png"] = pictures.training_curves_png(trained.history)
 
     def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
         card = read_json(join(folder, registry.CARD_FILE))
@@ -182,7 +182,7 @@ def promote_model(
     with storage_writes("evaluate"):
         registry.record_run(layout.root, model_name, run_row(result, trained, candidate, promotion, layout))
     runs = registry.recent_runs(layout.root, model_name, promote.recent_runs)
-    reports.publish_run_comparison(model_name, runs, promotion.model_dump())
+    artifacts.publish_run_comparison(model_name, runs, promotion.model_dump())
     return promotion
 
 

@@ -36,7 +36,7 @@ from prefect import task
 from dataset.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig
 from reporting.logs import stage_logger
-from reporting.reports import training_progress_callbacks
+from reporting.training_progress import training_progress_callbacks
 from storage_io import StorageLayout
 from training.models import ModelSpec
 from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, plan_resources, torch_trainer

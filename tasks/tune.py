@@ -20,8 +20,8 @@ from prefect import task
 
 from dataset.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, TrainConfig, TransformConfig, TuneConfig
+from reporting.artifacts import publish_tuning_report
 from reporting.logs import stage_logger
-from reporting.reports import publish_tuning_report
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
 from training.models import ModelSpec
 from training.trainer import is_infrastructure_failure

@@ -40,7 +40,7 @@ from flows.train import train_pipeline
 from flows.tune import TUNE_STAGE_CPUS, mnist_tune
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, TuneConfig, TunePipelineConfig, registry_model_name
 from pipeline_config.settings import load_preset
-from reporting.reports import artifact_keys, comparison_keys, tune_keys
+from reporting.artifacts import artifact_keys, comparison_keys, tune_keys
 from tests.support.images import CLASSES as SHAPE_CLASSES
 from tests.support.images import write_image_folder
 from tests.support.models import SMALL_MODEL, pause_env, wait_for_pause

@@ -32,7 +32,7 @@ from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFi
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, registry_model_name
 from pipeline_config.settings import parse_cli
-from reporting.reports import KEYS
+from reporting.artifacts import KEYS
 from tests.support.digits import shuffled_labels_mirror
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
 from tests.support.prefect_server import api_env, using_api

@@ -239,7 +239,7 @@ def test_the_extending_guide_runs_as_written(tmp_path, shared_server):
     import re
 
     from pipeline_config import registry_model_name
-    from reporting.reports import artifact_keys, comparison_keys
+    from reporting.artifacts import artifact_keys, comparison_keys
     from tests.support.prefect_server import api_env
 
     blocks = guide_blocks()

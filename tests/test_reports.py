@@ -19,7 +19,7 @@ from PIL import Image
 from dataset.parquet import convert
 from flows import hooks
 from pipeline_config import ParquetConfig
-from reporting import reports
+from reporting import artifacts, pictures, training_progress
 from tests.support.digits import write_raw
 
 RED = (200, 80, 80)  # a title pixel counts as red when R > 200 and G, B < 80
@@ -55,15 +55,15 @@ def dataset_dir(tmp_path_factory) -> Path:
 
 
 def test_keys_are_stable_and_valid_prefect_artifact_keys():
-    assert len(set(reports.KEYS.values())) == len(reports.KEYS)
-    assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in reports.KEYS.values())
+    assert len(set(artifacts.KEYS.values())) == len(artifacts.KEYS)
+    assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in artifacts.KEYS.values())
 
 
 def test_digit_grid_marks_misclassified_titles_red():
     images = np.zeros((9, 784), dtype=np.uint8)
     images[:, 300:500] = 255
-    plain = decode(reports.digit_grid_png(images, [str(i) for i in range(9)]))
-    marked = decode(reports.digit_grid_png(images, [f"label: {i}; pred: 0" for i in range(9)], wrong=[i % 2 == 1 for i in range(9)]))
+    plain = decode(pictures.digit_grid_png(images, [str(i) for i in range(9)]))
+    marked = decode(pictures.digit_grid_png(images, [f"label: {i}; pred: 0" for i in range(9)], wrong=[i % 2 == 1 for i in range(9)]))
     assert plain.width > 300 and abs(plain.width - plain.height) < plain.width * 0.2  # a square-ish 3x3 grid
     assert red_pixels(plain) == 0 and red_pixels(marked) > 50
     assert np.asarray(plain).max() == 255  # the white strokes are drawn
@@ -71,9 +71,9 @@ def test_digit_grid_marks_misclassified_titles_red():
 
 def test_digit_grid_rejects_mismatched_titles_and_too_many_images():
     with pytest.raises(ValueError):
-        reports.digit_grid_png(np.zeros((3, 784), np.uint8), ["a", "b"])
+        pictures.digit_grid_png(np.zeros((3, 784), np.uint8), ["a", "b"])
     with pytest.raises(ValueError):
-        reports.digit_grid_png(np.zeros((10, 784), np.uint8), [str(i) for i in range(10)])
+        pictures.digit_grid_png(np.zeros((10, 784), np.uint8), [str(i) for i in range(10)])
 
 
 def test_training_curves_render_one_and_many_epochs():
@@ -81,23 +81,23 @@ def test_training_curves_render_one_and_many_epochs():
         {"epoch": e, "train_loss": 2 / (e + 1), "val_loss": 2.2 / (e + 1), "train_accuracy": 0.5 + e / 20, "val_accuracy": 0.4 + e / 20}
         for e in range(6)
     ]
-    wide = decode(reports.training_curves_png(list(reversed(history))))
+    wide = decode(pictures.training_curves_png(list(reversed(history))))
     assert wide.width > 1.8 * wide.height  # loss and accuracy side by side
-    assert decode(reports.training_curves_png(history[:1])).width > 0
+    assert decode(pictures.training_curves_png(history[:1])).width > 0
     with pytest.raises(ValueError):
-        reports.training_curves_png([{"train_loss": 1.0}])
+        pictures.training_curves_png([{"train_loss": 1.0}])
 
 
 def test_confusion_matrix_png_and_shape_check():
     confusion = (np.eye(10, dtype=int) * 90 + 1).tolist()
-    assert decode(reports.confusion_matrix_png(confusion)).width > 300
+    assert decode(pictures.confusion_matrix_png(confusion)).width > 300
     with pytest.raises(ValueError):
-        reports.confusion_matrix_png([[1, 2, 3]])
+        pictures.confusion_matrix_png([[1, 2, 3]])
 
 
 def test_image_markdown_embeds_the_png_as_a_data_uri():
-    png = reports.digit_grid_png(np.full((1, 784), 128, np.uint8), ["x"])
-    markdown = reports.image_markdown("A title", png, "caption text")
+    png = pictures.digit_grid_png(np.full((1, 784), 128, np.uint8), ["x"])
+    markdown = pictures.image_markdown("A title", png, "caption text")
     assert markdown.startswith("## A title\n")
     assert "caption text" in markdown
     assert base64.b64decode(markdown.split("base64,")[1].split(")")[0]) == png
@@ -111,8 +111,8 @@ def test_metrics_rows_per_class_and_overall():
     precision[5] = 0.9
     recall = [1.0] * 10
     recall[3] = 0.9
-    gate = reports.gate_verdict(90 / 91, 0.995)
-    rows = reports.metrics_rows(confusion.tolist(), precision, recall, gate)
+    gate = artifacts.gate_verdict(90 / 91, 0.995)
+    rows = artifacts.metrics_rows(confusion.tolist(), precision, recall, gate)
     assert len(rows) == 11
     assert rows[4] == {"class": "3", "support": 10, "correct": 9, "precision": 1.0, "recall": 0.9, "accuracy": None, "gate": None}
     assert rows[0]["class"] == "all" and rows[0]["support"] == 91 and rows[0]["accuracy"] == round(90 / 91, 4)
@@ -120,9 +120,9 @@ def test_metrics_rows_per_class_and_overall():
 
 
 def test_gate_verdict_says_passed_or_failed_with_both_numbers():
-    assert reports.gate_verdict(0.989, 0.985) == "gate passed: 98.90% >= 98.50%"
-    assert reports.gate_verdict(0.985, 0.985) == "gate passed: 98.50% >= 98.50%"
-    assert reports.gate_verdict(0.984, 0.985) == "gate FAILED: 98.40% < 98.50%"
+    assert artifacts.gate_verdict(0.989, 0.985) == "gate passed: 98.90% >= 98.50%"
+    assert artifacts.gate_verdict(0.985, 0.985) == "gate passed: 98.50% >= 98.50%"
+    assert artifacts.gate_verdict(0.984, 0.985) == "gate FAILED: 98.40% < 98.50%"
 
 
 def test_checkpoint_markdown_names_the_evaluated_checkpoint():
@@ -130,7 +130,7 @@ def test_checkpoint_markdown_names_the_evaluated_checkpoint():
         {"path": "/s/runs/r/checkpoint_000000", "epoch": 0, "val_accuracy": 0.9},
         {"path": "/s/runs/r/checkpoint_000001", "epoch": 1, "val_accuracy": 0.95},
     ]
-    markdown = reports.checkpoint_markdown(kept[1]["path"], kept, "/s/runs/r", 0.9612, "gate FAILED: 96.12% < 98.50%")
+    markdown = artifacts.checkpoint_markdown(kept[1]["path"], kept, "/s/runs/r", 0.9612, "gate FAILED: 96.12% < 98.50%")
     assert markdown.startswith("## Checkpoint used for evaluation (gate FAILED: 96.12% < 98.50%)\n")
     assert "`/s/runs/r/checkpoint_000001`" in markdown and "0.9612" in markdown
     assert "| `checkpoint_000001` (evaluated) | 2 | 0.9500 |" in markdown
@@ -140,26 +140,26 @@ def test_pick_predictions_shows_some_mistakes_and_is_stable():
     labels = np.arange(100) % 10
     preds = labels.copy()
     preds[[4, 17, 33, 58, 71]] = 0
-    first = reports.pick_predictions(labels, preds)
+    first = pictures.pick_predictions(labels, preds)
     assert len(first) == 9 and (labels[first] != preds[first]).sum() == 3
-    assert np.array_equal(first, reports.pick_predictions(labels, preds))
-    assert len(reports.pick_predictions(labels, labels)) == 9  # no mistakes: nine correct ones
+    assert np.array_equal(first, pictures.pick_predictions(labels, preds))
+    assert len(pictures.pick_predictions(labels, labels)) == 9  # no mistakes: nine correct ones
 
 
 def test_read_split_rows_by_row_id_returns_the_right_images(dataset_dir):
     # synthetic_digits encodes the row index in the top-left pixel: row_id n has pixel n % 256
     wanted = [139, 121, 150]  # test rows, in a chosen order
-    row_ids, images, labels = reports.read_split_rows(str(dataset_dir / "test"), row_ids=wanted)
+    row_ids, images, labels = pictures.read_split_rows(str(dataset_dir / "test"), row_ids=wanted)
     assert row_ids.tolist() == wanted
     assert images[:, 0].tolist() == [(rid - 120) % 256 for rid in wanted]
     assert labels.tolist() == [(rid - 120) % 10 for rid in wanted]
     with pytest.raises(KeyError):
-        reports.read_split_rows(str(dataset_dir / "test"), row_ids=[5])  # a train row
+        pictures.read_split_rows(str(dataset_dir / "test"), row_ids=[5])  # a train row
 
 
 def test_sample_digits_report_reads_nine_training_digits(dataset_dir):
     train_rows = pq.read_table(dataset_dir / "train").num_rows
-    markdown = reports.sample_digits_markdown(str(dataset_dir / "train"), train_rows)
+    markdown = pictures.sample_digits_markdown(str(dataset_dir / "train"), train_rows)
     assert markdown.startswith("## Sample training digits")
     assert markdown_image(markdown).width > 300
 
@@ -171,20 +171,20 @@ def test_predictions_report_joins_predictions_to_test_images(dataset_dir, tmp_pa
     preds[:5] = (preds[:5] + 1) % 10
     path = tmp_path / "predictions.parquet"
     pq.write_table(pa.table({"row_id": test.column("row_id"), "label": labels, "pred": preds}), path)
-    markdown = reports.predictions_markdown(str(path), str(dataset_dir / "test"))
+    markdown = pictures.predictions_markdown(str(path), str(dataset_dir / "test"))
     assert "5 of 40 test images are misclassified" in markdown
     assert red_pixels(markdown_image(markdown)) > 50  # the misclassified ones are marked
 
 
 def test_progress_reaches_100_on_the_last_epoch():
-    assert [reports.progress_percent(e, 4) for e in range(4)] == [25.0, 50.0, 75.0, 100.0]
-    assert reports.progress_percent(7, 4) == 100.0
-    line = reports.epoch_line({"epoch": 2, "train_loss": 0.5, "val_accuracy": 0.97}, 20)
+    assert [training_progress.progress_percent(e, 4) for e in range(4)] == [25.0, 50.0, 75.0, 100.0]
+    assert training_progress.progress_percent(7, 4) == 100.0
+    line = training_progress.epoch_line({"epoch": 2, "train_loss": 0.5, "val_accuracy": 0.97}, 20)
     assert line == "epoch 3/20: train loss 0.5000, val accuracy 0.9700"
 
 
 def test_a_failing_publisher_warns_and_returns_none(caplog):
-    assert reports.publish_training_report(object()) is None  # no history: the report fails, quietly
+    assert artifacts.publish_training_report(object()) is None  # no history: the report fails, quietly
     assert "publish_training_report not published" in caplog.text
 
 

@@ -17,7 +17,8 @@ from flows import console
 from flows import tune as tune_flow
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig, TunePipelineConfig
 from pipeline_config.settings import PipelineSettings, parse_cli
-from reporting.reports import trial_curves_png, trial_rows
+from reporting.artifacts import trial_rows
+from reporting.pictures import trial_curves_png
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL, pause_env
 from tests.support.prefect_server import free_port

@@ -30,7 +30,7 @@ from pipeline_config import (
     TunePipelineConfig,
     registry_model_name,
 )
-from reporting.reports import KEYS, TUNE_KEYS, comparison_keys
+from reporting.artifacts import KEYS, TUNE_KEYS, comparison_keys
 from tests.support.models import SMALL_MODEL
 from tests.support.prefect_server import (
     TRAIN_FLOW,
