@@ -107,11 +107,11 @@ def running_ray_cluster(temp: Path) -> Iterator[tuple[str, dict]]:
 
     Stopped by ending its ``ray start`` process group, not ``ray stop``, which would stop every
     Ray on the machine. The worker-pool settings are the ones a run's local Ray gets
-    (``flows.runtime.LOCAL_RAY_SYSTEM_CONFIG``); token authentication is off in its processes and
+    (``runner.runtime.LOCAL_RAY_SYSTEM_CONFIG``); token authentication is off in its processes and
     the runs' (it is about who may join, not what is measured here).
     """
     from benchmarks.ddp import free_port
-    from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG
+    from runner.runtime import LOCAL_RAY_SYSTEM_CONFIG
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
@@ -147,7 +147,7 @@ def measure(reused_runs: int = 2, ray_cluster: bool = False) -> dict:
 
     With ``reused_runs=0`` (the quick suite) the row quotes the first run itself.
     """
-    from flows.server_process import owned_server_class
+    from runner.server_process import owned_server_class
 
     server = owned_server_class()()
     server.port = server.find_available_port()

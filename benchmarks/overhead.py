@@ -4,7 +4,7 @@
 
 Parts, in the order a CLI run meets them: importing the flow (Prefect, Ray, torch), starting
 the temporary Prefect server on 127.0.0.1 and a local Ray side by side (what ``python -m
-flows.mnist`` does when ``PREFECT_API_URL`` and ``ray.address`` are unset: ``flows.runtime.cli_runtime``),
+flows.mnist`` does when ``PREFECT_API_URL`` and ``ray.address`` are unset: ``runner.runtime.cli_runtime``),
 and a Ray Train worker group that runs a training function doing nothing, all with the flow's
 own settings. The worker group's time is split at the worker process's start and at the training
 function's start: controller and placement group, then the worker's imports and torch process
@@ -52,7 +52,7 @@ def measure() -> dict:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from flows.runtime import cli_runtime, ray_train_env
+    from runner.runtime import cli_runtime, ray_train_env
     from pipeline_config import RayConfig
 
     seconds["imports_s"] = time.perf_counter() - start

@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG, ray_train_env  # Ray as a run starts it
+    from runner.runtime import LOCAL_RAY_SYSTEM_CONFIG, ray_train_env  # Ray as a run starts it
 
     os.environ.update(ray_train_env())  # the training stage's fit() runs in this process here
 

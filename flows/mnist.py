@@ -18,7 +18,6 @@ from typing import Any
 
 from prefect import flow
 
-from flows import hooks
 from flows.train import (  # noqa: F401 - the names flows.mnist always offered (flows.tune, tests, benchmarks)
     STAGE_CPUS,
     StageRecorder,
@@ -32,6 +31,7 @@ from flows.train import (  # noqa: F401 - the names flows.mnist always offered (
 )
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
+from runner import hooks
 
 
 @flow(name="mnist-resnet18", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])

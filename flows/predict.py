@@ -39,7 +39,6 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from dataset.inputs import NO_LABEL, read_folder
 from dataset.parquet import MNIST_CLASSES
-from flows.runtime import local_gcs_port, ray_init_args
 from pipeline_config import (
     DEFAULT_WORKLOAD,
     EvaluateConfig,
@@ -50,6 +49,7 @@ from pipeline_config import (
     TransformConfig,
     registry_model_name,
 )
+from runner.runtime import local_gcs_port, ray_init_args
 from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
 from training import registry
 

@@ -29,11 +29,11 @@ from prefect_ray.context import remote_options
 from pydantic import ValidationError
 
 from dataset import folder
-from flows import console, hooks, stopping
-from flows.runtime import cli_runtime, ray_task_runner
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import TrainSettings, parse_cli
 from reporting import artifacts, environment
+from runner import console, hooks, stopping
+from runner.runtime import cli_runtime, ray_task_runner
 from storage_io import (
     RunInUseError,
     StorageLayout,
@@ -392,7 +392,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     named = "MNIST" if config.workload == DEFAULT_WORKLOAD else config.workload
     print(f"{title.format(workload=named)}: run {config.run_name} -> {layout.run_dir}", flush=True)
     failed, runtime = None, None
-    # Ctrl-C and SIGTERM ask the run to stop (flows/stopping.py). The Prefect API and a local Ray
+    # Ctrl-C and SIGTERM ask the run to stop (runner/stopping.py). The Prefect API and a local Ray
     # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose
     # (the Prefect UI gets every log line either way).
     with stopping.signals_stop_the_run() as stop:

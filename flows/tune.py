@@ -19,11 +19,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows import hooks
 from flows.train import STAGE_CPUS, StageRecorder, flow_run_name, run_cli, run_flow, train_with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
 from reporting import artifacts
+from runner import hooks
 from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download

@@ -26,7 +26,7 @@ from storage_io.errors import s3_write_error
 S3_SCHEME = "s3://"
 
 
-# The environment variables an S3 storage root reads (forwarded to Ray workers by flows.runtime).
+# The environment variables an S3 storage root reads (forwarded to Ray workers by runner.runtime).
 S3_ENV_VARS = (
     "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",

@@ -24,7 +24,7 @@ def local_ray():
     """A real local Ray (2 CPUs) for the module, shut down afterwards."""
     import ray
 
-    from flows.runtime import LOCAL_RAY_SYSTEM_CONFIG  # as a run's own local Ray
+    from runner.runtime import LOCAL_RAY_SYSTEM_CONFIG  # as a run's own local Ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:

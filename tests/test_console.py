@@ -10,8 +10,8 @@ import time
 import pytest
 from prefect.logging.handlers import PrefectConsoleHandler
 
-from flows import console
 from pipeline_config import TrainConfig
+from runner import console
 from training.records import record_epoch
 
 
@@ -42,7 +42,7 @@ def test_epoch_watcher_says_each_new_epoch_once_and_skips_a_resumed_runs_earlier
     history = str(tmp_path / "history.jsonl")
     record_epoch(history, {"epoch": 0, "train_loss": 1.0, "val_accuracy": 0.5, "images_per_s": 100.0})  # before a resume
     collected = _Records()
-    logging.getLogger("flows.console").addHandler(collected)  # the watcher's logger outside a Prefect run
+    logging.getLogger("runner.console").addHandler(collected)  # the watcher's logger outside a Prefect run
     try:
         with console.EpochWatcher(history, epochs=4, poll_s=0.05):
             for epoch in (1, 2, 3):
@@ -50,7 +50,7 @@ def test_epoch_watcher_says_each_new_epoch_once_and_skips_a_resumed_runs_earlier
                 record_epoch(history, {"epoch": epoch, "train_loss": 0.5, "val_accuracy": 0.9, "images_per_s": 200.0})
             time.sleep(0.3)
     finally:
-        logging.getLogger("flows.console").removeHandler(collected)
+        logging.getLogger("runner.console").removeHandler(collected)
     lines = [r.getMessage() for r in collected.records if getattr(r, console.CONSOLE_FLAG, False)]
     assert [line.split("  ")[0] for line in lines] == ["epoch 2/4", "epoch 3/4", "epoch 4/4"]
     # No estimate from the first epoch seen (it carries the start-up), one from the second on, none at the end.
@@ -61,7 +61,7 @@ def test_trial_watcher_says_each_trial_epoch_once_and_skips_a_restored_searchs_e
     trials = tmp_path / "trials"
     record_epoch(str(trials / "t_00000" / "history.jsonl"), {"epoch": 0, "val_ce": 0.9, "val_accuracy": 0.7})  # before a restore
     collected = _Records()
-    logging.getLogger("flows.console").addHandler(collected)
+    logging.getLogger("runner.console").addHandler(collected)
     try:
         with console.TrialWatcher(str(trials), epochs=2, metric="val_ce", poll_s=0.05):
             time.sleep(0.2)
@@ -69,7 +69,7 @@ def test_trial_watcher_says_each_trial_epoch_once_and_skips_a_restored_searchs_e
             record_epoch(str(trials / "t_00001" / "history.jsonl"), {"epoch": 0, "val_ce": 1.5, "val_accuracy": 0.4})
             time.sleep(0.3)
     finally:
-        logging.getLogger("flows.console").removeHandler(collected)
+        logging.getLogger("runner.console").removeHandler(collected)
     lines = sorted(r.getMessage() for r in collected.records if getattr(r, console.CONSOLE_FLAG, False))
     assert [line.split("  ")[:3] for line in lines] == [
         ["trial t_00000 epoch 2/2", "val_ce 0.5000", "val acc 80.00%"], ["trial t_00001 epoch 1/2", "val_ce 1.5000", "val acc 40.00%"]]

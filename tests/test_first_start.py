@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.runtime import START_FAILED_EXIT_CODE
-from flows.server_process import LOG_NAME
+from runner.runtime import START_FAILED_EXIT_CODE
+from runner.server_process import LOG_NAME
 from tests.support.cli import CliRun, alive, wait_gone
 
 # What a user's shell might set that would make the start not a first one (or not the default one).

@@ -17,9 +17,9 @@ import pytest
 from PIL import Image
 
 from dataset.parquet import convert
-from flows import hooks
 from pipeline_config import ParquetConfig
 from reporting import artifacts, pictures, training_progress
+from runner import hooks
 from tests.support.digits import write_raw
 
 RED = (200, 80, 80)  # a title pixel counts as red when R > 200 and G, B < 80

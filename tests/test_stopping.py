@@ -6,7 +6,7 @@ training to pause (the test-only pause hook, tests/support/models.py), sends a s
 goes to the whole process group, like the terminal's), and checks the exit code, the time it
 took, the run's summary.json and that no process of the run is left: the CLI's descendants
 (local Ray, its workers) and the temporary Prefect server, which runs in a session of its own
-(flows/server_process.py).
+(runner/server_process.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from flows import console, hooks
-from flows.stopping import EXIT_CODES, StopRequest
+from runner import console, hooks
+from runner.stopping import EXIT_CODES, StopRequest
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL_ARGS, pause_env
 from tests.support.prefect_server import PrefectServer
@@ -60,7 +60,7 @@ def test_stopped_lines_name_the_stage_the_checkpoint_and_the_resume_command():
 
 def test_the_resume_command_keeps_the_runs_options_and_the_way_it_was_started(tmp_path):
     def resume_command_in_a_child(argv: list[str]) -> str:  # this process may be make's own child (make test)
-        code = f"from flows.console import resume_command; print(resume_command('r1', '/data', {argv!r}))"
+        code = f"from runner.console import resume_command; print(resume_command('r1', '/data', {argv!r}))"
         return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
 
     python = Path(sys.executable)
@@ -70,7 +70,7 @@ def test_the_resume_command_keeps_the_runs_options_and_the_way_it_was_started(tm
     assert console.resume_command("r1", "/data") == "python -m flows.mnist --run-name r1 --storage-root /data"  # a served run
     # As the recipe of a make target (`make run`, `make smoke`): the make command that resumes.
     (tmp_path / "Makefile").write_text(
-        "smoke:\n\t" + sys.executable + " -c \"from flows.console import resume_command; "
+        "smoke:\n\t" + sys.executable + " -c \"from runner.console import resume_command; "
         "print(resume_command('r1', '/my data', ['--preset', 'smoke']))\"\n"
     )
     done = subprocess.run(["make", "-s", "smoke"], cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -142,7 +142,7 @@ def test_sigkill_leaves_nothing_behind_and_the_same_run_started_again_stops_on_s
     killed = CliRun(tmp_path, "killed")
     killed.wait_for_line("Ray: local cluster", timeout_s=180)
     pids = killed.processes()
-    server = [pid for pid in pids if pid != killed.proc.pid and "flows.server_process" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    server = [pid for pid in pids if pid != killed.proc.pid and "runner.server_process" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
     assert server, "the temporary Prefect server was not found among the run's processes"
     os.kill(killed.proc.pid, signal.SIGKILL)
     killed.proc.wait(timeout=10)  # reaped: a zombie's pid would still hold the run's lease

@@ -13,12 +13,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from flows import console
 from flows import tune as tune_flow
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig, TunePipelineConfig
 from pipeline_config.settings import PipelineSettings, parse_cli
 from reporting.artifacts import trial_rows
 from reporting.pictures import trial_curves_png
+from runner import console
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL, pause_env
 from tests.support.prefect_server import free_port
@@ -292,7 +292,7 @@ def test_local_ray_workers_find_their_own_cluster_beside_another_local_ray(tmp_p
 
     import ray
 
-    from flows.runtime import local_gcs_port, ray_init_args
+    from runner.runtime import local_gcs_port, ray_init_args
     from pipeline_config import RayConfig
 
     other_dir = tempfile.mkdtemp(dir="/tmp", prefix="r2-")  # short: Ray's socket paths must fit in 107 bytes

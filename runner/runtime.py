@@ -27,9 +27,9 @@ from prefect.settings import (
 )
 from prefect_ray import RayTaskRunner
 
-from flows.server_process import TIMEOUT_SETTING, ServerStartError, owned_server_class
-from flows.stopping import STOP, sigterm_handler_kept
 from pipeline_config import RayConfig
+from runner.server_process import TIMEOUT_SETTING, ServerStartError, owned_server_class
+from runner.stopping import STOP, sigterm_handler_kept
 from storage_io import S3_ENV_VARS
 from training.faults import TEST_HOOK_ENVS
 
@@ -60,14 +60,14 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
             alongside(url)
         yield url
         return
-    server = owned_server_class()()  # its own session, stops when this process is gone (flows.server_process)
+    server = owned_server_class()()  # its own session, stops when this process is gone (runner.server_process)
     server.port = server.find_available_port()
     failures: list[BaseException] = []
 
     def start() -> None:
         try:
             with temporary_settings(updates={PREFECT_SERVER_ANALYTICS_ENABLED: False}):
-                server.start()  # ServerStartError when it does not come up (flows.server_process)
+                server.start()  # ServerStartError when it does not come up (runner.server_process)
         except BaseException as exc:  # raised again in the calling thread
             failures.append(exc)
 
@@ -142,7 +142,7 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
     def start_ray(url: str) -> None:
         address, kwargs = ray_init_args(cfg, url)
         try:
-            with sigterm_handler_kept(), local_gcs_port(kwargs):  # SIGTERM stays the CLI's (flows/stopping.py)
+            with sigterm_handler_kept(), local_gcs_port(kwargs):  # SIGTERM stays the CLI's (runner/stopping.py)
                 context = ray.init(address, **kwargs)
         except Exception as exc:
             raise RayStartError(exc) from exc

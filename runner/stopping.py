@@ -28,7 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from flows.console import resume_command
+from runner.console import resume_command
 from storage_io import read_json
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
@@ -96,7 +96,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         _tell(f"\n{SIGNAL_NAMES[signum]}: stopping the run, keeping its checkpoints{again} ...\n")
     elif signum == signal.SIGINT:
         # Second Ctrl-C: leave now. Ray (started by this process) and the temporary Prefect
-        # server (flows.server_process) watch this process and exit after it.
+        # server (runner.server_process) watch this process and exit after it.
         _tell("\nsecond Ctrl-C: exiting now; the run folder keeps its last checkpoint\n")
         os._exit(EXIT_CODES[signal.SIGINT])
 

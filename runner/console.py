@@ -42,7 +42,7 @@ def run_logger() -> Logger:
     try:
         return get_run_logger()
     except MissingContextError:
-        logger = logging.getLogger("flows.console")
+        logger = logging.getLogger("runner.console")
         logger.setLevel(logging.INFO)
         return logger
 
@@ -65,7 +65,7 @@ def quiet_terminal(enabled: bool = True) -> Iterator[None]:
 
     Filters Prefect's console handler on the root logger and prints errors without their
     traceback (the UI and --verbose keep it); restored on exit. Ray's own driver lines follow
-    ``ray.log_to_driver`` (``flows.runtime.ray_init_args``).
+    ``ray.log_to_driver`` (``runner.runtime.ray_init_args``).
     """
     if not enabled:
         yield

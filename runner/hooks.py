@@ -19,9 +19,9 @@ from typing import Any
 
 import httpx
 
-from flows.console import resume_command
 from pipeline_config import DEFAULT_WORKLOAD
 from reporting.artifacts import artifact_keys, gate_verdict
+from runner.console import resume_command
 from storage_io import StorageLayout, read_json
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
