@@ -18,20 +18,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.train import (  # noqa: F401 - the names flows.mnist always offered (flows.tune, tests, benchmarks)
-    STAGE_CPUS,
-    StageRecorder,
-    check_cluster_fits,
-    default_run_name,
-    flow_run_name,
-    run_cli,
-    run_flow,
-    run_stages,
-    train_with_retries,
-)
+from flows.train import STAGE_CPUS, check_cluster_fits, run_stages
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
 from runner import hooks
+from runner.harness import flow_run_name, run_cli, run_flow
 
 
 @flow(name="mnist-resnet18", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])

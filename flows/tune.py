@@ -19,11 +19,13 @@ from typing import Any
 
 from prefect import flow
 
-from flows.train import STAGE_CPUS, StageRecorder, flow_run_name, run_cli, run_flow, train_with_retries
+from flows.train import STAGE_CPUS, train_with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
 from reporting import artifacts
 from runner import hooks
+from runner.harness import flow_run_name, run_cli, run_flow
+from runner.stages import StageRecorder
 from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download

@@ -97,9 +97,9 @@ def test_bad_values_name_the_field(data, field, hint):
 def test_the_workload_names_runs_artifacts_and_the_registry_and_mnist_keeps_its_names(monkeypatch):
     """The defaults are MNIST's names exactly (deployments, artifacts and champions stay valid); another
     workload's names start with it."""
-    from flows.train import default_run_name, run_name_prefix
     from pipeline_config import TunePipelineConfig
     from reporting.artifacts import artifact_keys, tune_keys
+    from runner.harness import default_run_name, run_name_prefix
 
     mnist = PipelineConfig()
     assert mnist.workload == "mnist" and mnist.registry_name == "mnist-resnet18"

@@ -17,8 +17,8 @@ from prefect import flow
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.train import _named_run, flow_run_name
 from pipeline_config import PipelineConfig, TunePipelineConfig
+from runner.harness import _named_run, flow_run_name
 
 pytestmark = pytest.mark.slow
 WORKLOAD = "shapes-demo"

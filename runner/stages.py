@@ -1,0 +1,184 @@
+"""Running a flow's stages one by one and recording them: `StageRecorder`.
+
+Each stage runs as a Prefect task on the flow's Ray task runner; its status and seconds, and how
+a stopped run stopped, go into ``summary.json``. The terminal gets a line when a stage starts and
+one when it ends, with what it produced.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any
+
+from prefect import Task
+from prefect_ray.context import remote_options
+
+from pipeline_config import PipelineConfig
+from runner import console, hooks, stopping
+from storage_io import StorageLayout, atomic_write_json, join, read_json, storage_writes
+from training.records import HISTORY_FILE
+from training.trainer import latest_checkpoint
+from training.tuning import TRIALS_DIR
+
+
+class StageRecorder:
+    """Runs stages on the task runner and records their status and seconds for summary.json.
+
+    ``plan``: the flow's stages in order with the logical CPUs each holds (``flows.train.STAGE_CPUS``).
+    """
+
+    def __init__(
+        self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any], plan: dict[str, float],
+        module: str = "flows.train",
+    ):
+        self.runner, self.layout, self.config, self.env, self.plan = runner, layout, config, env, plan
+        self.module = module  # what resumes the run: python -m <module>
+        self.stages: dict[str, dict[str, Any]] = {}
+        self.outputs: dict[str, Any] = {}
+        self.stopped: dict[str, Any] | None = None  # how an interrupted or cancelled run stopped
+
+    def __call__(self, stage: Task, **parameters: Any) -> Any:
+        name = stage.name
+        number = f"[{list(self.plan).index(name) + 1}/{len(self.plan)}] {name}"
+        self.stages[name] = {"status": "running", "seconds": None}
+        console.say("%s ...%s", number, _stage_start(name, self))
+        start = time.perf_counter()
+        # Training says one line per epoch, read from the run's history on storage by this driver.
+        history = join(self.layout.run_dir, HISTORY_FILE)
+        watch = console.EpochWatcher(history, self.epochs()) if name == "train" else nullcontext()
+        tune_cfg = getattr(self.config, "tune", None)
+        if name == "tune" and tune_cfg is not None:  # one line per trial epoch, from the trials' histories
+            watch = console.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
+        try:
+            with remote_options(num_cpus=self.plan[name]):
+                future = self.runner.submit(stage, parameters=parameters)
+            with watch:
+                result = stopping.wait_for_stage(future, name)
+        except stopping.RunStopped as stop:
+            self.stages[name]["status"] = "interrupted"
+            self.record_stop("interrupted", name, stop.reason)
+            raise
+        except BaseException as exc:
+            if stopping.prefect_is_cancelling():  # Cancel in the Prefect UI: Prefect's engine ends the run
+                self.stages[name]["status"] = "cancelled"
+                self.record_stop("cancelled", name, "cancelled from Prefect")
+            else:
+                self.stages[name] |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+            raise
+        finally:
+            self.stages[name]["seconds"] = round(time.perf_counter() - start, 2)
+        self.stages[name]["status"] = "completed"
+        self.outputs[name] = result
+        seconds = console.duration(self.stages[name]["seconds"])
+        console.say("%s done in %s%s", number, seconds, _stage_detail(name, result, self.config))
+        return result
+
+    def epochs(self) -> int | None:
+        """The epochs training makes on this run's data (train.epochs capped by train.max_images), once it is known."""
+        dataset = self.outputs.get("to-parquet")
+        if "train" not in self.plan:  # a search without training the best config (trials: tuning)
+            return None
+        return self.config.train.epochs_for(dataset.rows["train"]) if dataset else None
+
+    def record_stop(self, status: str, stage: str, reason: str) -> None:
+        """Remember that the run stopped on request in ``stage``, and the checkpoint it keeps."""
+        self.stopped = {"status": status, "stage": stage, "reason": reason, "checkpoint_kept": latest_checkpoint(self.layout.run_dir)}
+
+    def status(self) -> str:
+        """completed, failed, interrupted (Ctrl-C, SIGTERM) or cancelled (from Prefect)."""
+        if self.stopped:
+            return self.stopped["status"]
+        return "completed" if self.completed() else "failed"
+
+    def completed(self) -> bool:
+        """True when every stage ran and completed."""
+        return len(self.stages) == len(self.plan) and all(s["status"] == "completed" for s in self.stages.values())
+
+    def summary(self) -> dict[str, Any]:
+        """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
+        raw, dataset, trained, tuned = (self.outputs.get(name) for name in ("download", "to-parquet", "train", "tune"))
+        metrics = _read_metrics(self.layout)
+        from prefect.runtime import flow_run
+
+        return {
+            "run_name": self.layout.run_name,
+            "module": self.module,  # what resumes it
+            "workload": self.config.workload,
+            "flow_run_id": str(flow_run.id) if flow_run.id else None,
+            "storage_root": self.layout.root,
+            "run_dir": self.layout.run_dir,
+            "data_source": raw.source if raw else None,
+            "data": {
+                "raw_dir": raw.directory if raw else None,
+                "download_skipped": raw.skipped if raw else None,
+                "dataset_dir": dataset.directory if dataset else None,
+                "conversion_skipped": dataset.skipped if dataset else None,
+                "rows": dataset.rows if dataset else None,
+            },
+            "status": self.status(),
+            "stopped": self.stopped,
+            "stages": self.stages,
+            "epochs": self.epochs(),
+            "best_checkpoint": trained.best_checkpoint if trained else None,
+            "best_val_accuracy": trained.best_val_accuracy if trained else None,
+            "training_attempts": trained.attempts if trained else None,
+            "resumed_from_epoch": trained.resumed_from_epoch if trained else None,
+            "test_accuracy": metrics.get("accuracy"),
+            "promotion": metrics.get("promotion"),
+            "evaluation": metrics,
+            **({"tuning": tuned.summary() if tuned else None} if "tune" in self.plan else {}),
+            "config": self.config.model_dump(mode="json"),
+            "environment": self.env,
+        }
+
+    def write_summary(self) -> dict[str, Any]:
+        summary = self.summary()
+        hooks.remember_summary(summary)  # the failure hook's account, even when the write below fails
+        with storage_writes("summary", self.layout.run_dir):
+            atomic_write_json(self.layout.summary_path, summary)
+        return summary
+
+
+def _stage_detail(name: str, result: Any, config: PipelineConfig) -> str:
+    """What a finished stage produced, in a few words for its terminal line (empty when nothing to say)."""
+    reused = " (verified on storage, reused)" if getattr(result, "skipped", False) else ""
+    if name == "download":
+        return f": {result.source} data{reused}"
+    if name == "to-parquet":
+        rows = result.rows
+        return f": {rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows{reused}"
+    if name == "transform":
+        return " (checks of this dataset and config reused)" if result.skipped else ""
+    if name == "train":
+        return f": best validation accuracy {result.best_val_accuracy:.2%}"
+    if name == "tune":
+        best = result.best
+        return (f": best trial {best.trial_id}, {result.metric} {best.best_metric:.4f} ({len(result.trials)} trials, "
+                f"{result.stopped_early()} stopped early){' (search restored)' if result.restored else ''}")
+    if name == "evaluate":
+        promotion = result.promotion
+        promoted = ""
+        if promotion is not None:
+            promoted = f", promoted to {promotion.model} v{promotion.version}" if promotion.promoted else ", not promoted"
+        return f": test accuracy {result.accuracy:.2%} (gate {config.evaluate.min_accuracy:.2%} passed){promoted}"
+    if name == "cleanup":
+        verb = "would delete" if result.dry_run else "deleted"
+        kept = f", kept {len(result.kept)} for the model registry" if result.kept else ""
+        return f": {verb} {len(result.paths)} item(s){kept}"
+    return ""
+
+
+def _stage_start(name: str, stage: StageRecorder) -> str:
+    """What a starting stage will do, when there is more to say than its name."""
+    if name == "train":
+        return f" {stage.epochs()} epoch(s)"
+    tune_cfg = getattr(stage.config, "tune", None)
+    if name == "tune" and tune_cfg is not None:
+        return f" {tune_cfg.num_samples} trial(s) of up to {tune_cfg.epochs} epoch(s), {tune_cfg.scheduler.upper()} by {tune_cfg.metric}"
+    return ""
+
+
+def _read_metrics(layout: StorageLayout) -> dict[str, Any]:
+    metrics = read_json(join(layout.evaluation_dir, "metrics.json"))
+    return metrics if isinstance(metrics, dict) else {}
