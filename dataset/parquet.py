@@ -94,6 +94,12 @@ class ParquetDataset(BaseModel):
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)
 
+    def terminal_detail(self) -> str:
+        """What the conversion stage's closing terminal line adds after its name and seconds."""
+        rows = self.rows
+        counts = f"{rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows"
+        return f": {counts}{' (verified on storage, reused)' if self.skipped else ''}"
+
     @property
     def num_classes(self) -> int:
         """Labels run 0..num_classes-1."""

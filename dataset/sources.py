@@ -75,6 +75,10 @@ class RawData(pydantic.BaseModel):
     files: dict[str, str] = pydantic.Field(description="File name (source=folder: path under the folder) -> sha256 of the file.")
     skipped: bool = pydantic.Field(description="True when all four files were already present and verified (source=folder: never, every image is listed and hashed).")
 
+    def terminal_detail(self) -> str:
+        """What the download stage's closing terminal line adds after its name and seconds."""
+        return f": {self.source} data{' (verified on storage, reused)' if self.skipped else ''}"
+
 
 class DownloadError(RuntimeError):
     """A file could not be fetched (after the retries transient errors get)."""

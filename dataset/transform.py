@@ -54,6 +54,10 @@ class TransformSpec(BaseModel):
     manifest: str
     skipped: bool = False  # the checks were recorded for this very dataset and config by an earlier run
 
+    def terminal_detail(self) -> str:
+        """What the transform stage's closing terminal line adds after its name and seconds."""
+        return " (checks of this dataset and config reused)" if self.skipped else ""
+
 
 CHECKS_RECORD_PREFIX = "transform-checks-"
 

@@ -71,7 +71,8 @@ class StageRecorder:
         self.stages[name]["status"] = "completed"
         self.outputs[name] = result
         seconds = console.duration(self.stages[name]["seconds"])
-        console.say("%s done in %s%s", number, seconds, _stage_detail(name, result, self.config))
+        detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
+        console.say("%s done in %s%s", number, seconds, detail)
         return result
 
     def epochs(self) -> int | None:
@@ -138,35 +139,6 @@ class StageRecorder:
         with storage_writes("summary", self.layout.run_dir):
             atomic_write_json(self.layout.summary_path, summary)
         return summary
-
-
-def _stage_detail(name: str, result: Any, config: PipelineConfig) -> str:
-    """What a finished stage produced, in a few words for its terminal line (empty when nothing to say)."""
-    reused = " (verified on storage, reused)" if getattr(result, "skipped", False) else ""
-    if name == "download":
-        return f": {result.source} data{reused}"
-    if name == "to-parquet":
-        rows = result.rows
-        return f": {rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows{reused}"
-    if name == "transform":
-        return " (checks of this dataset and config reused)" if result.skipped else ""
-    if name == "train":
-        return f": best validation accuracy {result.best_val_accuracy:.2%}"
-    if name == "tune":
-        best = result.best
-        return (f": best trial {best.trial_id}, {result.metric} {best.best_metric:.4f} ({len(result.trials)} trials, "
-                f"{result.stopped_early()} stopped early){' (search restored)' if result.restored else ''}")
-    if name == "evaluate":
-        promotion = result.promotion
-        promoted = ""
-        if promotion is not None:
-            promoted = f", promoted to {promotion.model} v{promotion.version}" if promotion.promoted else ", not promoted"
-        return f": test accuracy {result.accuracy:.2%} (gate {config.evaluate.min_accuracy:.2%} passed){promoted}"
-    if name == "cleanup":
-        verb = "would delete" if result.dry_run else "deleted"
-        kept = f", kept {len(result.kept)} for the model registry" if result.kept else ""
-        return f": {verb} {len(result.paths)} item(s){kept}"
-    return ""
 
 
 def _stage_start(name: str, stage: StageRecorder) -> str:

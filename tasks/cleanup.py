@@ -64,6 +64,12 @@ class CleanupReport(BaseModel):
     # Selected by the policy but kept for the model registry, each with why ("named by the model card of ...").
     kept: dict[str, str] = {}
 
+    def terminal_detail(self) -> str:
+        """What the cleanup stage's closing terminal line adds after its name and seconds."""
+        verb = "would delete" if self.dry_run else "deleted"
+        kept = f", kept {len(self.kept)} for the model registry" if self.kept else ""
+        return f": {verb} {len(self.paths)} item(s){kept}"
+
 
 def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: TrainedModel, evaluation: Evaluation) -> list[str]:
     """Paths the policy selects, before any safety check."""

@@ -53,6 +53,14 @@ class Evaluation(BaseModel):
     promotion: registry.Promotion | None = None  # None: promotion is off (promote.enabled)
     classes: list[str] = []  # the class names: confusion[i][j] counts images of classes[i] predicted as classes[j]
 
+    def terminal_detail(self) -> str:
+        """What the evaluation stage's closing terminal line adds after its name and seconds."""
+        promoted = ""
+        if self.promotion is not None:
+            promoted = f", promoted to {self.promotion.model} v{self.promotion.version}" if self.promotion.promoted else ", not promoted"
+        verdict = "passed" if self.passed_gate else "FAILED"
+        return f": test accuracy {self.accuracy:.2%} (gate {self.min_accuracy:.2%} {verdict}){promoted}"
+
 
 @task(name="evaluate")
 def evaluate(

@@ -76,6 +76,10 @@ class TrainedModel(BaseModel):
     attempts: list[dict] = []  # one per attempt: start_epoch, world_size (train_attempts.jsonl)
     resumed_from_epoch: int | None = None  # the first attempt's start epoch when it resumed an earlier run
 
+    def terminal_detail(self) -> str:
+        """What the training stage's closing terminal line adds after its name and seconds."""
+        return f": best validation accuracy {self.best_val_accuracy:.2%}"
+
 
 def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -> tuple[bool, float, int]:
     """Decide (use_gpu, CPUs per worker, torch threads per worker) for this cluster.

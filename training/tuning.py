@@ -354,6 +354,12 @@ class TuningResult(BaseModel):
     def stopped_early(self) -> int:
         return sum(trial.status == "stopped early" for trial in self.trials)
 
+    def terminal_detail(self) -> str:
+        """What the tune stage's closing terminal line adds after its name and seconds."""
+        restored = " (search restored)" if self.restored else ""
+        return (f": best trial {self.best.trial_id}, {self.metric} {self.best.best_metric:.4f} ({len(self.trials)} trials, "
+                f"{self.stopped_early()} stopped early){restored}")
+
     def summary(self) -> dict[str, Any]:
         """What summary.json says about the search."""
         return {
