@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
     print(f"Scoring {len(table):,} {noun} from {settings.input} with {model} v{version} (run {card.get('run_name')})", flush=True)
 
+    # Imported only now, after the input checked out: torch and Ray Data take seconds to import,
+    # and a bad --input must be refused within seconds (docs/architecture.md).
     import ray
 
     from training.inference import predict_table

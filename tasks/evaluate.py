@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from pydantic import BaseModel
 
+from dataset.parquet import image_record
 from dataset.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
 from reporting import artifacts, environment, pictures
@@ -197,8 +198,6 @@ def promote_model(
 def data_spec(spec: TransformSpec) -> dict[str, Any]:
     """What ``flows.predict`` needs to score new images as evaluation scored the test split: the
     images' shape, the class names, and the normalization (``transform.mean``/``std``, ``image_size``)."""
-    from dataset.parquet import image_record
-
     return {
         "image": image_record(tuple(spec.dataset.image_shape)),
         "classes": list(spec.dataset.classes),
