@@ -39,7 +39,7 @@ VAL_CHUNK = 500  # validation images per forward pass of the plain loop
 
 def _training_arrays(folder: Path | None) -> dict[str, np.ndarray]:
     """The training file's images and labels from ``folder`` (IDX .gz files), or from the bundled sample."""
-    from pipeline_config.model import SAMPLE_DIR
+    from pipeline_config.common import SAMPLE_DIR
 
     folder = Path(SAMPLE_DIR) if folder is None else folder
     return {"train_x": read_idx(folder / "train-images-idx3-ubyte.gz"), "train_y": read_idx(folder / "train-labels-idx1-ubyte.gz")}

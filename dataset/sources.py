@@ -32,7 +32,8 @@ from urllib.parse import urlparse
 
 import pydantic
 
-from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
+from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
+from pipeline_config.data import DownloadConfig, MirrorChecksums
 from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file
 
 logger = logging.getLogger(__name__)

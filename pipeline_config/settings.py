@@ -17,7 +17,8 @@ import yaml
 from pydantic import AliasChoices, BaseModel, Field, model_validator
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-from pipeline_config.model import PipelineConfig, TunePipelineConfig
+from pipeline_config.model import PipelineConfig
+from pipeline_config.tune import TunePipelineConfig
 
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 PRESETS = ("default", "smoke", "nightly")

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from pipeline_config.model import DEFAULT_WORKLOAD
+from pipeline_config.common import DEFAULT_WORKLOAD
 from reporting.environment import environment_rows
 from reporting.logs import stage_logger
 from reporting.pictures import (

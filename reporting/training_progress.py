@@ -7,7 +7,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
-from pipeline_config.model import DEFAULT_WORKLOAD
+from pipeline_config.common import DEFAULT_WORKLOAD
 from reporting.artifacts import artifact_keys
 from reporting.logs import stage_logger
 

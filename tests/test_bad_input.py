@@ -26,7 +26,8 @@ from dataset.idx import iter_idx_rows, read_idx
 from dataset.inputs import MAX_IMAGES, read_folder
 from dataset.parquet import to_table
 from pipeline_config import PipelineConfig
-from pipeline_config.model import MirrorChecksums, TuneConfig
+from pipeline_config.data import MirrorChecksums
+from pipeline_config.tune import TuneConfig
 from pipeline_config.settings import MAX_CONFIG_VALUES, TuneSettings, parse_cli
 from storage_io import StorageLayout
 from tests.support.cli import ROOT

@@ -20,7 +20,8 @@ import pytest
 
 import dataset.sources as dl
 from dataset.sources import ChecksumMismatchError, DownloadError, SourceUnreachableError, is_transient, official_reachable
-from pipeline_config.model import MNIST_FILES, SAMPLE_DIR, DownloadConfig, MirrorChecksums
+from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
+from pipeline_config.data import DownloadConfig, MirrorChecksums
 from storage_io import StorageLayout, sha256_file
 from tasks.download import download
 

@@ -48,7 +48,7 @@ def real_digits_mirror(folder: Path, train_per_class: int, test_per_class: int) 
 
     Real digits (not random pixels) so a couple of epochs learn something measurable.
     """
-    from pipeline_config.model import SAMPLE_DIR
+    from pipeline_config.common import SAMPLE_DIR
 
     def read(name: str) -> np.ndarray:
         data = gzip.decompress((SAMPLE_DIR / name).read_bytes())
@@ -78,7 +78,7 @@ def real_digits_mirror(folder: Path, train_per_class: int, test_per_class: int) 
 def shuffled_labels_mirror(folder: Path) -> list[str]:
     """A file:// mirror of the whole bundled sample with every training label shuffled (a broken
     pipeline's data: nothing to learn); returns the CLI flags that use it."""
-    from pipeline_config.model import SAMPLE_DIR
+    from pipeline_config.common import SAMPLE_DIR
 
     folder.mkdir(parents=True, exist_ok=True)
     flags = ["--download.source", "mirror", "--download.mirror-url", folder.as_uri() + "/"]

@@ -1,0 +1,189 @@
+"""The data sections of the configuration: download (and a mirror's checksums), Parquet conversion, transform."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlparse
+
+from pydantic import Field, field_validator, model_validator
+
+from pipeline_config.common import MNIST_FILES, _Section, _no_control_characters
+
+
+class MirrorChecksums(_Section):
+    """sha256 of the four IDX files a mirror serves (explicit fields: dict parameters render badly in the UI)."""
+
+    train_images: str = Field(
+        "598012102e69d0813c3881110cea5ec594c4f3fdcd790ca436a332005aeba072",
+        description="sha256 of train-images-idx3-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+    train_labels: str = Field(
+        "02e5b31f60c5d4fca825a121359f040ef62984db9c237c00cf39b24b6ff5cb45",
+        description="sha256 of train-labels-idx1-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+    test_images: str = Field(
+        "24599118783c30742c3f9cf38b3e1cc526a1938e6d569152fd77c72f755c1519",
+        description="sha256 of t10k-images-idx3-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+    test_labels: str = Field(
+        "0ebb3b6d3f29a35bb350af27034f3f91ee4587fe3618cf53ba1b64e580dc41ae",
+        description="sha256 of t10k-labels-idx1-ubyte.gz.",
+        pattern=r"^[0-9a-f]{64}$",
+    )
+
+    def by_file(self) -> dict[str, str]:
+        """Map each MNIST file name to its expected sha256."""
+        values = (self.train_images, self.train_labels, self.test_images, self.test_labels)
+        return dict(zip(MNIST_FILES, values))
+
+
+class DownloadConfig(_Section):
+    """Where the data comes from: MNIST's four IDX files, or a labelled image folder (source=folder)."""
+
+    source: Literal["auto", "official", "mirror", "sample", "folder"] = Field(
+        "auto",
+        description=(
+            "auto: try the official MNIST mirrors (short connect timeout) and fall back to the "
+            "bundled 5,000-digit sample with a warning; official: fail if unreachable; "
+            "mirror: use mirror_url; sample: use the bundled sample directly; "
+            "folder: your own labelled images in download.path (train/<class>/*.png|jpg, test/<class>/..., optional val/<class>/...)."
+        ),
+    )
+    path: str | None = Field(
+        None,
+        description=(
+            "source=folder: a local folder or an s3://bucket/prefix holding train/<class>/ and test/<class>/ "
+            "(and optionally val/<class>/) with PNG or JPEG images; read, never modified or deleted."
+        ),
+    )
+    mirror_url: str | None = Field(
+        None,
+        description="Base URL (http://, https:// or file://) serving the four IDX .gz files; used when source=mirror.",
+    )
+    mirror_sha256: MirrorChecksums = Field(
+        default_factory=MirrorChecksums,
+        description="sha256 of each mirror file; the defaults are the bundled sample's.",
+    )
+    connect_timeout_s: float = Field(
+        3.0, gt=0, le=120, description="Seconds to wait for a connection to the official source."
+    )
+    read_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="Seconds a download may wait for the server's next bytes before the attempt fails."
+    )
+    attempts: int = Field(
+        4, ge=1, le=20, description="Attempts per file for transient HTTP errors (5xx, resets)."
+    )
+    backoff_s: float = Field(
+        0.5, ge=0, le=60, description="First retry delay in seconds; doubles on every retry."
+    )
+
+    @field_validator("mirror_url")
+    @classmethod
+    def _check_mirror(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        _no_control_characters(value, "download.mirror_url")
+        if urlparse(value).scheme not in {"http", "https", "file"}:
+            raise ValueError("must start with http://, https:// or file://")
+        return value.rstrip("/") + "/"
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        _no_control_characters(value, "download.path")
+        if not value.strip():
+            raise ValueError("download.path is empty; name a folder or an s3://bucket/prefix")
+        if "://" in value and not value.startswith("s3://"):
+            raise ValueError(f"download.path {value!r}: use a local folder or s3://bucket/prefix")
+        # A relative folder is the caller's: made absolute here, since Ray workers run elsewhere.
+        return value.rstrip("/") if value.startswith("s3://") else str(Path(value).expanduser().absolute())
+
+    @model_validator(mode="after")
+    def _mirror_needs_url(self) -> DownloadConfig:
+        if self.source == "mirror" and not self.mirror_url:
+            raise ValueError("source=mirror needs download.mirror_url (a base URL serving the four files)")
+        if self.source == "folder" and not self.path:
+            raise ValueError("source=folder needs download.path (a folder or s3:// prefix holding train/<class>/ and test/<class>/)")
+        if self.source != "folder" and self.path:
+            raise ValueError(f"download.path is only read with download.source=folder (source is {self.source}); unset it or set source=folder")
+        return self
+
+
+class ParquetConfig(_Section):
+    """How the source data (IDX files or an image folder) becomes Parquet."""
+
+    rows_per_file: int = Field(
+        1000, ge=64, le=1_000_000, description="Rows per Parquet file (files are Ray Data's unit of read parallelism)."
+    )
+    rows_per_group: int = Field(
+        1000, ge=64, le=1_000_000, description="Rows per Parquet row group; conversion streams one group at a time."
+    )
+    validation_every: int = Field(
+        20,
+        ge=2,
+        le=1000,
+        description=(
+            "Every n-th training row (by row_id) is held out for per-epoch validation and checkpoint "
+            "selection, so the test split is only ever used by the evaluation stage. An image folder without "
+            "val/: about 1/n of each class's training images, picked by split_seed (a stratified split)."
+        ),
+    )
+    split_seed: int = Field(
+        0,
+        ge=0,
+        description=(
+            "download.source=folder without a val/ folder: the seed of the stratified split that holds out "
+            "validation images (the same seed and files give the same split). Not used by MNIST's IDX sources."
+        ),
+    )
+
+
+class TransformConfig(_Section):
+    """The Ray Data transform that feeds training and evaluation."""
+
+    mean: float = Field(0.5, description="Normalization mean on the 0..1 scale (the seeds' Normalize((0.5,), (0.5,))).")
+    std: float = Field(0.5, gt=0, description="Normalization standard deviation on the 0..1 scale.")
+    shift_px: int = Field(
+        2, ge=0, le=8, description="Training-time augmentation: random shift of up to this many pixels (0 disables)."
+    )
+    rotate_deg: float = Field(
+        10.0, ge=0, le=45, description="Training-time augmentation: random rotation of up to this many degrees (0 disables)."
+    )
+    scale: float = Field(
+        0.1, ge=0, le=0.5, description="Training-time augmentation: random zoom by a factor in [1 - scale, 1 + scale]."
+    )
+    image_size: int | None = Field(
+        None,
+        ge=4,
+        le=4096,
+        description=(
+            "download.source=folder: resize every image to image_size x image_size pixels when the conversion reads it "
+            "(needed when the folder's images differ in size). Unset: images are kept as they are and must all be one size."
+        ),
+    )
+    batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")
+    in_memory_mb: int = Field(
+        512,
+        ge=0,
+        description=(
+            "A split with up to this many MB of Parquet is read with pyarrow and handed to Ray Data as "
+            "in-memory blocks (an epoch of 60,000 rows about 4x faster here); a larger one streams through "
+            "ray.data.read_parquet. 0 always streams."
+        ),
+    )
+    block_rows: int = Field(8192, ge=64, le=1_000_000, description="Rows per Ray Data block when a split is read in memory.")
+    cpus_per_task: float = Field(
+        0.25,
+        gt=0,
+        le=8,
+        description=(
+            "Logical CPUs each Ray Data task reserves. Must fit in the CPUs training leaves free "
+            "(see train.data_cpus), or the data pipeline starves while training waits for it."
+        ),
+    )
