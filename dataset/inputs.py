@@ -1,6 +1,6 @@
 """Images to score with a trained model (`flows.predict`): a folder of Parquet, IDX or image files, as one table.
 
-What the images must be (their shape, the class names) is the model card's (`training.registry.card_data`;
+What the images must be (their shape, the class names) is the model card's (`training.registry_files.card_data`;
 MNIST's 1x28x28 digits 0-9 for a card from before it recorded them). Accepted, in a local folder:
 
 - Parquet files (searched recursively, e.g. a dataset's ``test/`` split) with an ``image`` column

@@ -7,7 +7,7 @@
     python -m flows.predict --help
 
 The images must be what the model was trained on: the model card records their shape, the class
-names and the normalization (`training.registry.card_data`), and `dataset.inputs` reads the
+names and the normalization (`training.registry_files.card_data`), and `dataset.inputs` reads the
 input to that shape (an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
 run set it). Predictions are class numbers; the ``pred_class`` column names them.
 
@@ -19,7 +19,7 @@ started for the command (or ``--ray-address`` joins a cluster); no Prefect API i
 
 Everything is checked before Ray starts, and a bad input exits 2 naming the file or field: every
 input file (`dataset.inputs`), the registry (a damaged pointer or card, a model.pt that does not
-match its checksum: `training.registry.resolve`), and ``--output`` (a folder or another kind of
+match its checksum: `training.registry_files.resolve`), and ``--output`` (a folder or another kind of
 file is refused; an existing file only replaced with ``--overwrite``, keeping its mode).
 """
 
@@ -51,7 +51,7 @@ from pipeline_config import (
 )
 from runner.runtime import local_gcs_port, ray_init_args
 from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
-from training import registry
+from training import registry_files
 
 
 class PredictSettings(BaseSettings):
@@ -163,18 +163,18 @@ def main(argv: list[str] | None = None) -> int:
         layout = StorageLayout.create(root, "predict")
         layout.check_reachable()
         # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
-        version, folder, card = registry.resolve(layout.root, model, settings.version)
+        version, folder, card = registry_files.resolve(layout.root, model, settings.version)
         run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
         try:
             transform = TransformConfig.model_validate(run_config.get("transform") or {})
             evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
                 update={"num_actors": settings.num_actors, "batch_rows": settings.batch_rows}
             )
-            model_spec = registry.card_model(card)
-            data = registry.card_data(card)
+            model_spec = registry_files.card_model(card)
+            data = registry_files.card_data(card)
             transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
         except (ValidationError, KeyError, TypeError, ValueError) as exc:
-            raise registry.RegistryDamaged([f"{join(folder, registry.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
+            raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
         table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
         output = settings.output or default_output(layout.root, model, version)
     except (ValidationError, ValueError) as exc:
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "row_id": out["row_id"], "label": out["label"], "pred": out["pred"],
         "pred_class": [names[int(p)] if 0 <= int(p) < len(names) else str(int(p)) for p in out["pred"]],
     })
-    model_dir = f"{registry.MODELS_DIR}/{model}/v{version}"  # relative to the storage root
+    model_dir = f"{registry_files.MODELS_DIR}/{model}/v{version}"  # relative to the storage root
     result = result.replace_schema_metadata({"model": model, "version": str(version), "model_dir": model_dir})
     buffer = pa.BufferOutputStream()
     pq.write_table(result, buffer)

@@ -27,7 +27,7 @@ from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
 from reporting import artifacts, environment, pictures
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, lease_path, read_json, storage_writes
-from training import registry
+from training import registry, registry_files
 from training.inference import confusion_matrix, metrics_from_confusion, predict
 from training.trainer import TrainedModel
 
@@ -156,7 +156,7 @@ def promote_model(
         checkpoint=result.checkpoint,
         accuracy=result.accuracy,
         passed_gate=result.passed_gate,
-        data_hash=registry.data_hash(spec.dataset.directory),
+        data_hash=registry_files.data_hash(spec.dataset.directory),
         dataset_dir=spec.dataset.directory,
         raw_dir=raw_dir,
         metrics={
@@ -176,15 +176,15 @@ def promote_model(
         pictures["training_curves.png"] = pictures.training_curves_png(trained.history)
 
     def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
-        card = read_json(join(folder, registry.CARD_FILE))
-        theirs = registry.card_data(card if isinstance(card, dict) else {})
+        card = read_json(join(folder, registry_files.CARD_FILE))
+        theirs = registry_files.card_data(card if isinstance(card, dict) else {})
         if tuple(theirs["shape"]) != tuple(spec.dataset.image_shape) or list(theirs["classes"]) != list(spec.dataset.classes):
             raise ValueError(
                 f"promote.model_name {promote.model_name}: its champion ({folder}) was trained on {theirs['shape']} images of "
                 f"classes {theirs['classes']}, this run on {tuple(spec.dataset.image_shape)} images of classes "
                 f"{list(spec.dataset.classes)}; they cannot be compared: give this workload its own promote.model_name"
             )
-        out = predict(spec, folder, cfg, registry.version_model(folder))
+        out = predict(spec, folder, cfg, registry_files.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 
     promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, pictures, rescore)

@@ -33,7 +33,7 @@ from storage_io import StorageLayout
 from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
 from tests.support.registry import candidate, make_dataset
-from training import registry
+from training import registry, registry_files
 
 MODEL = "mnist-resnet18"
 
@@ -205,14 +205,14 @@ def test_a_damaged_registry_exits_2_naming_the_file_before_ray(tmp_path, capsys)
     data = make_dataset(layout, "mnist-a")
     registry.promote(layout, MODEL, candidate(layout, "good", 0.967, data))
     folder = images_file(tmp_path / "in", gzip.compress(good_idx()))
-    pointer = Path(registry.champion_path(layout.root, MODEL))
+    pointer = Path(registry_files.champion_path(layout.root, MODEL))
     pointer.write_text("garbage")
     code, err, _ = predict(layout.root, "--input", str(folder), capsys=capsys)
     assert code == 2 and f"{pointer}: damaged" in err and "no champion yet" not in err
     pointer.unlink()
     code, err, _ = predict(layout.root, "--input", str(folder), capsys=capsys)
     assert code == 2 and "missing although v1 are published" in err
-    weights = Path(registry.version_dir(layout.root, MODEL, 1), "model.pt")
+    weights = Path(registry_files.version_dir(layout.root, MODEL, 1), "model.pt")
     weights.write_bytes(weights.read_bytes()[:-10])
     code, err, seconds = predict(layout.root, "--input", str(folder), "--version", "1", capsys=capsys)
     assert code == 2 and "model.pt: damaged" in err and "does not match its sha256" in err and seconds < 30

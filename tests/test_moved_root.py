@@ -42,7 +42,7 @@ from tasks.cleanup import cleanup
 from tasks.evaluate import Evaluation
 from tests.support.registry import light_candidate, s3_objects
 from tests.support.runs import build_run_tree
-from training import registry
+from training import registry, registry_files
 from training.model import MODEL_FILE, SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
@@ -66,14 +66,14 @@ def promoted_root(tmp_path: Path, older_format: bool):
     champion = light_candidate(layout, "older-run", 0.967, dataset.directory).model_copy(update={"raw_dir": raw.directory})
     assert registry.promote(layout, MODEL, champion).promoted
     if older_format:
-        card_path = Path(registry.version_dir(layout.root, MODEL, 1), registry.CARD_FILE)
+        card_path = Path(registry_files.version_dir(layout.root, MODEL, 1), registry_files.CARD_FILE)
         card = json.loads(card_path.read_text())
         card["data"].update(dataset_dir=dataset.directory, raw_dir=raw.directory)
         card["checkpoint"] = champion.checkpoint
         card_path.write_text(json.dumps(card))
-        pointer_path = Path(registry.champion_path(layout.root, MODEL))
+        pointer_path = Path(registry_files.champion_path(layout.root, MODEL))
         pointer = json.loads(pointer_path.read_text())
-        pointer.update(path=registry.version_dir(layout.root, MODEL, 1), checkpoint=champion.checkpoint)
+        pointer.update(path=registry_files.version_dir(layout.root, MODEL, 1), checkpoint=champion.checkpoint)
         pointer_path.write_text(json.dumps(pointer))
     return layout, raw, dataset, trained, evaluation
 
@@ -121,18 +121,18 @@ def test_a_moved_root_resolves_its_champion_and_knows_it_already_promoted_a_run(
     moved.parent.mkdir()
     os.rename(layout.root, moved)
     assert not Path(layout.root).exists()
-    version, folder, card = registry.resolve(str(moved), MODEL)
+    version, folder, card = registry_files.resolve(str(moved), MODEL)
     assert (version, folder) == (1, str(moved / "models" / MODEL / "v1")) and card["run_name"] == "older-run"
-    assert registry.read_champion(str(moved), MODEL)["path"] == folder
-    assert registry.problems(str(moved), MODEL) == []
+    assert registry_files.read_champion(str(moved), MODEL)["path"] == folder
+    assert registry_files.problems(str(moved), MODEL) == []
     new_layout = StorageLayout.create(str(moved), "unused")
     # The same run evaluated again (resumed) in the moved root: already the champion, nothing written
     again = light_candidate(new_layout, "older-run", 0.967, join(new_layout.root, "datasets", "mnist-abc"))
     result = registry.promote(new_layout, MODEL, again)
     assert result.promoted and result.version == 1 and "already the champion" in result.reason
-    assert registry.versions(str(moved), MODEL) == [1]
+    assert registry_files.versions(str(moved), MODEL) == [1]
     # and the data the card names is found under the new place
-    stored = registry.read_card(str(moved), MODEL, 1)["data"]["dataset_dir"]
+    stored = registry_files.read_card(str(moved), MODEL, 1)["data"]["dataset_dir"]
     assert from_stored(str(moved), stored) == str(moved / "datasets" / "mnist-abc")
 
 
@@ -199,7 +199,7 @@ def test_a_root_synced_to_s3_keeps_its_champions_data_through_cleanup(tmp_path, 
     s3_raw = raw.model_copy(update={"directory": layout.raw_dir("sample")})
     s3_dataset = dataset.model_copy(update={"directory": layout.dataset_dir("abc")})
 
-    version, folder, _ = registry.resolve(s3_root, MODEL)  # model.pt downloaded and checked against its checksum
+    version, folder, _ = registry_files.resolve(s3_root, MODEL)  # model.pt downloaded and checked against its checksum
     assert (version, folder) == (1, f"{s3_root}/models/{MODEL}/v1")
     report = cleanup.fn(POLICY, s3_raw, s3_dataset, s3_trained, s3_eval, layout)
     assert set(report.kept) == {s3_raw.directory, s3_dataset.directory}
@@ -219,8 +219,8 @@ def test_a_version_promoted_on_s3_stores_paths_relative_to_the_bucket_root(s3_ro
     atomic_write_json(join(layout.root, "datasets", "mnist-a", MANIFEST), {"fingerprint": "a"})
     result = registry.promote(layout, MODEL, light_candidate(layout, "r1", 0.9, join(layout.root, "datasets", "mnist-a")))
     assert result.promoted and result.version_dir == f"{s3_root}/models/{MODEL}/v1"
-    card = read_json(join(result.version_dir, registry.CARD_FILE))
+    card = read_json(join(result.version_dir, registry_files.CARD_FILE))
     assert card["data"]["dataset_dir"] == "datasets/mnist-a" and card["checkpoint"] == "runs/r1/checkpoint_000000"
-    assert read_json(registry.champion_path(s3_root, MODEL))["path"] == f"models/{MODEL}/v1"
+    assert read_json(registry_files.champion_path(s3_root, MODEL))["path"] == f"models/{MODEL}/v1"
     assert exists(join(s3_root, "models", MODEL, "v1", MODEL_FILE))
 

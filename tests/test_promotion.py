@@ -29,7 +29,7 @@ from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
 from tests.support.registry import candidate, light_candidate, make_dataset
 from tests.support.runs import torchvision_resnet18_seed_style
-from training import registry
+from training import registry, registry_files
 from training.model import MODEL_FILE, build_resnet18, load_model
 
 MODEL = "mnist-resnet18"
@@ -52,29 +52,29 @@ def test_promoted_only_when_better_than_the_champion(tmp_path):
     better = registry.promote(layout, MODEL, candidate(layout, "r5", 0.96, data, seed=5), min_improvement=0.05)
     assert (better.promoted, better.version, better.champion_before) == (True, 2, 1)
 
-    assert registry.versions(layout.root, MODEL) == [1, 2]
-    pointer = registry.read_champion(layout.root, MODEL)
+    assert registry_files.versions(layout.root, MODEL) == [1, 2]
+    pointer = registry_files.read_champion(layout.root, MODEL)
     assert pointer["version"] == 2 and pointer["run_name"] == "r5" and pointer["test_accuracy"] == 0.96
-    card = registry.read_card(layout.root, MODEL, 2)
+    card = registry_files.read_card(layout.root, MODEL, 2)
     assert card["run_name"] == "r5" and card["flow_run_id"] == "id-r5" and card["code_version"] == "abc123"
-    assert card["data"]["manifest_hash"] == registry.data_hash(data)
+    assert card["data"]["manifest_hash"] == registry_files.data_hash(data)
     # Paths relative to the storage root (issue 37: a root can be copied or moved)
     assert card["data"]["dataset_dir"] == "datasets/mnist-a" and card["data"]["raw_dir"] == "raw/sample"
     assert card["checkpoint"] == "runs/r5/checkpoint_000000"
-    assert json.loads(Path(registry.champion_path(layout.root, MODEL)).read_text())["path"] == f"models/{MODEL}/v2"
+    assert json.loads(Path(registry_files.champion_path(layout.root, MODEL)).read_text())["path"] == f"models/{MODEL}/v2"
     assert card["config"] == {"train": {"epochs": 1}} and card["metrics"]["test_accuracy"] == 0.96
     assert card["previous_champion"] == {"version": 1, "test_accuracy_on_this_data": 0.90, "rescored": False}
-    assert registry.read_card(layout.root, MODEL, 1)["files"] == ["_checksums.json", "confusion_matrix.png", "model.pt"]
+    assert registry_files.read_card(layout.root, MODEL, 1)["files"] == ["_checksums.json", "confusion_matrix.png", "model.pt"]
 
     # model.pt loads the seeds' way (plain torch.load into torchvision's one-channel ResNet-18) and ours (checksum verified)
-    folder = Path(registry.version_dir(layout.root, MODEL, 2))
+    folder = Path(registry_files.version_dir(layout.root, MODEL, 2))
     seed_style = torchvision_resnet18_seed_style()
     seed_style.load_state_dict(torch.load(folder / MODEL_FILE, weights_only=True))
     torch.manual_seed(5)
     expected = build_resnet18().state_dict()
-    card = registry.read_card(layout.root, MODEL, 2)
+    card = registry_files.read_card(layout.root, MODEL, 2)
     assert card["architecture"] == {"name": "resnet18", "in_channels": 1, "num_classes": 10}  # what load_model builds
-    loaded = load_model(str(folder), registry.version_model(str(folder)))
+    loaded = load_model(str(folder), registry_files.version_model(str(folder)))
     assert all(torch.equal(value, expected[name]) for name, value in loaded.state_dict().items())
 
 
@@ -83,7 +83,7 @@ def test_a_gate_failure_is_never_promoted_and_writes_nothing(tmp_path):
     data = make_dataset(layout, "mnist-a")
     result = registry.promote(layout, MODEL, candidate(layout, "r1", 0.99, data, passed=False))
     assert not result.promoted and result.version is None and "gate failed" in result.reason
-    assert not exists(registry.model_dir(layout.root, MODEL))
+    assert not exists(registry_files.model_dir(layout.root, MODEL))
 
 
 def test_changed_data_scores_the_champion_again_on_the_new_test_set(tmp_path):
@@ -101,9 +101,9 @@ def test_changed_data_scores_the_champion_again_on_the_new_test_set(tmp_path):
     # 0.95 < the champion's recorded 0.99, but on the new test set the champion scores 0.90
     won = registry.promote(layout, MODEL, candidate(layout, "r2", 0.95, new), rescore=rescore(0.90))
     assert won.promoted and won.version == 2 and won.champion_rescored and won.champion_accuracy == 0.90
-    assert "scored again" in won.reason and asked == [registry.version_dir(layout.root, MODEL, 1)]
+    assert "scored again" in won.reason and asked == [registry_files.version_dir(layout.root, MODEL, 1)]
     lost = registry.promote(layout, MODEL, candidate(layout, "r3", 0.96, old), rescore=rescore(0.97))
-    assert not lost.promoted and lost.champion_accuracy == 0.97 and asked[-1] == registry.version_dir(layout.root, MODEL, 2)
+    assert not lost.promoted and lost.champion_accuracy == 0.97 and asked[-1] == registry_files.version_dir(layout.root, MODEL, 2)
     kept = registry.promote(layout, MODEL, candidate(layout, "r4", 0.99, old))  # no way to rescore: the champion stays
     assert not kept.promoted and "could not be scored again" in kept.reason
 
@@ -116,13 +116,13 @@ def test_evaluating_the_champion_again_keeps_it(tmp_path):
     registry.promote(layout, MODEL, first)
     again = registry.promote(layout, MODEL, first)
     assert again.promoted and again.version == 1 and "already the champion" in again.reason
-    assert registry.versions(layout.root, MODEL) == [1]
+    assert registry_files.versions(layout.root, MODEL) == [1]
 
 
 RACER = """
 import sys
 from storage_io import StorageLayout
-from training import registry
+from training import registry, registry_files
 from tests.support.registry import light_candidate
 layout = StorageLayout.create(sys.argv[1], "unused")
 result = registry.promote(layout, "mnist-resnet18", light_candidate(layout, sys.argv[2], float(sys.argv[3]), sys.argv[4]))
@@ -133,11 +133,11 @@ print(result.model_dump_json())
 def check_one_consistent_champion(layout: StorageLayout, accuracies: dict[str, float], results: list[dict]) -> None:
     """Whatever the order, the champion is the best run, versions are 1..n, and the pointer names a whole version."""
     promoted = sorted(r["version"] for r in results if r["promoted"])
-    assert promoted == list(range(1, len(promoted) + 1)) == registry.versions(layout.root, MODEL)
-    pointer = registry.read_champion(layout.root, MODEL)
+    assert promoted == list(range(1, len(promoted) + 1)) == registry_files.versions(layout.root, MODEL)
+    pointer = registry_files.read_champion(layout.root, MODEL)
     best = max(accuracies, key=accuracies.get)
     assert pointer["run_name"] == best and pointer["version"] == promoted[-1]
-    card = registry.read_card(layout.root, MODEL, pointer["version"])
+    card = registry_files.read_card(layout.root, MODEL, pointer["version"])
     assert card["run_name"] == best and exists(join(pointer["path"], MODEL_FILE))
 
 
@@ -190,7 +190,7 @@ def test_cleanup_keeps_the_registry_and_the_data_a_model_card_names(run_tree):
     real = cleanup.fn(policy, raw, dataset, trained, evaluation, layout)
     assert real.kept == dry.kept and real.paths == dry.paths and len(real.paths) == 2  # the two other checkpoints
     assert exists(raw.directory) and exists(dataset.directory)
-    assert exists(join(registry.version_dir(layout.root, MODEL, 1), MODEL_FILE))
+    assert exists(join(registry_files.version_dir(layout.root, MODEL, 1), MODEL_FILE))
     assert read_json(real.report_path)["kept"] == real.kept
 
 

@@ -203,7 +203,7 @@ def check_whole_flow_on_s3(root: str, summaries: dict[str, dict], files: list[st
     Ray Train's checkpoints written through pyarrow's S3 filesystem, the run files, the evaluation,
     the model rebuilt from what the checkpoint records and loaded from the bucket, and the champion
     (a whole version, its card recording the model) with exactly the checkpoint's weights."""
-    from training import registry
+    from training import registry_files
     from training.model import checkpoint_model, load_model
     from training.models import ModelSpec
 
@@ -233,8 +233,8 @@ def check_whole_flow_on_s3(root: str, summaries: dict[str, dict], files: list[st
     version_dir = champion["path"] if champion["path"].startswith("s3://") else join(root, champion["path"])
     assert version_dir == f"{root}/models/{model_name}/v{champion['version']}"
     assert {f"models/{model_name}/v{champion['version']}/model_card.json", f"models/{model_name}/champion"} <= set(files)
-    assert registry.version_model(version_dir) == spec  # the card in the bucket records the model
-    champion_model = load_model(version_dir, registry.version_model(version_dir))  # the card says what to build
+    assert registry_files.version_model(version_dir) == spec  # the card in the bucket records the model
+    champion_model = load_model(version_dir, registry_files.version_model(version_dir))  # the card says what to build
     weights = model.state_dict()
     assert champion_model.state_dict().keys() == weights.keys()
     assert all(tensor.equal(weights[name]) for name, tensor in champion_model.state_dict().items())

@@ -6,7 +6,7 @@ import io
 import os
 
 from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, join
-from training import registry
+from training import registry, registry_files
 from training.model import MODEL_FILE, build_resnet18
 
 
@@ -33,7 +33,7 @@ def candidate(layout: StorageLayout, run: str, accuracy: float, dataset: str, pa
     checkpoint = make_checkpoint(join(layout.runs_dir, run, "checkpoint_000000"), seed)
     return registry.Candidate(
         run_name=run, flow_run_id=f"id-{run}", checkpoint=checkpoint, accuracy=accuracy, passed_gate=passed,
-        data_hash=registry.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"),
+        data_hash=registry_files.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"),
         metrics={"rows": 1000}, config={"train": {"epochs": 1}}, code_version="abc123",
     )
 
@@ -44,7 +44,7 @@ def light_candidate(layout: StorageLayout, run: str, accuracy: float, dataset: s
     checkpoint = join(layout.runs_dir, run, "checkpoint_000000")
     atomic_write_bytes(join(checkpoint, MODEL_FILE), f"weights of {run}".encode())
     return registry.Candidate(run_name=run, checkpoint=checkpoint, accuracy=accuracy, passed_gate=True,
-                              data_hash=registry.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"))
+                              data_hash=registry_files.data_hash(dataset), dataset_dir=dataset, raw_dir=join(layout.root, "raw", "sample"))
 
 
 def s3_objects(root: str) -> list[str]:
