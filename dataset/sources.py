@@ -10,33 +10,33 @@ Sources (``DownloadConfig.source``):
 Every file is fetched to a temporary name in its final folder, verified, and only then renamed
 into place, so a final name never holds a partial or unverified file. A re-run whose four files
 are present and verified touches no network at all.
+
+Fetching and verifying the files themselves is `dataset.fetch`'s.
 """
 
 from __future__ import annotations
 
 import hashlib
-import http.client
 import logging
-import os
-import shutil
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Literal, NamedTuple
 from urllib.parse import urlparse
 
 import pydantic
-
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
 from pipeline_config.data import DownloadConfig, MirrorChecksums
-from storage_io import STORAGE_ERRNOS, StorageLayout, local_copy, sha256_file
+from storage_io import StorageLayout, local_copy
+
+from dataset.fetch import SourceUnreachableError, verified_files
+
 
 logger = logging.getLogger(__name__)
+
 
 # The official mirrors and checksums are read from torchvision (not copied), so the official
 # source stays whatever torchvision maintains. Read when first needed: importing torchvision costs
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 # (benchmarks/deployment_overhead.py). Module-level on purpose: tests point them at loopback
 # servers or closed ports by setting them.
 OFFICIAL_MIRRORS: tuple[str, ...] | None = None
+
+
 OFFICIAL_MD5: dict[str, str] | None = None
 
 
@@ -64,6 +66,7 @@ def official_md5() -> dict[str, str]:
 
     return dict(MNIST.resources)
 
+
 Source = Literal["official", "mirror", "sample", "folder"]
 
 
@@ -81,18 +84,6 @@ class RawData(pydantic.BaseModel):
         return f": {self.source} data{' (verified on storage, reused)' if self.skipped else ''}"
 
 
-class DownloadError(RuntimeError):
-    """A file could not be fetched (after the retries transient errors get)."""
-
-
-class ChecksumMismatchError(DownloadError):
-    """A fetched file's checksum differs from the expected one; the file was discarded."""
-
-
-class SourceUnreachableError(DownloadError):
-    """source=official, but no official mirror accepted a connection."""
-
-
 class SourcePlan(NamedTuple):
     """What to fetch: ``expected`` maps each file name to ``"<md5|sha256>:<hex>"``."""
 
@@ -100,11 +91,6 @@ class SourcePlan(NamedTuple):
     base_url: str
     expected: dict[str, str]
     fell_back: bool = False  # auto chose the sample because the official mirrors were unreachable
-
-
-# --------------------------------------------------------------------------------------------
-# Choosing the source
-# --------------------------------------------------------------------------------------------
 
 
 def resolve_source(cfg: DownloadConfig, layout: StorageLayout | None = None) -> SourcePlan:
@@ -219,202 +205,3 @@ def _sample_plan() -> SourcePlan:
 
 def _prefixed(algorithm: str, digests: dict[str, str]) -> dict[str, str]:
     return {name: f"{algorithm}:{digest}" for name, digest in digests.items()}
-
-
-# --------------------------------------------------------------------------------------------
-# Verifying
-# --------------------------------------------------------------------------------------------
-
-
-def file_checksum(path: str | os.PathLike[str], algorithm: str) -> str:
-    """Hex digest of a file with ``algorithm`` (``md5`` or ``sha256``)."""
-    if algorithm == "md5":
-        from torchvision.datasets.utils import calculate_md5
-
-        return calculate_md5(path)  # torchvision's, so official files are checked exactly as it does
-    if algorithm == "sha256":
-        return sha256_file(path)
-    raise ValueError(f"unsupported checksum algorithm {algorithm!r}")
-
-
-def check_file(path: Path, checksum: str) -> tuple[bool, str, str]:
-    """Verify ``path`` against ``"<algorithm>:<hex>"``.
-
-    Returns:
-        (matches, actual digest with the expected algorithm, sha256 of the file).
-    """
-    algorithm, _, expected = checksum.partition(":")
-    actual = file_checksum(path, algorithm)
-    sha256 = actual if algorithm == "sha256" else sha256_file(path)
-    return actual == expected, actual, sha256
-
-
-def verified_files(directory: Path, expected: dict[str, str]) -> dict[str, str] | None:
-    """sha256 of every expected file when all are present and verify, else None (read-only)."""
-    files = {}
-    for name, checksum in expected.items():
-        path = directory / name
-        if not path.is_file():
-            return None
-        ok, _, sha256 = check_file(path, checksum)
-        if not ok:
-            return None
-        files[name] = sha256
-    return files
-
-
-# --------------------------------------------------------------------------------------------
-# Fetching
-# --------------------------------------------------------------------------------------------
-
-
-def is_transient(exc: BaseException) -> bool:
-    """True for errors worth retrying: HTTP 5xx, resets, refusals, timeouts, cut-off bodies."""
-    if isinstance(exc, urllib.error.HTTPError):
-        return exc.code >= 500  # 4xx (missing file, forbidden) will not fix itself
-    if isinstance(exc, urllib.error.URLError) and isinstance(exc.reason, BaseException):
-        exc = exc.reason  # urllib wraps connection-level errors
-    if isinstance(exc, socket.gaierror):
-        return exc.errno == socket.EAI_AGAIN  # "try again" is transient; "no such host" is not
-    return isinstance(exc, (ConnectionError, TimeoutError, http.client.IncompleteRead))
-
-
-def fetch_file(
-    url: str,
-    dest: Path,
-    checksum: str,
-    attempts: int = 4,
-    backoff_s: float = 0.5,
-    log: logging.Logger | logging.LoggerAdapter = logger,
-    read_timeout_s: float = 30.0,
-) -> str:
-    """Download ``url`` to ``dest`` atomically, retrying transient errors, and verify it.
-
-    The bytes land in a temporary name next to ``dest`` and are renamed to ``dest`` only after
-    they verify, so ``dest`` never holds a partial or corrupt file.
-
-    Args:
-        url: http(s):// or file:// URL of the file.
-        dest: Final path.
-        checksum: Expected ``"<md5|sha256>:<hex>"``.
-        attempts: Tries for transient errors (HTTP 5xx, resets, timeouts); 4xx is tried once.
-        backoff_s: Delay before the first retry; doubles on every further retry.
-        log: Where retry warnings go (the task passes the Prefect run logger).
-        read_timeout_s: Longest silence from the server before the attempt counts as failed.
-
-    Returns:
-        sha256 of the verified file.
-
-    Raises:
-        DownloadError: The file could not be fetched.
-        ChecksumMismatchError: The fetched bytes do not match ``checksum`` (they were deleted).
-    """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    for attempt in range(1, attempts + 1):
-        # A name that does not exist yet: torchvision's download_url returns early, without
-        # downloading, when its target already exists and no md5 is given.
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
-        try:
-            _transfer(url, tmp, read_timeout_s)
-            ok, actual, sha256 = check_file(tmp, checksum)
-            if not ok:
-                algorithm, _, expected = checksum.partition(":")
-                raise ChecksumMismatchError(
-                    f"checksum mismatch for {dest.name} from {url}: expected {algorithm} {expected}, "
-                    f"got {actual}; the download was discarded (check the source or its configured checksums)"
-                )
-            _fsync(tmp)  # durable before it becomes visible under the final name
-            os.replace(tmp, dest)
-            return sha256
-        except ChecksumMismatchError:
-            raise  # a wrong file is a wrong file: retrying the same source will not fix it
-        except Exception as exc:
-            if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
-                raise  # a full or read-only storage root: retrying the download cannot help
-            if not is_transient(exc):
-                raise DownloadError(f"cannot download {dest.name} from {url}: {_describe(exc)} (not retried)") from exc
-            if attempt == attempts:
-                raise DownloadError(
-                    f"cannot download {dest.name} from {url}: {_describe(exc)} (gave up after {attempts} attempts)"
-                ) from exc
-            delay = backoff_s * 2 ** (attempt - 1)
-            log.warning(
-                "attempt %d/%d for %s from %s failed (%s); retrying in %.2fs",
-                attempt, attempts, dest.name, url, _describe(exc), delay,
-            )
-            time.sleep(delay)
-        finally:
-            tmp.unlink(missing_ok=True)  # no-op after a successful rename
-    raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
-
-
-def sync_files(
-    base_url: str,
-    directory: Path,
-    expected: dict[str, str],
-    attempts: int = 4,
-    backoff_s: float = 0.5,
-    log: logging.Logger | logging.LoggerAdapter = logger,
-    read_timeout_s: float = 30.0,
-) -> tuple[dict[str, str], bool]:
-    """Make ``directory`` hold every expected file, verified, fetching only what is missing or bad.
-
-    Returns:
-        (file name -> sha256, True when nothing had to be fetched).
-    """
-    files: dict[str, str] = {}
-    fetched = False
-    for name, checksum in expected.items():
-        dest = directory / name
-        if dest.is_file():
-            ok, _, sha256 = check_file(dest, checksum)
-            if ok:
-                files[name] = sha256
-                continue
-            # Never used, and removed now so the final name does not keep a bad file if the
-            # re-download fails.
-            log.warning("%s in %s does not match its checksum; deleting and downloading it again", name, directory)
-            dest.unlink()
-        files[name] = fetch_file(base_url + name, dest, checksum, attempts, backoff_s, log, read_timeout_s)
-        fetched = True
-    return files, not fetched
-
-
-def _transfer(url: str, tmp: Path, read_timeout_s: float = 30.0) -> None:
-    """Copy ``url`` to ``tmp`` (which must not exist); no verification, no retries."""
-    parsed = urlparse(url)
-    if parsed.scheme == "file":
-        # torchvision's download_url cannot do file:// (its progress bar reads response.length,
-        # which file responses lack) and would leave an empty file behind, so copy directly.
-        if parsed.netloc not in ("", "localhost"):
-            raise DownloadError(f"file:// URL {url} names a remote host; only local paths are supported")
-        shutil.copyfile(urllib.request.url2pathname(parsed.path), tmp)
-    else:
-        # md5=None: we verify ourselves, to name expected and actual checksums in the error.
-        # download_url takes no timeout and a stalled server would hang it forever; the socket
-        # default applies to the sockets urllib opens inside it. Process-wide, but this stage
-        # runs alone in its Ray worker, and the previous value is restored.
-        from torchvision.datasets.utils import download_url
-
-        previous = socket.getdefaulttimeout()
-        socket.setdefaulttimeout(read_timeout_s)
-        try:
-            download_url(url, root=str(tmp.parent), filename=tmp.name)
-        finally:
-            socket.setdefaulttimeout(previous)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, urllib.error.HTTPError):
-        return f"HTTP {exc.code} {exc.reason}"
-    if isinstance(exc, urllib.error.URLError):
-        return str(exc.reason)
-    return f"{type(exc).__name__}: {exc}"

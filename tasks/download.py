@@ -12,7 +12,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from dataset import folder, sources
-from dataset.sources import RawData, resolve_source, source_key, sync_files
+from dataset.fetch import sync_files
+from dataset.sources import RawData, resolve_source, source_key
 from pipeline_config import DownloadConfig
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, local_copy, storage_writes
