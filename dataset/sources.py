@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple
 from urllib.parse import urlparse
 
 import pydantic
+
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
 from pipeline_config.data import DownloadConfig, MirrorChecksums
 from storage_io import StorageLayout, local_copy

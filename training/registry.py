@@ -13,7 +13,7 @@ root's lock for that model (`storage_io.file_lock`), so two runs finishing at on
 the second is compared with the first's result. A version folder is published whole (one rename
 locally; on S3 with model_card.json uploaded last) before the champion pointer names it, so a
 reader that follows the pointer always finds a complete version. Versions are never deleted here
-or by cleanup (`protected_data`).
+or by cleanup (`training.registry_files.protected_data`).
 
 Every path the registry stores (the card's dataset, raw data and checkpoint, the pointer's
 version folder) is relative to the storage root (`storage_io.paths`), so a copied or moved root
@@ -42,6 +42,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+
+from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, PromoteConfig, registry_model_name
 from storage_io import (
     StorageLayout,
     StoredPathError,
@@ -346,38 +348,8 @@ def recent_runs(root: str, model: str, limit: int = 20) -> list[dict[str, Any]]:
     return [row | {"champion": row.get("run") == current} for row in rows]
 
 
-def protected_data(root: str) -> dict[str, str]:
-    """Folders no retention policy may delete, each with why: every model folder on ``root``, and
-    the dataset and raw data every published version's model card names.
-
-    A card stores them relative to the root; an older card's absolute path protects itself and
-    the same place under this root (a copied or moved root, `storage_io.paths`). A card that
-    cannot be read might name any data: then all of ``raw/`` and ``datasets/`` are kept.
-    """
-    keep: dict[str, str] = {}
-    models = join(root, MODELS_DIR)
-    for model in list_dirs(models):
-        keep[model_dir(root, model)] = f"the model registry of {model}"
-        for version in versions(root, model):
-            try:
-                card = read_card(root, model, version) or {}
-            except RegistryDamaged as exc:
-                why = f"{'; '.join(exc.problems)}: the data it names is unknown, so all of it is kept"
-                for folder in ("raw", "datasets"):
-                    keep.setdefault(join(root, folder), why)
-                continue
-            for key in ("dataset_dir", "raw_dir"):
-                stored = (card.get("data") or {}).get(key)
-                if stored:
-                    for place in stored_places(root, stored):
-                        keep.setdefault(place, f"named by the model card of {model} v{version}")
-    return keep
-
-
 def main(argv: list[str] | None = None) -> int:
     """``python -m training.registry``: check a model's registry, or repair it (exit 0 intact or repaired, 1 damaged, 2 bad input)."""
-    from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, PromoteConfig, registry_model_name
-
     parser = argparse.ArgumentParser(
         prog="python -m training.registry",
         description="Check a model registry on a storage root for damage (unreadable pointer or cards, model.pt "

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from pydantic import ValidationError
+
 from storage_io import (
     MANIFEST,
     StoredPathError,
@@ -308,3 +309,31 @@ def resolve(root: str, model: str, version: int | None = None) -> tuple[int, str
     folder = version_dir(root, model, version)
     verify_weights(folder)
     return version, folder, card
+
+
+def protected_data(root: str) -> dict[str, str]:
+    """Folders no retention policy may delete, each with why: every model folder on ``root``, and
+    the dataset and raw data every published version's model card names.
+
+    A card stores them relative to the root; an older card's absolute path protects itself and
+    the same place under this root (a copied or moved root, `storage_io.paths`). A card that
+    cannot be read might name any data: then all of ``raw/`` and ``datasets/`` are kept.
+    """
+    keep: dict[str, str] = {}
+    models = join(root, MODELS_DIR)
+    for model in list_dirs(models):
+        keep[model_dir(root, model)] = f"the model registry of {model}"
+        for version in versions(root, model):
+            try:
+                card = read_card(root, model, version) or {}
+            except RegistryDamaged as exc:
+                why = f"{'; '.join(exc.problems)}: the data it names is unknown, so all of it is kept"
+                for folder in ("raw", "datasets"):
+                    keep.setdefault(join(root, folder), why)
+                continue
+            for key in ("dataset_dir", "raw_dir"):
+                stored = (card.get("data") or {}).get(key)
+                if stored:
+                    for place in stored_places(root, stored):
+                        keep.setdefault(place, f"named by the model card of {model} v{version}")
+    return keep
