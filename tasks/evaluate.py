@@ -171,9 +171,9 @@ def promote_model(
         code_version=environment.git_commit(),
         data_spec=data_spec(spec),
     )
-    pictures = {"confusion_matrix.png": pictures.confusion_matrix_png(result.confusion, spec.dataset.classes)}
+    version_pictures = {"confusion_matrix.png": pictures.confusion_matrix_png(result.confusion, spec.dataset.classes)}
     if trained.history:
-        pictures["training_curves.png"] = pictures.training_curves_png(trained.history)
+        version_pictures["training_curves.png"] = pictures.training_curves_png(trained.history)
 
     def rescore(folder: str) -> float:  # the champion on this run's test set, through the same actor pool
         card = read_json(join(folder, registry_files.CARD_FILE))
@@ -187,7 +187,7 @@ def promote_model(
         out = predict(spec, folder, cfg, registry_files.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 
-    promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, pictures, rescore)
+    promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, version_pictures, rescore)
     with storage_writes("evaluate"):
         registry.record_run(layout.root, model_name, run_row(result, trained, candidate, promotion, layout))
     runs = registry.recent_runs(layout.root, model_name, promote.recent_runs)
