@@ -327,7 +327,7 @@ def format_table(rows: list[dict]) -> str:
                          f"{r['workers']} worker x {r['threads']} threads | {r['baseline_images_per_s']} img/s | "
                          f"{r['ours_images_per_s']} img/s | {r['ratio']}x | {r['goal']} |")
         elif r["benchmark"] == "full-size default flow, by stage":
-            order = ["download", "to-parquet", "transform", "train", "evaluate", "cleanup"]
+            order = ["download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup"]
             stages = sorted(r["stages_s"].items(), key=lambda item: order.index(item[0]) if item[0] in order else len(order))
             split = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in stages)
             epochs = ", ".join(f"{e} s" for e in r["epoch_s"])

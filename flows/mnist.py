@@ -14,7 +14,6 @@ artifact keys and champions stay valid: the flow ``mnist-resnet18``, the setting
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from prefect import flow
 
@@ -23,11 +22,12 @@ from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
 from runner import hooks
 from runner.harness import flow_run_name, run_cli, run_flow
+from runner.summary import RunSummary
 
 
 @flow(name="mnist-resnet18", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
-def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
-    """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, clean up."""
+def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> RunSummary:
+    """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, promote, clean up."""
     return run_flow(config, "flows.mnist", check_cluster_fits, STAGE_CPUS, run_stages)
 
 

@@ -15,7 +15,6 @@ stage can run on any Ray node, be retried, or be skipped when its output is alre
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from prefect import Task, flow
 
@@ -25,10 +24,12 @@ from reporting import artifacts
 from runner import hooks
 from runner.harness import flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
+from runner.summary import RunSummary
 from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
+from tasks.promote import promote
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
@@ -38,7 +39,7 @@ from training.trainer import plan_resources
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
 # the other stages only coordinate Ray Data / Ray Train work that reserves its own resources,
 # and holding a CPU there would starve it (with 2 CPUs and 2 training workers, it deadlocks).
-STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "train": 0, "evaluate": 0, "cleanup": 0}
+STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "train": 0, "evaluate": 0, "promote": 0, "cleanup": 0}
 
 
 def train_with_retries(cfg) -> Task:
@@ -51,8 +52,8 @@ def train_with_retries(cfg) -> Task:
 
 
 @flow(name="train", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
-def train_pipeline(config: PipelineConfig = PipelineConfig()) -> dict[str, Any]:
-    """Any workload: download, convert to Parquet, transform with Ray Data, train model.name with Ray Train, evaluate, clean up."""
+def train_pipeline(config: PipelineConfig = PipelineConfig()) -> RunSummary:
+    """Any workload: download, convert to Parquet, transform with Ray Data, train model.name with Ray Train, evaluate, promote, clean up."""
     return run_flow(config, "flows.train", check_cluster_fits, STAGE_CPUS, run_stages)
 
 
@@ -70,11 +71,12 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
         train_with_retries(config.train), spec=spec, cfg=config.train, layout=layout, model=config.model, workload=workload,
     )
     artifacts.publish_training_report(trained, workload)
-    # Evaluation publishes its reports (confusion matrix, predictions, metrics) before its gate decides.
-    # Evaluation ends with champion promotion (config.promote): the model replaces the champion only when better.
-    evaluation = stage(
-        evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout,
-        promote=config.promote, run_config=config.model_dump(mode="json"), raw_dir=raw.directory, workload=workload,
+    # Evaluation publishes its reports (confusion matrix, predictions, metrics) and the gate's verdict;
+    # promotion records the run, makes a better model the champion, and fails a run below the gate.
+    evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout, workload=workload)
+    stage(
+        promote, evaluation=evaluation, trained=trained, spec=spec, cfg=config.promote, evaluate_cfg=config.evaluate,
+        layout=layout, run_config=config.model_dump(mode="json"), raw_dir=raw.directory, workload=workload,
     )
     stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 

@@ -15,7 +15,6 @@ trains that recipe with ``train.epochs`` and evaluates it through the normal sta
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from prefect import flow
 
@@ -26,10 +25,12 @@ from reporting import artifacts
 from runner import hooks
 from runner.harness import flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
+from runner.summary import RunSummary
 from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
+from tasks.promote import promote
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures
 from tasks.transform import transform
@@ -39,11 +40,11 @@ from training.tuning import plan_trials, trial_spec, trial_train_config
 # The stages and the logical CPUs each holds (see flows.train.STAGE_CPUS); the tune stage only
 # coordinates trials whose workers reserve their own CPUs.
 TUNE_STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "tune": 0}
-TRAIN_BEST_STAGE_CPUS = {name: STAGE_CPUS[name] for name in ("train", "evaluate", "cleanup")}
+TRAIN_BEST_STAGE_CPUS = {name: STAGE_CPUS[name] for name in ("train", "evaluate", "promote", "cleanup")}
 
 
 def stage_plan(config: TunePipelineConfig) -> dict[str, float]:
-    """The flow's stages: the search, then, with ``tune.train_best``, training, evaluation and cleanup."""
+    """The flow's stages: the search, then, with ``tune.train_best``, training, evaluation, promotion and cleanup."""
     return TUNE_STAGE_CPUS | (TRAIN_BEST_STAGE_CPUS if config.tune.train_best else {})
 
 
@@ -59,7 +60,7 @@ def tune_with_retries(config: TunePipelineConfig):
 # The flow keeps MNIST's name (its deployment is mnist-resnet18-tune/manual); it searches any
 # workload and model.name: the run, its artifact keys and its registry model follow `workload`.
 @flow(name="mnist-resnet18-tune", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
-def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> dict[str, Any]:
+def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> RunSummary:
     """Download the data, convert to Parquet, transform with Ray Data, search the recipe with Ray Tune (each trial a Ray Train run)."""
     return run_flow(config, "flows.tune", check_trials_fit, stage_plan(config), run_stages)
 
@@ -86,9 +87,10 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
         )
         artifacts.publish_training_report(trained, workload)
         recipe = config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")}  # what the model card names
-        evaluation = stage(
-            evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout,
-            promote=config.promote, run_config=recipe, raw_dir=raw.directory, workload=workload,
+        evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout, workload=workload)
+        stage(
+            promote, evaluation=evaluation, trained=trained, spec=best_spec, cfg=config.promote, evaluate_cfg=config.evaluate,
+            layout=layout, run_config=recipe, raw_dir=raw.directory, workload=workload,
         )
         stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
+from runner.summary import RunSummary
 from storage_io import join, list_dirs
 from training.records import HISTORY_FILE, read_history
 
@@ -236,42 +237,42 @@ class TrialWatcher(_Watcher):
 
 
 def summary_lines(
-    summary: dict[str, Any], error: BaseException | None, wall_s: float, api_url: str | None, temporary_server: bool,
-    argv: Sequence[str] | None = None, module: str = "flows.mnist",
+    summary: RunSummary, error: BaseException | None, wall_s: float, api_url: str | None, temporary_server: bool,
+    argv: Sequence[str] | None = None,
 ) -> list[str]:
     """The short summary the CLI ends with: status, test accuracy against the gate, where things are, what next.
 
     ``argv``: the CLI's options, for the command that resumes a failed run (`resume_command`).
     """
-    run = summary.get("run_name") or "?"
-    evaluation = summary.get("evaluation") or {}
+    run = summary.run_name or "?"
+    evaluation = summary.evaluation
     lines = []
     if error is None:
         lines.append(f"Run {run} completed in {duration(wall_s)}.")
     else:
-        stage = next((name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "failed"), None)
+        stage, _ = summary.failed_stage()
         where = f" in stage {stage}" if stage else ""
         lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {error}")
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
-    lines += promotion_lines(summary.get("promotion"), summary.get("storage_root"))
-    lines += tuning_lines(summary.get("tuning"), summary.get("workload"))
-    if summary.get("run_dir"):
-        lines.append(f"  run folder     {summary['run_dir']}")
-        lines.append(f"  summary        {summary['run_dir'].rstrip('/')}/summary.json (--json prints it here)")
+    lines += promotion_lines(summary.promotion, summary.storage_root)
+    lines += tuning_lines(summary.tuning, summary.workload)
+    if summary.run_dir:
+        lines.append(f"  run folder     {summary.run_dir}")
+        lines.append(f"  summary        {summary.path} (--json prints it here)")
     if api_url:
         ui = api_url.removesuffix("/api")
         if temporary_server:
             lines.append(f"  Prefect        {ui} (a temporary server, stopped now; set PREFECT_API_URL to keep runs and see them in the UI)")
-        elif summary.get("flow_run_id"):
-            lines.append(f"  Prefect UI     {ui}/runs/flow-run/{summary['flow_run_id']}")
+        elif summary.flow_run_id:
+            lines.append(f"  Prefect UI     {ui}/runs/flow-run/{summary.flow_run_id}")
         else:
             lines.append(f"  Prefect UI     {ui}")
-    if error is not None and summary.get("run_name"):
+    if error is not None and summary.run_name:
         lines.append(
-            f"  to resume      {resume_command(run, summary.get('storage_root'), argv, summary.get('module', module))}"
+            f"  to resume      {resume_command(run, summary.storage_root, argv, summary.module)}"
             + " (verified stages are skipped, training goes on from its latest checkpoint)"
         )
     return lines
@@ -316,25 +317,23 @@ def tuning_lines(tuning: dict[str, Any] | None, workload: str | None = None) -> 
     ]
 
 
-def stopped_lines(
-    summary: dict[str, Any], reason: str | None, wall_s: float, argv: Sequence[str] | None = None, module: str = "flows.mnist"
-) -> list[str]:
+def stopped_lines(summary: RunSummary, reason: str | None, wall_s: float, argv: Sequence[str] | None = None) -> list[str]:
     """What the CLI says when a run was stopped on request: where it stopped, what it kept, how to resume."""
-    run = summary.get("run_name") or "?"
-    stopped = summary.get("stopped") or {}
-    where = f" in stage {stopped['stage']}" if stopped.get("stage") else " before its first stage"
+    run = summary.run_name or "?"
+    stopped = summary.stopped
+    where = f" in stage {stopped.stage}" if stopped and stopped.stage else " before its first stage"
     lines = [f"Run {run} {reason or 'stopped'}{where} after {duration(wall_s)}; Ray and the Prefect server are stopped."]
-    kept = stopped.get("checkpoint_kept")
+    kept = stopped.checkpoint_kept if stopped else None
     if kept:
-        at = f"epoch {kept['epoch'] + 1} of {summary.get('epochs') or '?'} done" if not kept.get("mid_epoch") else (
-            f"in epoch {kept['epoch'] + 1} of {summary.get('epochs') or '?'}, step {kept.get('step')}")
+        at = f"epoch {kept['epoch'] + 1} of {summary.epochs or '?'} done" if not kept.get("mid_epoch") else (
+            f"in epoch {kept['epoch'] + 1} of {summary.epochs or '?'}, step {kept.get('step')}")
         lines.append(f"  checkpoint kept  {kept['path']} ({at})")
-    elif summary.get("stages"):
+    elif summary.stages:
         lines.append("  checkpoint kept  none yet (training had not written one); finished stages are kept")
-    if summary.get("run_dir"):
-        lines.append(f"  summary          {summary['run_dir'].rstrip('/')}/summary.json")
+    if summary.run_dir:
+        lines.append(f"  summary          {summary.path}")
     lines.append(
-        f"  to resume        {resume_command(run, summary.get('storage_root'), argv, summary.get('module', module))}"
+        f"  to resume        {resume_command(run, summary.storage_root, argv, summary.module)}"
         + " (verified stages are skipped, training goes on from its latest checkpoint)"
     )
     return lines

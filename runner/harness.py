@@ -23,10 +23,11 @@ from dataset import folder
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import parse_cli
 from reporting import artifacts, environment
-from runner import console, hooks, stopping
+from runner import console, stopping
 from runner.runtime import cli_runtime, ray_task_runner
 from runner.stages import StageRecorder
-from storage_io import RunInUseError, StorageLayout, atomic_write_json, read_json, run_lease
+from runner.summary import RunSummary, attach, outcome_of
+from storage_io import StorageLayout, atomic_write_json, run_lease
 from training import models
 
 
@@ -60,23 +61,25 @@ def flow_run_name() -> str:
     return config.run_name or default_run_name(run_name_prefix(config))
 
 
-def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[str, float], stages: Any) -> dict[str, Any] | Cancelled:
+def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[str, float], stages: Any) -> RunSummary | Cancelled:
     """What every flow does around its stage list ``stages(stage, layout, config)``.
 
     The run folder (when ``run_name`` is unset, the flow run's name: `flow_run_name`), the Ray task
     runner, ``check_fits`` before anything is written, the run's lease, and summary.json however it
-    ends: on a stop request (Ctrl-C, SIGTERM) the summary says interrupted and the flow run ends
-    Cancelled. ``module``: the flow's CLI module, what the summary's resume command runs.
+    ends. The run's `RunSummary` is the flow's return value; on a stop request (Ctrl-C, SIGTERM) the
+    summary says interrupted and the flow run ends Cancelled with it as data; a failed run's
+    exception carries it (`runner.summary.attach`). ``module``: the flow's CLI module, what the
+    summary's resume command runs.
     """
     models.check_name(config.model.name)  # ValueError naming model.name: an unknown model, a module that does not import
     folder.check_source(config.download, config.transform.image_size)  # source=folder: a bad layout or image, named
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
+    stage = None
     try:
         with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
             check_fits(config)  # before anything is written
             with run_lease(layout):  # refuses a live run of the same name
-                hooks.remember_run(layout)
                 env = environment.describe()
                 artifacts.publish_environment_report(env, config.workload)
                 stage = StageRecorder(runner, layout, config, env, plan, module)
@@ -84,16 +87,17 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
                     stages(stage, layout, config)
                 except stopping.RunStopped as stop:
                     summary = stage.write_summary()
-                    return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}")
-                except BaseException:
+                    return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}", data=summary)
+                except BaseException as error:
                     try:
                         stage.write_summary()
-                    except OSError as exc:  # e.g. the storage root is full: keep the stage's own error
+                    except Exception as exc:  # e.g. the storage root is full: keep the stage's own error
                         print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
+                    attach(error, stage.last_summary)  # for the failure hook and the CLI, written or not
                     raise
                 return stage.write_summary()
     finally:
-        stopping.FLOW_BODY_DONE.set()
+        stopping.flow_body_done(stage.last_summary if stage else None)
 
 
 def _named_run(config: PipelineConfig) -> str:
@@ -107,13 +111,11 @@ def _named_run(config: PipelineConfig) -> str:
     return default_run_name(prefix)
 
 
-def resume_hint(summary: dict[str, Any]) -> str:
+def resume_hint(summary: RunSummary) -> str:
     """Where the stopped run can go on from, and the command that does it."""
-    kept = (summary.get("stopped") or {}).get("checkpoint_kept")
+    kept = summary.stopped.checkpoint_kept if summary.stopped else None
     where = f"its checkpoint {kept['path']} is kept" if kept else "no training checkpoint was written yet"
-    command = console.resume_command(
-        summary.get("run_name") or "?", summary.get("storage_root"), None, summary.get("module", "flows.train")
-    )
+    command = console.resume_command(summary.run_name or "?", summary.storage_root, None, summary.module)
     return f"{where}; resume with: {command}"
 
 
@@ -127,25 +129,14 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        settings = parse_cli(argv, settings_class)
-        config = settings.pipeline_config()
-        models.check_name(config.model.name)
-        folder.check_source(config.download, config.transform.image_size)
+        settings, config, layout = checked_settings(argv, settings_class)
     except (ValidationError, ValueError) as exc:
-        print(f"invalid configuration:\n{exc}", file=sys.stderr)
-        return 2
-    if config.run_name is None:
-        config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
-    layout = StorageLayout.create(config.storage_root, config.run_name)
-    try:
-        layout.check_reachable()
-    except ValueError as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     started = time.perf_counter()
     named = "MNIST" if config.workload == DEFAULT_WORKLOAD else config.workload
     print(f"{title.format(workload=named)}: run {config.run_name} -> {layout.run_dir}", flush=True)
-    failed, runtime = None, None
+    summary, failed, runtime = None, None, None
     # Ctrl-C and SIGTERM ask the run to stop (runner/stopping.py). The Prefect API and a local Ray
     # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose
     # (the Prefect UI gets every log line either way).
@@ -160,25 +151,47 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
                 if stop.requested:  # while Ray and the server were starting
                     raise stopping.RunStopped(None, stop.reason or "stopped")
                 with stopping.ApiWatch(runtime.api_url, settings.lost_api_wait_s, layout.summary_path, argv):
-                    flow(config)
+                    summary, failed = outcome_of(flow(config, return_state=True))  # the run's own summary
             except Exception as exc:  # the summary below still tells what happened
                 failed = exc
-        in_use = isinstance(failed, RunInUseError)  # the summary on disk belongs to the live run
-        summary = (read_json(layout.summary_path) or {}) if not in_use else {}
-        summary.pop("config", None)
-        if summary and settings.summary_out:
-            atomic_write_json(Path(settings.summary_out), summary)
-        if settings.print_json and summary:
-            print(json.dumps(summary, indent=2))
-        api_url = runtime.api_url if runtime else None
-        temporary = bool(runtime and runtime.temporary_server)
         wall = time.perf_counter() - started
-        if stop.requested and summary.get("status") != "completed":
-            fallback = {"run_name": config.run_name, "storage_root": config.storage_root}
-            lines = console.stopped_lines(summary or fallback, stop.reason, wall, argv, module)
-            print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
-            return stop.exit_code() or 1
-        fallback = {"run_name": config.run_name, "storage_root": config.storage_root}
-        lines = console.summary_lines(summary or fallback, failed, wall, api_url, temporary, argv, module)
-        print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
-        return 1 if failed is not None else 0
+        return close_cli(summary, failed, config, settings, runtime, stop, wall, argv, module)
+
+
+def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, PipelineConfig, StorageLayout]:
+    """(settings, config with its run name, the run's layout) from ``argv`` and the environment;
+    ValidationError or ValueError naming the field when something cannot work, before any work starts."""
+    settings = parse_cli(argv, settings_class)
+    config = settings.pipeline_config()
+    models.check_name(config.model.name)
+    folder.check_source(config.download, config.transform.image_size)
+    if config.run_name is None:
+        config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
+    layout = StorageLayout.create(config.storage_root, config.run_name)
+    layout.check_reachable()
+    return settings, config, layout
+
+
+def close_cli(
+    summary: RunSummary | None, failed: BaseException | None, config: PipelineConfig, settings: Any, runtime: Any,
+    stop: stopping.StopRequest, wall_s: float, argv: list[str], module: str,
+) -> int:
+    """The CLI's end: the summary where ``--summary-out``/``--json`` ask for it, the closing lines, the exit code.
+
+    ``summary`` is None when the run never got to its stages (a refused lease, a setup error):
+    then the lines name the run and its storage root from ``config``.
+    """
+    if summary is not None and settings.summary_out:
+        atomic_write_json(Path(settings.summary_out), summary.to_json(config=False))
+    if summary is not None and settings.print_json:
+        print(json.dumps(summary.to_json(config=False), indent=2))
+    shown = summary or RunSummary(run_name=config.run_name, storage_root=config.storage_root, module=module)
+    if stop.requested and shown.status != "completed":
+        lines = console.stopped_lines(shown, stop.reason, wall_s, argv)
+        print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
+        return stop.exit_code() or 1
+    api_url = runtime.api_url if runtime else None
+    temporary = bool(runtime and runtime.temporary_server)
+    lines = console.summary_lines(shown, failed, wall_s, api_url, temporary, argv)
+    print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
+    return 1 if failed is not None else 0

@@ -22,47 +22,15 @@ import httpx
 from pipeline_config import DEFAULT_WORKLOAD
 from reporting.artifacts import artifact_keys, gate_verdict
 from runner.console import resume_command
-from storage_io import StorageLayout, read_json
+from runner.summary import SEARCH_MODULE, RunSummary, outcome_of
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
 WEBHOOK_TIMEOUT_S = 10.0
 
-# flow run id -> summary.json of that run. The hook runs in the flow's own process after the
-# flow function has written its summary, but only the flow knows the run name it picked (a new
-# timestamped one when none was given), so the flow leaves the path here for the hook.
-_SUMMARIES: dict[str, str] = {}  # a path or an s3:// URI
-# flow run id -> the summary the flow last built, for when it could not be written (a full disk).
-_LATEST: dict[str, dict[str, Any]] = {}
-
-
-def remember_run(layout: StorageLayout) -> None:
-    """Let the failure hook of the current flow run find this run's ``summary.json``."""
-    from prefect.runtime import flow_run
-
-    if flow_run.id:
-        _SUMMARIES[str(flow_run.id)] = layout.summary_path
-
-
-def remember_summary(summary: dict[str, Any]) -> None:
-    """Keep the run's latest summary for the failure hook, whether or not it reaches storage."""
-    from prefect.runtime import flow_run
-
-    if flow_run.id:
-        _LATEST[str(flow_run.id)] = summary
-
-
-def failed_stage(summary: dict[str, Any]) -> tuple[str | None, str | None]:
-    """(stage name, error) of the first failed stage in a run summary, or (None, None)."""
-    for name, stage in (summary.get("stages") or {}).items():
-        if stage.get("status") == "failed":
-            return name, stage.get("error")
-    return None, None
-
-
 def failure_summary(
     flow_run_name: str,
     state_message: str | None,
-    summary: dict[str, Any] | None,
+    summary: RunSummary | None,
     parameters: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Build the failure report: the paragraph and the fields it names.
@@ -70,44 +38,33 @@ def failure_summary(
     Args:
         flow_run_name: The Prefect flow run's name (e.g. ``"witty-fox"``).
         state_message: The failed state's message (Prefect puts the exception there).
-        summary: The run's ``summary.json`` when the flow got far enough to write one.
+        summary: The run's summary when the flow got as far as its stages (`runner.summary.carried_by`).
         parameters: The flow run's parameters, used when there is no summary.
 
     Returns:
         A dict with ``text`` (the one-paragraph summary), ``stage``, ``cause``, ``run_name``,
         ``storage_root`` and ``run_dir``.
     """
-    summary = summary or {}
     config = (parameters or {}).get("config") or {}
     if not isinstance(config, dict):  # a PipelineConfig object when the hook runs in-process
         config = config.model_dump(mode="json") if hasattr(config, "model_dump") else {}
-    stage, error = failed_stage(summary)
+    known = summary is not None and summary.run_name is not None  # the run folder exists: resuming it makes sense
+    summary = summary or RunSummary()
+    stage, error = summary.failed_stage()
     # one paragraph: Prefect's messages for invalid parameters span several lines
     cause = " ".join((error or state_message or "unknown error (see the flow run log)").split()).rstrip(".")
-    run_name = summary.get("run_name") or config.get("run_name")
-    storage_root = summary.get("storage_root") or config.get("storage_root")
-    run_dir = summary.get("run_dir")
-    started = list(summary.get("stages") or {})
-    if stage:
-        where = f"in stage '{stage}'"
-    elif started:  # between stages (a report, the summary itself)
-        where = f"after stage '{started[-1]}'"
-    else:
-        where = "before any stage started (parameters or setup)"
-    if summary.get("run_name"):  # the run folder exists: resuming it makes sense
-        resume = (
-            f"To resume, fix the cause and start the run again with the same run name and storage root: "
-            f"`{resume_command(run_name, storage_root, None, summary.get('module', 'flows.mnist'))}`, or a custom run "
-            f"from the deployment's form with config.run_name = {run_name}; finished download and conversion "
-            f"are skipped and training resumes from the latest checkpoint in {run_dir or 'the run folder'}."
-        )
-    else:
-        resume = "Nothing was written yet: fix the cause (the named parameter) and start a new run."
-    completed = [name for name, s in (summary.get("stages") or {}).items() if s.get("status") == "completed"]
+    run_name = summary.run_name or config.get("run_name")
+    storage_root = summary.storage_root or config.get("storage_root")
+    run_dir = summary.run_dir
+    where = failure_place(stage, list(summary.stages))
+    resume = resume_advice(summary, run_name, storage_root) if known else (
+        "Nothing was written yet: fix the cause (the named parameter) and start a new run."
+    )
+    completed = summary.completed_stages()
     done = f" Stages completed before it: {', '.join(completed)}." if completed else ""
-    workload = str(summary.get("workload") or config.get("workload") or DEFAULT_WORKLOAD)
-    evidence = gate_evidence(summary, workload) if stage == "evaluate" else ""
-    searched = summary.get("module") == "flows.tune" or "tune" in config  # the tune flow's run
+    workload = str((summary.workload if known else None) or config.get("workload") or DEFAULT_WORKLOAD)
+    evidence = gate_evidence(summary, workload) if stage == "promote" else ""  # the stage that applies the gate
+    searched = summary.module == SEARCH_MODULE or "tune" in config  # the tune flow's run
     named = "MNIST" if workload == DEFAULT_WORKLOAD else workload
     title = f"{named} tune run" if searched else f"{named} pipeline run"
     text = f"{title} {run_name or '(unnamed)'} (flow run {flow_run_name}) failed {where}: {cause}.{done}{evidence} {resume}"
@@ -121,9 +78,28 @@ def failure_summary(
     }
 
 
-def gate_evidence(summary: dict[str, Any], workload: str = DEFAULT_WORKLOAD) -> str:
+def failure_place(stage: str | None, started: list[str]) -> str:
+    """Where the run failed: in a stage, between stages (a report, the summary itself), or before any."""
+    if stage:
+        return f"in stage '{stage}'"
+    if started:
+        return f"after stage '{started[-1]}'"
+    return "before any stage started (parameters or setup)"
+
+
+def resume_advice(summary: RunSummary, run_name: str | None, storage_root: str | None) -> str:
+    """How to go on with a run whose folder exists: the same run name and storage root, from the CLI or the form."""
+    return (
+        f"To resume, fix the cause and start the run again with the same run name and storage root: "
+        f"`{resume_command(run_name, storage_root, None, summary.module)}`, or a custom run "
+        f"from the deployment's form with config.run_name = {run_name}; finished download and conversion "
+        f"are skipped and training resumes from the latest checkpoint in {summary.run_dir or 'the run folder'}."
+    )
+
+
+def gate_evidence(summary: RunSummary, workload: str = DEFAULT_WORKLOAD) -> str:
     """For a run that reached its gate: the test accuracy against the gate and the artifacts that show why."""
-    evaluation = summary.get("evaluation") or {}
+    evaluation = summary.evaluation
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is None or gate is None:
         return ""
@@ -143,10 +119,7 @@ def report_failure(flow, flow_run, state) -> None:
     from prefect.logging.loggers import flow_run_logger
 
     logger = flow_run_logger(flow_run=flow_run, flow=flow)
-    summary_path = _SUMMARIES.pop(str(flow_run.id), None)
-    latest = _LATEST.pop(str(flow_run.id), None)
-    # The summary the flow built last: the one on storage is older when writing it failed.
-    summary = latest or (read_json(summary_path) if summary_path else None)
+    summary, _ = outcome_of(state)  # the one the failed run's exception carries, built even when writing it failed
     report = failure_summary(flow_run.name, state.message, summary, flow_run.parameters)
     logger.error(report["text"])
     url = os.environ.get(WEBHOOK_ENV, "").strip()

@@ -15,7 +15,8 @@ from prefect import Task
 from prefect_ray.context import remote_options
 
 from pipeline_config import PipelineConfig
-from runner import console, hooks, stopping
+from runner import console, stopping
+from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from storage_io import StorageLayout, atomic_write_json, join, read_json, storage_writes
 from training.records import HISTORY_FILE
 from training.trainer import latest_checkpoint
@@ -34,14 +35,15 @@ class StageRecorder:
     ):
         self.runner, self.layout, self.config, self.env, self.plan = runner, layout, config, env, plan
         self.module = module  # what resumes the run: python -m <module>
-        self.stages: dict[str, dict[str, Any]] = {}
+        self.stages: dict[str, StageRecord] = {}
         self.outputs: dict[str, Any] = {}
-        self.stopped: dict[str, Any] | None = None  # how an interrupted or cancelled run stopped
+        self.stopped: StopRecord | None = None  # how an interrupted or cancelled run stopped
+        self.last_summary: RunSummary | None = None  # the latest one built, written or not
 
     def __call__(self, stage: Task, **parameters: Any) -> Any:
         name = stage.name
         number = f"[{list(self.plan).index(name) + 1}/{len(self.plan)}] {name}"
-        self.stages[name] = {"status": "running", "seconds": None}
+        record = self.stages[name] = StageRecord()
         console.say("%s ...%s", number, _stage_start(name, self))
         start = time.perf_counter()
         # Training says one line per epoch, read from the run's history on storage by this driver.
@@ -56,21 +58,21 @@ class StageRecorder:
             with watch:
                 result = stopping.wait_for_stage(future, name)
         except stopping.RunStopped as stop:
-            self.stages[name]["status"] = "interrupted"
+            record.status = "interrupted"
             self.record_stop("interrupted", name, stop.reason)
             raise
         except BaseException as exc:
             if stopping.prefect_is_cancelling():  # Cancel in the Prefect UI: Prefect's engine ends the run
-                self.stages[name]["status"] = "cancelled"
+                record.status = "cancelled"
                 self.record_stop("cancelled", name, "cancelled from Prefect")
             else:
-                self.stages[name] |= {"status": "failed", "error": f"{type(exc).__name__}: {exc}"}
+                record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
             raise
         finally:
-            self.stages[name]["seconds"] = round(time.perf_counter() - start, 2)
-        self.stages[name]["status"] = "completed"
+            record.seconds = round(time.perf_counter() - start, 2)
+        record.status = "completed"
         self.outputs[name] = result
-        seconds = console.duration(self.stages[name]["seconds"])
+        seconds = console.duration(record.seconds)
         detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
         console.say("%s done in %s%s", number, seconds, detail)
         return result
@@ -84,60 +86,60 @@ class StageRecorder:
 
     def record_stop(self, status: str, stage: str, reason: str) -> None:
         """Remember that the run stopped on request in ``stage``, and the checkpoint it keeps."""
-        self.stopped = {"status": status, "stage": stage, "reason": reason, "checkpoint_kept": latest_checkpoint(self.layout.run_dir)}
+        self.stopped = StopRecord(status=status, stage=stage, reason=reason, checkpoint_kept=latest_checkpoint(self.layout.run_dir))
 
     def status(self) -> str:
         """completed, failed, interrupted (Ctrl-C, SIGTERM) or cancelled (from Prefect)."""
         if self.stopped:
-            return self.stopped["status"]
+            return self.stopped.status
         return "completed" if self.completed() else "failed"
 
     def completed(self) -> bool:
         """True when every stage ran and completed."""
-        return len(self.stages) == len(self.plan) and all(s["status"] == "completed" for s in self.stages.values())
+        return len(self.stages) == len(self.plan) and all(s.status == "completed" for s in self.stages.values())
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> RunSummary:
         """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
         raw, dataset, trained, tuned = (self.outputs.get(name) for name in ("download", "to-parquet", "train", "tune"))
         metrics = _read_metrics(self.layout)
         from prefect.runtime import flow_run
 
-        return {
-            "run_name": self.layout.run_name,
-            "module": self.module,  # what resumes it
-            "workload": self.config.workload,
-            "flow_run_id": str(flow_run.id) if flow_run.id else None,
-            "storage_root": self.layout.root,
-            "run_dir": self.layout.run_dir,
-            "data_source": raw.source if raw else None,
-            "data": {
-                "raw_dir": raw.directory if raw else None,
-                "download_skipped": raw.skipped if raw else None,
-                "dataset_dir": dataset.directory if dataset else None,
-                "conversion_skipped": dataset.skipped if dataset else None,
-                "rows": dataset.rows if dataset else None,
-            },
-            "status": self.status(),
-            "stopped": self.stopped,
-            "stages": self.stages,
-            "epochs": self.epochs(),
-            "best_checkpoint": trained.best_checkpoint if trained else None,
-            "best_val_accuracy": trained.best_val_accuracy if trained else None,
-            "training_attempts": trained.attempts if trained else None,
-            "resumed_from_epoch": trained.resumed_from_epoch if trained else None,
-            "test_accuracy": metrics.get("accuracy"),
-            "promotion": metrics.get("promotion"),
-            "evaluation": metrics,
-            **({"tuning": tuned.summary() if tuned else None} if "tune" in self.plan else {}),
-            "config": self.config.model_dump(mode="json"),
-            "environment": self.env,
-        }
+        return RunSummary(
+            run_name=self.layout.run_name,
+            module=self.module,
+            workload=self.config.workload,
+            flow_run_id=str(flow_run.id) if flow_run.id else None,
+            storage_root=self.layout.root,
+            run_dir=self.layout.run_dir,
+            data_source=raw.source if raw else None,
+            data=DataRecord(
+                raw_dir=raw.directory if raw else None,
+                download_skipped=raw.skipped if raw else None,
+                dataset_dir=dataset.directory if dataset else None,
+                conversion_skipped=dataset.skipped if dataset else None,
+                rows=dataset.rows if dataset else None,
+            ),
+            status=self.status(),
+            stopped=self.stopped,
+            stages={name: record.model_copy() for name, record in self.stages.items()},
+            epochs=self.epochs(),
+            best_checkpoint=trained.best_checkpoint if trained else None,
+            best_val_accuracy=trained.best_val_accuracy if trained else None,
+            training_attempts=trained.attempts if trained else None,
+            resumed_from_epoch=trained.resumed_from_epoch if trained else None,
+            test_accuracy=metrics.get("accuracy"),
+            promotion=metrics.get("promotion"),
+            evaluation=metrics,
+            tuning=tuned.summary() if tuned else None,
+            config=self.config.model_dump(mode="json"),
+            environment=self.env,
+        )
 
-    def write_summary(self) -> dict[str, Any]:
-        summary = self.summary()
-        hooks.remember_summary(summary)  # the failure hook's account, even when the write below fails
+    def write_summary(self) -> RunSummary:
+        """Build the summary and write it as summary.json; `last_summary` keeps it even when the write fails."""
+        summary = self.last_summary = self.summary()
         with storage_writes("summary", self.layout.run_dir):
-            atomic_write_json(self.layout.summary_path, summary)
+            atomic_write_json(self.layout.summary_path, summary.to_json())
         return summary
 
 

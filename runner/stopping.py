@@ -19,6 +19,7 @@ SIGTERM bridge stays in charge there, and the summary records the run as ``cance
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import os
 import signal
 import sys
@@ -29,7 +30,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from runner.console import resume_command
-from storage_io import read_json
+from runner.summary import RunSummary
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
@@ -71,9 +72,32 @@ class StopRequest:
 
 STOP = StopRequest()
 _cli_owns_signals = False
-# Set when the flow function has returned or raised (its summary is on storage); Prefect's engine
-# then still reports the final state to the API, which is where a lost server made runs hang.
-FLOW_BODY_DONE = threading.Event()
+
+
+class FlowBodyEnd:
+    """The flow function's end as a CLI watcher sees it: ``done`` once it returned or raised, with the
+    run's summary. Prefect's engine then still reports the final state to the API, which is where a
+    lost server made runs hang (`ApiWatch`)."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.summary: RunSummary | None = None
+
+    def finish(self, summary: RunSummary | None) -> None:
+        self.summary = summary
+        self.done.set()
+
+
+# The watched flow body's end, bound by the CLI's `ApiWatch` around its in-process flow call (the
+# flow function runs in the same thread and context); unbound in a served run, which no CLI watches.
+_WATCHED: contextvars.ContextVar[FlowBodyEnd | None] = contextvars.ContextVar("watched_flow_body", default=None)
+
+
+def flow_body_done(summary: RunSummary | None) -> None:
+    """Called by the flow body last: tell the CLI's watch (if any) that it ended, and with what."""
+    end = _WATCHED.get()
+    if end is not None:
+        end.finish(summary)
 
 
 class RunStopped(Exception):
@@ -218,13 +242,16 @@ class ApiWatch:
     running 2 minutes after its summary said completed). After ``wait_s`` without an answer
     this watch asks a run still in a stage to stop (its checkpoints stay), gives it
     ``STAGE_STOP_WAIT_S`` to write its summary, says that the orchestrator could not be told,
-    and exits with the outcome on storage: 0 when the summary says completed, else 1. A server
+    and exits with the run's outcome (the summary its flow body ended with, also on storage): 0
+    when it says completed, else 1. A server
     back within ``wait_s`` changes nothing (measured: 27 s and 77 s outages, the run completed).
     """
 
     def __init__(self, api_url: str, wait_s: float, summary_path: str, argv: Sequence[str] | None = None, poll_s: float = 2.0):
         self.api_url, self.wait_s, self.summary_path, self.poll_s = api_url, wait_s, summary_path, poll_s
         self.argv = argv  # the CLI's options, for the command that resumes (console.resume_command)
+        self.body = FlowBodyEnd()
+        self._token: contextvars.Token | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prefect-api-watch", daemon=True)
 
@@ -247,24 +274,25 @@ class ApiWatch:
                 self._give_up(time.monotonic() - down_since)
 
     def _give_up(self, silent_s: float) -> None:
-        if not FLOW_BODY_DONE.is_set():
+        if not self.body.done.is_set():
             STOP.request(f"stopped: the Prefect API did not answer for {silent_s:.0f} s")
-            FLOW_BODY_DONE.wait(STAGE_STOP_WAIT_S + 10)
-        summary = read_json(self.summary_path)
-        status = summary.get("status") if isinstance(summary, dict) else None
+            self.body.done.wait(STAGE_STOP_WAIT_S + 10)
+        summary = self.body.summary  # the run's own, as its flow body ended
+        status = summary.status if summary else None
         _tell(
             f"\nThe Prefect API at {self.api_url} has not answered for {silent_s:.0f} s (--lost-api-wait-s {self.wait_s:g}): "
             f"the orchestrator could not be told how this run ended. The run's outcome is '{status or 'unknown'}', "
             f"in {self.summary_path}. Exiting.\n"
         )
-        if status != "completed" and isinstance(summary, dict) and summary.get("run_name"):
-            _tell(f"To resume: {resume_command(summary['run_name'], summary.get('storage_root'), self.argv, summary.get('module', 'flows.mnist'))}\n")
+        if status != "completed" and summary and summary.run_name:
+            _tell(f"To resume: {resume_command(summary.run_name, summary.storage_root, self.argv, summary.module)}\n")
         os._exit(0 if status == "completed" else 1)
 
     def __enter__(self) -> ApiWatch:
-        FLOW_BODY_DONE.clear()
+        self._token = _WATCHED.set(self.body)
         self._thread.start()
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
         self._stop.set()
+        _WATCHED.reset(self._token)

@@ -12,6 +12,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 
 from pipeline_config import TrainConfig
 from runner import console
+from runner.summary import RunSummary
 from training.records import record_epoch
 
 
@@ -114,15 +115,15 @@ def test_summary_lines_for_a_failed_gate_name_the_gate_folder_and_resume_command
         "stages": {"train": {"status": "completed"}, "evaluate": {"status": "failed"}},
         "evaluation": {"accuracy": 0.984, "min_accuracy": 0.985, "rows": 1000},
     }
-    lines = console.summary_lines(summary, RuntimeError("gate"), 250.0, "http://127.0.0.1:4200/api", False)
+    lines = console.summary_lines(RunSummary.model_validate(summary), RuntimeError("gate"), 250.0, "http://127.0.0.1:4200/api", False)
     text = "\n".join(lines)
     assert lines[0] == "Run r1 FAILED in stage evaluate after 4m10s: RuntimeError: gate"
     assert "98.40% on 1000 images (gate 98.50%: FAILED)" in text
     assert "/data/runs/r1/summary.json" in text and "Prefect UI     http://127.0.0.1:4200\n" in text + "\n"
     assert "python -m flows.mnist --run-name r1 --storage-root /data" in text
-    ok = console.summary_lines(summary | {"evaluation": {"accuracy": 0.99, "min_accuracy": 0.985, "rows": 1000}}, None, 61, None, True)
+    ok = console.summary_lines(RunSummary.model_validate(summary | {"evaluation": {"accuracy": 0.99, "min_accuracy": 0.985, "rows": 1000}}), None, 61, None, True)
     assert ok[0] == "Run r1 completed in 1m01s." and not any("resume" in line for line in ok)
-    linked = console.summary_lines(summary | {"flow_run_id": "abc"}, None, 61, "http://127.0.0.1:4200/api", False)
+    linked = console.summary_lines(RunSummary.model_validate(summary | {"flow_run_id": "abc"}), None, 61, "http://127.0.0.1:4200/api", False)
     assert "  Prefect UI     http://127.0.0.1:4200/runs/flow-run/abc" in linked
 
 
@@ -139,14 +140,14 @@ def test_max_images_zero_keeps_every_epoch():
 def test_summary_lines_say_whether_the_model_was_promoted_and_how_to_predict_with_the_champion():
     summary = {"run_name": "r2", "storage_root": "/data/my root", "run_dir": "/data/my root/runs/r2"}
     promoted = {"model": "mnist-resnet18", "promoted": True, "version": 3, "reason": "test accuracy 99.10% beats champion v2's 98.90%"}
-    text = "\n".join(console.summary_lines(summary | {"promotion": promoted}, None, 61, None, True))
+    text = "\n".join(console.summary_lines(RunSummary.model_validate(summary | {"promotion": promoted}), None, 61, None, True))
     assert "  model          promoted: mnist-resnet18 v3 is the champion (test accuracy 99.10% beats champion v2's 98.90%)" in text
     assert "-m flows.predict --storage-root '/data/my root' --input <folder" in text
     lost = {"model": "digits", "promoted": False, "version": 2, "reason": "test accuracy 98.00% does not beat champion v2's 98.90%"}
-    text = "\n".join(console.summary_lines(summary | {"promotion": lost}, None, 61, None, True))
+    text = "\n".join(console.summary_lines(RunSummary.model_validate(summary | {"promotion": lost}), None, 61, None, True))
     assert "  model          not promoted: test accuracy 98.00% does not beat champion v2's 98.90%" in text
     assert "--model digits" in text
     first_failed = {"model": "mnist-resnet18", "promoted": False, "version": None, "reason": "gate failed (test accuracy 40.00%)"}
-    lines = console.summary_lines(summary | {"promotion": first_failed}, RuntimeError("gate"), 61, None, True)
+    lines = console.summary_lines(RunSummary.model_validate(summary | {"promotion": first_failed}), RuntimeError("gate"), 61, None, True)
     assert "  model          not promoted: gate failed (test accuracy 40.00%)" in lines
     assert not any("flows.predict" in line for line in lines)  # no champion to predict with

@@ -513,7 +513,7 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
     assert run["state_type"] == "COMPLETED", run["state"]["message"]
     assert run["parameters"]["config"] == tune_run["config"]
     task_runs = server.task_runs(run["id"])
-    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(TUNE_STAGE_CPUS) | {"train", "evaluate", "cleanup"}
+    assert {t["name"].rsplit("-", 1)[0] for t in task_runs} == set(TUNE_STAGE_CPUS) | {"train", "evaluate", "promote", "cleanup"}
     assert all(t["state_type"] == "COMPLETED" for t in task_runs)
 
     summary = json.loads((work / "storage" / "runs" / "api-tune" / "summary.json").read_text())
@@ -527,7 +527,7 @@ def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(
     assert best_values["model"] == {"name": SMALL_MODEL}  # the model the trials trained
     assert best_values["workload"] == SHAPES and best_values["download"]["path"] == str(shapes_images)
     # train_best: the best trial's recipe trained in the run folder itself, evaluated, and passed the gate.
-    assert [summary["stages"][name]["status"] for name in ("train", "evaluate", "cleanup")] == ["completed"] * 3
+    assert [summary["stages"][name]["status"] for name in ("train", "evaluate", "promote", "cleanup")] == ["completed"] * 4
     assert summary["test_accuracy"] >= summary["evaluation"]["min_accuracy"]
     print(f"shapes search via the tune deployment: best trial's recipe, test accuracy {summary['test_accuracy']:.2%}")
     assert summary["evaluation"]["classes"] == list(SHAPE_CLASSES) and len(summary["evaluation"]["confusion"]) == 3

@@ -62,7 +62,7 @@ def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_p
     try:
         with busy_cores(2) as loops:
             run = first_start(tmp_path, "first", *SMALL_MODEL, env=env)
-            run.wait_for_line("[1/6] download done", timeout_s=600)
+            run.wait_for_line("[1/7] download done", timeout_s=600)
             assert all(loop.poll() is None for loop in loops), "the busy loops ran through the whole start"
         code, _ = run.finish(timeout_s=600)
     finally:
@@ -70,8 +70,8 @@ def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_p
             run.kill()
     out = run.output()
     assert code == 0, out[-3000:]
-    for number, stage in enumerate(["download", "to-parquet", "transform", "train", "evaluate", "cleanup"], 1):
-        assert f"[{number}/6] {stage} done" in out, out[-3000:]
+    for number, stage in enumerate(["download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup"], 1):
+        assert f"[{number}/7] {stage} done" in out, out[-3000:]
     assert re.search(r"Run first completed in", out), out[-3000:]
     assert "Traceback" not in out, out[-3000:]
     assert run.summary()["status"] == "completed"

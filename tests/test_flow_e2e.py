@@ -70,6 +70,7 @@ def test_smoke_run_completes_every_stage(smoke_run, storage):
     state, summary, _, _ = smoke_run
     assert state.is_completed(), state.message
     assert summary["status"] == "completed"
+    assert state.result().to_json() == summary  # the flow returns its typed summary, the one summary.json holds
     assert set(summary["stages"]) == STAGES
     assert all(stage["status"] == "completed" and stage["seconds"] > 0 for stage in summary["stages"].values())
     assert summary["data_source"] == "sample"
@@ -142,8 +143,9 @@ def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its
     assert printed["status"] == "failed"
     stored = json.loads((storage / "runs" / "gate" / "summary.json").read_text())
     assert stored["config"]["model"]["name"] == SMALL_MODEL and stored["evaluation"]["min_accuracy"] == gate  # the default gate
-    assert printed["stages"]["evaluate"]["status"] == "failed" and "cleanup" not in printed["stages"]
-    assert "QualityGateError" in printed["stages"]["evaluate"]["error"]
+    # Evaluation completed with the verdict; the promote stage recorded the run, then failed on the gate
+    assert printed["stages"]["evaluate"]["status"] == "completed" and "cleanup" not in printed["stages"]
+    assert printed["stages"]["promote"]["status"] == "failed" and "QualityGateError" in printed["stages"]["promote"]["error"]
     assert printed["test_accuracy"] < 0.5  # about chance
     run_dir = storage / "runs" / "gate"
     assert (run_dir / "evaluation" / "metrics.json").is_file()  # the failed gate kept every artifact
@@ -157,7 +159,7 @@ def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its
     metrics = artifacts[KEYS["metrics"]]
     rows = json.loads(metrics.data) if isinstance(metrics.data, str) else metrics.data
     assert rows[0]["class"] == "all" and rows[0]["gate"] == verdict and verdict in metrics.description
-    paragraph = next(log.message for log in logs if "failed in stage 'evaluate'" in log.message)
+    paragraph = next(log.message for log in logs if "failed in stage 'promote'" in log.message)
     assert verdict in paragraph and KEYS["confusion"] in paragraph and KEYS["metrics"] in paragraph
     # A failed gate is never promoted: the champion stays the first run's
     assert printed["promotion"]["promoted"] is False and printed["promotion"]["reason"].startswith("gate failed")

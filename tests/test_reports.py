@@ -20,6 +20,7 @@ from dataset.parquet import convert
 from pipeline_config import ParquetConfig
 from reporting import artifacts, pictures, training_progress
 from runner import hooks
+from runner.summary import RunSummary
 from tests.support.digits import write_raw
 
 RED = (200, 80, 80)  # a title pixel counts as red when R > 200 and G, B < 80
@@ -205,7 +206,7 @@ SUMMARY = {
 
 
 def test_failure_summary_names_stage_cause_and_resume_command():
-    report = hooks.failure_summary("witty-fox", "Flow run encountered an exception", SUMMARY)
+    report = hooks.failure_summary("witty-fox", "Flow run encountered an exception", RunSummary.model_validate(SUMMARY))
     text = report["text"]
     assert report["stage"] == "train" and report["run_name"] == "nightly-7"
     assert "failed in stage 'train': RuntimeError: Ray Train run failed: worker died." in text
@@ -217,11 +218,12 @@ def test_failure_summary_names_stage_cause_and_resume_command():
 
 def test_failure_summary_of_a_failed_gate_names_accuracy_gate_and_artifacts():
     summary = SUMMARY | {
-        "stages": {**SUMMARY["stages"], "train": {"status": "completed"}, "evaluate": {"status": "failed", "error": "QualityGateError: below"}},
+        "stages": {**SUMMARY["stages"], "train": {"status": "completed"}, "evaluate": {"status": "completed"},
+                   "promote": {"status": "failed", "error": "QualityGateError: below"}},
         "evaluation": {"accuracy": 0.984, "min_accuracy": 0.985, "rows": 1000},
     }
-    text = hooks.failure_summary("witty-fox", None, summary)["text"]
-    assert "failed in stage 'evaluate': QualityGateError: below." in text
+    text = hooks.failure_summary("witty-fox", None, RunSummary.model_validate(summary))["text"]
+    assert "failed in stage 'promote': QualityGateError: below." in text
     assert "Test accuracy 98.40% on 1000 images, gate FAILED: 98.40% < 98.50%" in text
     assert all(key in text for key in ("mnist-confusion-matrix", "mnist-test-predictions", "mnist-test-metrics", "mnist-checkpoint"))
     assert "\n" not in text
@@ -253,7 +255,7 @@ def test_post_webhook_sends_the_json_to_a_real_http_server():
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        payload = hooks.failure_summary("witty-fox", None, SUMMARY)
+        payload = hooks.failure_summary("witty-fox", None, RunSummary.model_validate(SUMMARY))
         assert hooks.post_webhook(f"http://127.0.0.1:{server.server_port}/hook", payload) == 204
     finally:
         server.shutdown()

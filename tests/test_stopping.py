@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from runner import console, hooks
+from runner.summary import RunSummary
 from runner.stopping import EXIT_CODES, StopRequest
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL_ARGS, pause_env
@@ -50,11 +51,11 @@ def test_stopped_lines_name_the_stage_the_checkpoint_and_the_resume_command():
         "stopped": {"stage": "train", "status": "interrupted", "checkpoint_kept": {"path": "/data/runs/r1/checkpoint_x", "epoch": 2, "mid_epoch": False}},
         "stages": {"download": {"status": "completed"}, "train": {"status": "interrupted"}},
     }
-    lines = console.stopped_lines(summary, "stopped by Ctrl-C (SIGINT)", 75)
+    lines = console.stopped_lines(RunSummary.model_validate(summary), "stopped by Ctrl-C (SIGINT)", 75)
     assert lines[0].startswith("Run r1 stopped by Ctrl-C (SIGINT) in stage train after 1m15s")
     assert "/data/runs/r1/checkpoint_x (epoch 3 of 30 done)" in lines[1]
     assert "python -m flows.mnist --run-name r1 --storage-root /data" in lines[-1]
-    early = console.stopped_lines({"run_name": "r2"}, "stopped by SIGTERM", 3)
+    early = console.stopped_lines(RunSummary(run_name="r2"), "stopped by SIGTERM", 3)
     assert "before its first stage" in early[0] and "--run-name r2" in early[-1]
 
 
@@ -80,7 +81,7 @@ def test_the_resume_command_keeps_the_runs_options_and_the_way_it_was_started(tm
 def test_a_failure_between_stages_is_not_reported_as_before_any_stage():
     summary = {"run_name": "r", "storage_root": "/s", "run_dir": "/s/runs/r",
                "stages": {"download": {"status": "completed"}, "to-parquet": {"status": "completed"}}}
-    text = hooks.failure_summary("fox", "OSError: [Errno 28] No space left on device", summary)["text"]
+    text = hooks.failure_summary("fox", "OSError: [Errno 28] No space left on device", RunSummary.model_validate(summary))["text"]
     assert "after stage 'to-parquet'" in text and "before any stage" not in text
     assert "before any stage started" in hooks.failure_summary("fox", "bad", None)["text"]
 

@@ -19,6 +19,7 @@ from pipeline_config.settings import PipelineSettings, parse_cli
 from reporting.artifacts import trial_rows
 from reporting.pictures import trial_curves_png
 from runner import console
+from runner.summary import RunSummary
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL, pause_env
 from tests.support.prefect_server import free_port
@@ -173,7 +174,7 @@ def test_trial_table_and_picture_show_every_trial_and_which_stopped_early():
 def test_summary_names_the_best_trial_and_the_resume_command_the_tune_module():
     tuning = {"metric": "val_ce", "trials": 4, "stopped_early": 2, "best_trial": {
         "trial_id": "a_00003", "val_ce": 0.41, "epochs_run": 2, "sampled": {"learning_rate": 0.004}, "config_file": "/s/best_config.yaml"}}
-    lines = console.summary_lines({"run_name": "t", "tuning": tuning, "module": "flows.tune"}, RuntimeError("x"), 5, None, False, [])
+    lines = console.summary_lines(RunSummary(run_name="t", tuning=tuning, module="flows.tune"), RuntimeError("x"), 5, None, False, [])
     text = "\n".join(lines)
     assert "best trial     a_00003: val_ce 0.4100 after 2 epoch(s) (4 trials, 2 stopped early)" in text
     assert "python -m flows.mnist --config-file /s/best_config.yaml" in text

@@ -1,0 +1,206 @@
+"""Stage 6: the gate's verdict acted on: the run recorded in its model's history, a better model promoted.
+
+Every evaluated run, gate passed or not, adds its row to the model's run-comparison table under
+``<root>/models/<promote.model_name>/`` (unset: ``<workload>-<model>``), published to the Prefect
+UI under keys stable across runs. A model that passed ``evaluate.min_accuracy`` replaces the
+champion only when it is better on the same test set (`training.registry`). The decision is
+added to the run's ``evaluation/metrics.json``.
+
+Then the gate: a model below ``evaluate.min_accuracy`` fails this stage and the run, with its
+evidence already published by evaluation and its row already in the comparison. With promotion
+off (``promote.enabled``) the stage only applies the gate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import task
+from pydantic import BaseModel
+
+from dataset.parquet import image_record
+from dataset.transform import TransformSpec
+from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
+from reporting import artifacts, environment, pictures
+from reporting.logs import stage_logger
+from storage_io import StorageLayout, atomic_write_json, join, lease_path, read_json, storage_writes
+from tasks.evaluate import Evaluation
+from training import registry, registry_files
+from training.inference import predict
+from training.trainer import TrainedModel
+
+
+class QualityGateError(RuntimeError):
+    """Test accuracy below ``evaluate.min_accuracy``."""
+
+
+class PromotionOutcome(BaseModel):
+    """What the promote stage decided: the registry's decision, or None when promotion is off."""
+
+    promotion: registry.Promotion | None = None
+
+    def terminal_detail(self) -> str:
+        """What the promote stage's closing terminal line adds after its name and seconds."""
+        if self.promotion is None:
+            return ": promotion is off (promote.enabled)"
+        if self.promotion.promoted:
+            return f": {self.promotion.model} v{self.promotion.version} is the champion"
+        return f": {self.promotion.model} not promoted ({self.promotion.reason})"
+
+
+@task(name="promote")
+def promote(
+    evaluation: Evaluation,
+    trained: TrainedModel,
+    spec: TransformSpec,
+    cfg: PromoteConfig,
+    evaluate_cfg: EvaluateConfig,
+    layout: StorageLayout,
+    run_config: dict[str, Any] | None = None,
+    raw_dir: str | None = None,
+    workload: str = DEFAULT_WORKLOAD,
+) -> PromotionOutcome:
+    """Record the evaluated run in its model's history, promote it when it passed the gate and is
+    better than the champion, then fail on a failed gate (`QualityGateError`).
+
+    ``evaluate_cfg``: how the champion is scored again when the test set changed (the same actor
+    pool as evaluation); ``run_config``: the run's whole configuration, for the model card;
+    ``raw_dir``: the raw data the dataset was built from; ``workload``: with the trained model, the
+    registry's model when ``promote.model_name`` is unset (``<workload>-<model>``).
+    """
+    outcome = PromotionOutcome()
+    if cfg.enabled:
+        name = cfg.registry_name(workload, trained.model.name)
+        outcome.promotion = promote_model(evaluation, trained, spec, evaluate_cfg, layout, cfg, run_config or {}, raw_dir, name)
+        evaluation = evaluation.model_copy(update={"promotion": outcome.promotion})
+        with storage_writes("promote"):
+            atomic_write_json(evaluation.metrics_path, evaluation.model_dump())
+        stage_logger(__name__).info("Model %s: %s", name, promotion_line(outcome.promotion))
+    if not evaluation.passed_gate:
+        raise QualityGateError(
+            f"test accuracy {evaluation.accuracy:.4f} is below evaluate.min_accuracy {evaluation.min_accuracy:.4f}; "
+            f"every artifact is kept: metrics in {evaluation.metrics_path}, checkpoint {evaluation.checkpoint}"
+        )
+    return outcome
+
+
+def promotion_line(promotion: registry.Promotion) -> str:
+    """``promoted to v3 (...)`` or ``not promoted (...)``: the decision and its reason in one phrase."""
+    if promotion.promoted:
+        return f"promoted to v{promotion.version}: {promotion.reason}"
+    return f"not promoted: {promotion.reason}"
+
+
+def promote_model(
+    result: Evaluation,
+    trained: TrainedModel,
+    spec: TransformSpec,
+    cfg: EvaluateConfig,
+    layout: StorageLayout,
+    promote: PromoteConfig,
+    run_config: dict[str, Any],
+    raw_dir: str | None,
+    model_name: str,
+) -> registry.Promotion:
+    """Compare the evaluated model with the champion of ``model_name``, promote it when better, and publish the run comparison."""
+    candidate = make_candidate(result, trained, spec, layout, run_config, raw_dir)
+    version_pictures = {"confusion_matrix.png": pictures.confusion_matrix_png(result.confusion, spec.dataset.classes)}
+    if trained.history:
+        version_pictures["training_curves.png"] = pictures.training_curves_png(trained.history)
+    rescore = champion_scorer(spec, cfg, promote.model_name)
+    promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, version_pictures, rescore)
+    with storage_writes("promote"):
+        registry.record_run(layout.root, model_name, run_row(result, trained, candidate, promotion, layout))
+    runs = registry.recent_runs(layout.root, model_name, promote.recent_runs)
+    artifacts.publish_run_comparison(model_name, runs, promotion.model_dump())
+    return promotion
+
+
+def make_candidate(
+    result: Evaluation, trained: TrainedModel, spec: TransformSpec, layout: StorageLayout, run_config: dict[str, Any],
+    raw_dir: str | None,
+) -> registry.Candidate:
+    """The evaluated model as the registry sees it: its scores, its data and recipe, what its card will say."""
+    from prefect.runtime import flow_run
+
+    return registry.Candidate(
+        run_name=layout.run_name,
+        flow_run_id=str(flow_run.id) if flow_run.id else None,
+        checkpoint=result.checkpoint,
+        accuracy=result.accuracy,
+        passed_gate=result.passed_gate,
+        data_hash=registry_files.data_hash(spec.dataset.directory),
+        dataset_dir=spec.dataset.directory,
+        raw_dir=raw_dir,
+        metrics={
+            "rows": result.rows,
+            "accuracy_without_tta": result.accuracy_without_tta,
+            "precision": result.precision,
+            "recall": result.recall,
+            "best_val_accuracy": trained.best_val_accuracy,
+        },
+        config=run_config,
+        model=trained.model.model_dump(),
+        code_version=environment.git_commit(),
+        data_spec=data_spec(spec),
+    )
+
+
+def champion_scorer(spec: TransformSpec, cfg: EvaluateConfig, model_name_field: str | None) -> Callable[[str], float]:
+    """How the registry scores a champion on this run's test set (when the data changed): through
+    the same actor pool as evaluation, after checking that the champion's images and classes are this run's."""
+
+    def rescore(folder: str) -> float:
+        card = read_json(join(folder, registry_files.CARD_FILE))
+        theirs = registry_files.card_data(card if isinstance(card, dict) else {})
+        if tuple(theirs["shape"]) != tuple(spec.dataset.image_shape) or list(theirs["classes"]) != list(spec.dataset.classes):
+            raise ValueError(
+                f"promote.model_name {model_name_field}: its champion ({folder}) was trained on {theirs['shape']} images of "
+                f"classes {theirs['classes']}, this run on {tuple(spec.dataset.image_shape)} images of classes "
+                f"{list(spec.dataset.classes)}; they cannot be compared: give this workload its own promote.model_name"
+            )
+        out = predict(spec, folder, cfg, registry_files.version_model(folder))
+        return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
+
+    return rescore
+
+
+def data_spec(spec: TransformSpec) -> dict[str, Any]:
+    """What ``flows.predict`` needs to score new images as evaluation scored the test split: the
+    images' shape, the class names, and the normalization (``transform.mean``/``std``, ``image_size``)."""
+    return {
+        "image": image_record(tuple(spec.dataset.image_shape)),
+        "classes": list(spec.dataset.classes),
+        "mean": spec.config.mean,
+        "std": spec.config.std,
+        "image_size": spec.config.image_size,
+    }
+
+
+def run_row(
+    result: Evaluation, trained: TrainedModel, candidate: registry.Candidate, promotion: registry.Promotion, layout: StorageLayout
+) -> dict[str, Any]:
+    """This run's row of the model's comparison table."""
+    epochs = [row for row in trained.history if "epoch" in row]
+    last = epochs[-1] if epochs else {}
+    speeds = [row["images_per_s"] for row in epochs if isinstance(row.get("images_per_s"), (int, float))]
+    lease = read_json(lease_path(layout))
+    started = lease.get("started") if isinstance(lease, dict) else None
+    return {
+        "run": layout.run_name,
+        "flow_run_id": candidate.flow_run_id,
+        "finished_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "data_hash": candidate.data_hash,
+        "test_accuracy": result.accuracy,
+        "passed_gate": result.passed_gate,
+        "val_loss": last.get("val_loss"),
+        "epochs": len(epochs),
+        "train_images_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "wall_s": time.time() - started if isinstance(started, (int, float)) else None,  # run start to this decision
+        "promoted": promotion.promoted,
+        "version": promotion.version if promotion.promoted else None,
+        "reason": promotion.reason,
+    }
