@@ -1,0 +1,1 @@
+"""Kubernetes manifests for the project's image (KubeRay RayJob and RayCluster, head PodDisruptionBudgets), the Prefect Kubernetes work-pool template, and their offline checks (`python -m deployments.kubernetes.check`)."""

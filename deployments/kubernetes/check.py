@@ -1,0 +1,403 @@
+"""Offline checks of the Kubernetes manifests and the Prefect work-pool template in this folder.
+
+No cluster is needed, nor the KubeRay CRDs (which cannot be fetched here): each object is checked
+
+1. against our own JSON Schema of the fields we use (schemas/, written from KubeRay v1.6.2's
+   ray.io/v1 API reference and the Kubernetes policy/v1 reference; additionalProperties false, so
+   a misspelt field fails here instead of being pruned in silence by the API server);
+2. against the rules the KubeRay operator applies when it reconciles, which no schema expresses
+   (a TTL needs shutdownAfterJobFinishes, name lengths, authOptions' Ray version, ...);
+3. against this project: rayVersion is the lock's ray, every image is `<name>:<lock hash>`
+   (deployments/images.py), credentials come only from Secrets, each pod's grace period outlasts
+   the drain plus a checkpoint upload, and a PodDisruptionBudget protects each Ray head;
+4. the work-pool template with Prefect's own functions: the server's base-job-template validation,
+   its JSON Schema check of the variables, and the worker's template resolution.
+
+    python -m deployments.kubernetes.check      # prints every problem; exit 1 when there is one
+
+tests/test_kubernetes_manifests.py runs these on the files and on broken copies of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shlex
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+from prefect.server.schemas.actions import WorkPoolCreate
+from prefect.utilities.schema_tools.validation import is_valid_schema
+from prefect.utilities.schema_tools.validation import validate as prefect_validate
+from prefect.utilities.templating import find_placeholders
+from prefect.workers.base import BaseJobConfiguration
+from pydantic import ConfigDict, ValidationError
+
+from deployments.images import LOCK, image_reference
+
+HERE = Path(__file__).resolve().parent
+SCHEMAS = HERE / "schemas"
+MANIFESTS = (HERE / "rayjob.yaml", HERE / "raycluster.yaml")
+WORK_POOL_TEMPLATE = HERE / "prefect-work-pool.json"
+KUBERAY_VERSION = "v1.6.2"  # the release whose ray.io/v1 API reference schemas/ follows
+
+# The grace-period budget of a Ray pod. DRAIN: what Ray needs after SIGTERM to stop its processes
+# and the driver to write its summary (the CLI took 5.2 s from SIGTERM to exit on 2 cores; a busy
+# node and the GCS noticing the node gone take longer). CHECKPOINT_UPLOAD: one ResNet-18 checkpoint
+# (179 MB with the optimizer state, docs/performance.md) at 3 MB/s, a slow S3 link. A preStop hook
+# that waits longer than the upload budget counts with its own length instead.
+DRAIN_SECONDS = 30
+CHECKPOINT_UPLOAD_SECONDS = 60
+
+# KubeRay appends 6 characters to a RayJob's name for its RayCluster, and a RayCluster's name plus
+# its longest Service suffix ("-serve-svc") must stay a 63-character DNS label.
+MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+TOKEN_AUTH_MIN_RAY = (2, 52, 0)  # KubeRay refuses authOptions.mode token for an older rayVersion
+# Environment variables that hold credentials: they may only come from a Secret.
+SECRET_ENV = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIAL|API_KEY", re.IGNORECASE)
+# What the Prefect Kubernetes worker (prefect-kubernetes 0.8.0, KubernetesWorkerJobConfiguration)
+# insists on in a job manifest; that package is not in the lock, so its rule is restated here.
+WORKER_REQUIRED = {
+    ("apiVersion",): "batch/v1",
+    ("kind",): "Job",
+    ("spec", "template", "spec", "parallelism"): 1,
+    ("spec", "template", "spec", "completions"): 1,
+    ("spec", "template", "spec", "restartPolicy"): "Never",
+    ("spec", "template", "spec", "containers", 0, "name"): "prefect-job",
+}
+
+
+def lock_version(package: str, lock: Path = LOCK) -> str:
+    """The version requirements.lock pins for ``package`` (``ray`` -> ``2.60.0``)."""
+    for line in Path(lock).read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and name.strip().lower() == package:
+            return version.split()[0].strip()
+    raise LookupError(f"{package} is not pinned in {lock}")
+
+
+def load_documents(path: Path) -> list[dict]:
+    """The YAML documents of a manifest file, empty ones left out."""
+    return [doc for doc in yaml.safe_load_all(Path(path).read_text()) if doc is not None]
+
+
+def _validator(kind: str) -> jsonschema.Draft202012Validator | None:
+    for name in ("ray.io-v1.schema.json", "policy-v1.schema.json"):
+        schema = json.loads((SCHEMAS / name).read_text())
+        if kind in schema["$defs"]:
+            return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{kind}", "$defs": schema["$defs"]})
+    return None
+
+
+def schema_errors(doc: dict) -> list[str]:
+    """Where ``doc`` breaks our schema of its kind, as ``<path>: <message>``, or that its kind has none."""
+    kind = doc.get("kind") if isinstance(doc, dict) else None
+    validator = _validator(kind) if isinstance(kind, str) else None
+    if validator is None:
+        return [f"kind {kind!r}: no schema in deployments/kubernetes/schemas/ (add the fields you use from the API reference)"]
+    found = []
+    for error in sorted(validator.iter_errors(doc), key=lambda e: list(map(str, e.absolute_path))):
+        where = ".".join(str(part) for part in error.absolute_path) or "(document)"
+        found.append(f"{kind} {where}: {error.message}")
+    return found
+
+
+def _cluster_spec(doc: dict) -> tuple[str, dict] | None:
+    """(path, RayClusterSpec) of a RayCluster or RayJob."""
+    spec = doc.get("spec") or {}
+    if doc.get("kind") == "RayCluster":
+        return "spec", spec
+    if doc.get("kind") == "RayJob" and isinstance(spec.get("rayClusterSpec"), dict):
+        return "spec.rayClusterSpec", spec["rayClusterSpec"]
+    return None
+
+
+def pod_templates(doc: dict) -> Iterator[tuple[str, str, dict]]:
+    """(path, role, pod template) of each Ray group: ``head``, then each worker group."""
+    found = _cluster_spec(doc)
+    if found is None:
+        return
+    path, spec = found
+    head = (spec.get("headGroupSpec") or {}).get("template")
+    if isinstance(head, dict):
+        yield f"{path}.headGroupSpec.template", "head", head
+    for index, group in enumerate(spec.get("workerGroupSpecs") or []):
+        if isinstance(group, dict) and isinstance(group.get("template"), dict):
+            yield f"{path}.workerGroupSpecs[{index}].template", "worker", group["template"]
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in re.findall(r"\d+", text)[:3])
+
+
+def _prestop_sleep(container: dict) -> int:
+    """Seconds a ``sleep N`` preStop hook waits (0 without one): the grace period must cover it."""
+    command = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command") or []
+    words = shlex.split(command[-1]) if command and command[0] in ("/bin/sh", "sh", "/bin/bash") else list(command)
+    return max((int(words[i + 1]) for i, word in enumerate(words[:-1]) if word == "sleep" and words[i + 1].isdigit()), default=0)
+
+
+def env_errors(where: str, env: Any) -> list[str]:
+    """A credential variable with a literal value: credentials come from a Secret, never from a file."""
+    found = []
+    for var in env if isinstance(env, list) else []:
+        name = var.get("name", "") if isinstance(var, dict) else ""
+        if SECRET_ENV.search(name) and not (var.get("valueFrom") or {}).get("secretKeyRef"):
+            found.append(f"{where}: env {name} holds a credential; take it from a Secret (valueFrom.secretKeyRef), never a value")
+    return found
+
+
+def image_errors(where: str, image: Any, expected: str) -> list[str]:
+    """An image that is not ``[registry/]<name>:<lock hash>``."""
+    if isinstance(image, str) and image.rsplit("/", 1)[-1] == expected:
+        return []
+    return [
+        f"{where}: image {image!r} is not {expected!r} (<name>:<lock hash> of requirements.lock, "
+        f"deployments/images.py; a registry prefix is fine): rebuild with `make image` and set the new tag"
+    ]
+
+
+def rule_errors(doc: dict, lock: Path = LOCK) -> list[str]:
+    """The operator's rules and this project's for one RayJob or RayCluster (nothing for other kinds)."""
+    kind = doc.get("kind")
+    if kind not in MAX_NAME_LENGTH:
+        return []
+    found = []
+    name = (doc.get("metadata") or {}).get("name", "")
+    if not DNS_1035_LABEL.match(str(name)) or len(str(name)) > MAX_NAME_LENGTH[kind]:
+        found.append(
+            f"{kind} metadata.name {name!r}: KubeRay wants a DNS-1035 label (a-z, 0-9, '-', starting with a letter) "
+            f"of at most {MAX_NAME_LENGTH[kind]} characters"
+        )
+    spec = doc.get("spec") or {}
+    if kind == "RayJob":
+        shutdown = spec.get("shutdownAfterJobFinishes", False)
+        ttl = spec.get("ttlSecondsAfterFinished", 0)
+        if isinstance(ttl, int) and ttl > 0 and not shutdown:
+            found.append(
+                "RayJob spec.ttlSecondsAfterFinished: a TTL needs shutdownAfterJobFinishes: true "
+                "(KubeRay refuses a RayJob with a TTL that would never delete anything)"
+            )
+        if isinstance(ttl, int) and ttl < 0:
+            found.append("RayJob spec.ttlSecondsAfterFinished: must not be negative")
+        if spec.get("suspend") and not shutdown:
+            found.append("RayJob spec.suspend: KubeRay suspends only a RayJob with shutdownAfterJobFinishes: true")
+        deadline = spec.get("activeDeadlineSeconds")
+        if deadline is not None and (not isinstance(deadline, int) or deadline <= 0):
+            found.append("RayJob spec.activeDeadlineSeconds: must be a positive number of seconds")
+        backoff = spec.get("backoffLimit")
+        if isinstance(backoff, int) and backoff < 0:
+            found.append("RayJob spec.backoffLimit: must not be negative")
+        if "rayClusterSpec" not in spec:
+            found.append("RayJob spec.rayClusterSpec: missing (these manifests create their cluster; no clusterSelector)")
+        try:
+            yaml.safe_load(spec.get("runtimeEnvYAML") or "")
+        except yaml.YAMLError as exc:
+            found.append(f"RayJob spec.runtimeEnvYAML: not YAML ({exc.__class__.__name__})")
+    cluster = _cluster_spec(doc)
+    if cluster is not None:
+        found += _cluster_errors(kind, *cluster, lock)
+    return found
+
+
+def _cluster_errors(kind: str, path: str, spec: dict, lock: Path) -> list[str]:
+    found = []
+    ray = lock_version("ray", lock)
+    version = spec.get("rayVersion")
+    if version != ray:
+        found.append(
+            f"{kind} {path}.rayVersion: {version!r} is not the lock's ray {ray!r}; the image holds the lock's Ray "
+            f"and KubeRay picks its commands by this version"
+        )
+    auth = spec.get("authOptions") or {}
+    if auth.get("mode", "token" if auth else None) == "token" and (not version or _version(str(version)) < TOKEN_AUTH_MIN_RAY):
+        found.append(f"{kind} {path}.authOptions: token authentication needs rayVersion 2.52.0 or later")
+    groups = [("Head", spec.get("headGroupSpec") or {})] + [
+        (str(g.get("groupName")), g) for g in spec.get("workerGroupSpecs") or [] if isinstance(g, dict)
+    ]
+    for group_name, group in groups:
+        if "labels" in (group.get("rayStartParams") or {}):
+            found.append(f"{kind} {path}: rayStartParams 'labels' of group {group_name} is refused by KubeRay")
+    names = [name for name, _ in groups[1:]]
+    if len(names) != len(set(names)):
+        found.append(f"{kind} {path}.workerGroupSpecs: group names must differ ({names})")
+    for index, group in enumerate(g for _, g in groups[1:]):
+        low, want, high = group.get("minReplicas", 0), group.get("replicas", 0), group.get("maxReplicas", 2**31 - 1)
+        if all(isinstance(n, int) for n in (low, want, high)) and not low <= want <= high:
+            found.append(f"{kind} {path}.workerGroupSpecs[{index}]: need minReplicas <= replicas <= maxReplicas")
+    expected = image_reference(lock)
+    for where, role, template in _templates(kind, path, spec):
+        pod = template.get("spec") or {}
+        containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
+        for index, container in enumerate(containers):
+            found += image_errors(f"{kind} {where}.spec.containers[{index}]", container.get("image"), expected)
+            found += env_errors(f"{kind} {where}.spec.containers[{index}]", container.get("env"))
+        wait = max([CHECKPOINT_UPLOAD_SECONDS] + [_prestop_sleep(c) for c in containers])
+        grace = pod.get("terminationGracePeriodSeconds")
+        if not isinstance(grace, int) or grace <= DRAIN_SECONDS + wait:
+            found.append(
+                f"{kind} {where}.spec.terminationGracePeriodSeconds: {grace!r} s must be longer than the drain "
+                f"({DRAIN_SECONDS} s) plus a checkpoint upload ({wait} s) = {DRAIN_SECONDS + wait} s, or Kubernetes "
+                f"kills the {role} pod in the middle of it"
+            )
+    return found
+
+
+def _templates(kind: str, path: str, spec: dict) -> Iterator[tuple[str, str, dict]]:
+    yield from pod_templates({"kind": "RayCluster", "spec": spec}) if kind == "RayCluster" else pod_templates(
+        {"kind": "RayJob", "spec": {"rayClusterSpec": spec}}
+    )
+
+
+def budget_errors(docs: list[dict]) -> list[str]:
+    """Each Ray head in a file has a PodDisruptionBudget there that selects it, allows no eviction, and takes no worker."""
+    found = []
+    budgets = [d for d in docs if isinstance(d, dict) and d.get("kind") == "PodDisruptionBudget"]
+    for doc in docs:
+        if not isinstance(doc, dict) or doc.get("kind") not in MAX_NAME_LENGTH:
+            continue
+        templates = list(pod_templates(doc))
+        head_labels = next((((t.get("metadata") or {}).get("labels") or {}) for _, role, t in templates if role == "head"), {})
+        worker_labels = [((t.get("metadata") or {}).get("labels") or {}) for _, role, t in templates if role == "worker"]
+        name = (doc.get("metadata") or {}).get("name")
+
+        def selects(budget: dict, labels: dict) -> bool:
+            wanted = ((budget.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+            return bool(wanted) and all(labels.get(k) == v for k, v in wanted.items())
+
+        guarding = [b for b in budgets if selects(b, head_labels)]
+        if not guarding:
+            found.append(
+                f"{doc['kind']} {name}: no PodDisruptionBudget in the file selects its head pod "
+                f"(labels {head_labels}); a node drain could evict the head and end every run on it"
+            )
+        for budget in guarding:
+            spec = budget.get("spec") or {}
+            blocks = spec.get("maxUnavailable") == 0 or (isinstance(spec.get("minAvailable"), int) and spec["minAvailable"] >= 1)
+            if not blocks:
+                found.append(f"PodDisruptionBudget {budget['metadata'].get('name')}: must allow no eviction of the head (maxUnavailable: 0)")
+            if any(selects(budget, labels) for labels in worker_labels):
+                found.append(
+                    f"PodDisruptionBudget {budget['metadata'].get('name')}: also selects worker pods, whose eviction "
+                    f"Ray Train survives; a drain would wait on them for nothing"
+                )
+    return found
+
+
+def check_documents(docs: list[dict], lock: Path = LOCK) -> list[str]:
+    """Every problem in one manifest file's documents."""
+    found = []
+    for doc in docs:
+        found += schema_errors(doc)
+        found += rule_errors(doc, lock)
+    return found + budget_errors(docs)
+
+
+def check_manifest(path: Path, lock: Path = LOCK) -> list[str]:
+    return [f"{Path(path).name}: {problem}" for problem in check_documents(load_documents(path), lock)]
+
+
+def _get(obj: Any, path: tuple) -> Any:
+    for part in path:
+        try:
+            obj = obj[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return obj
+
+
+class KubernetesJobConfiguration(BaseJobConfiguration):
+    """The fields of the Prefect Kubernetes worker's job configuration (prefect-kubernetes 0.8.0).
+
+    That package is not in the lock, so its configuration class is restated here with the fields a
+    template may fill; ``extra="forbid"`` makes a misspelt ``job_configuration`` key fail the way
+    an unknown field of a schema does.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    annotations: dict[str, str] = {}
+    namespace: str = "default"
+    job_manifest: dict[str, Any]
+    cluster_config: dict[str, Any] | None = None
+    job_watch_timeout_seconds: int | None = None
+    pod_watch_timeout_seconds: int = 60
+    stream_output: bool = True
+
+
+def resolve_work_pool_template(template: dict, values: dict | None = None) -> dict:
+    """The job configuration a Prefect worker builds from ``template`` and a deployment's job variables.
+
+    Prefect's own code does it: ``from_template_and_values`` (the variables' defaults, the
+    deployment's values over them, ``apply_values``, block and variable references). Our template
+    names no block and no Prefect variable, so the client it would read those with is never called.
+    """
+
+    async def resolve() -> KubernetesJobConfiguration:
+        return await KubernetesJobConfiguration.from_template_and_values(template, values or {}, client=object())
+
+    return asyncio.run(resolve()).model_dump()
+
+
+def check_work_pool_template(template: dict, lock: Path = LOCK, values: dict | None = None) -> list[str]:
+    """Problems in a Kubernetes work pool's base job template, found with Prefect's own checks first."""
+    try:  # what the Prefect server runs on `prefect work-pool create --base-job-template`
+        WorkPoolCreate(name="mnist-kubernetes", type="kubernetes", base_job_template=template)
+    except ValidationError as exc:
+        return [f"work-pool template: Prefect refuses it: {error['msg']}" for error in exc.errors()]
+    found = []
+    variables = template["variables"]
+    try:
+        is_valid_schema(variables)
+    except ValueError as exc:
+        return [f"work-pool template variables: {exc}"]
+    defaults = {k: v["default"] for k, v in variables.get("properties", {}).items() if "default" in v}
+    try:
+        prefect_validate({**defaults, **(values or {})}, variables, raise_on_error=True, preprocess=True, ignore_required=True)
+    except Exception as exc:  # Prefect's ValidationError carries the JSON Schema message
+        found.append(f"work-pool template variables: the defaults do not fit their own schema: {exc}")
+    try:
+        resolved = resolve_work_pool_template(template, values)
+    except ValidationError as exc:
+        return found + [f"work-pool template job_configuration: {e['loc']}: {e['msg']}" for e in exc.errors()]
+    left = sorted(p.full_match for p in find_placeholders(resolved) if p.type.value == "standard")
+    if left:
+        found.append(f"work-pool template: placeholders left after Prefect resolved it: {left}")
+    manifest = resolved.get("job_manifest") or {}
+    for path, value in WORKER_REQUIRED.items():
+        if _get(manifest, path) != value:
+            found.append(f"work-pool template job_manifest.{'.'.join(map(str, path))}: the Kubernetes worker needs {value!r}")
+    container = _get(manifest, ("spec", "template", "spec", "containers", 0)) or {}
+    found += image_errors("work-pool template image (variables.image default)", container.get("image"), image_reference(lock))
+    found += env_errors("work-pool template job_manifest container", container.get("env"))
+    found += env_errors("work-pool template variables.env", [{"name": k} for k in (resolved.get("env") or {})])
+    return found
+
+
+def check_all(lock: Path = LOCK) -> list[str]:
+    """Every problem in deployments/kubernetes/: the manifests and the work-pool template."""
+    found = []
+    for path in MANIFESTS:
+        found += check_manifest(path, lock)
+    template = json.loads(WORK_POOL_TEMPLATE.read_text())
+    found += [f"{WORK_POOL_TEMPLATE.name}: {p}" for p in check_work_pool_template(template, lock)]
+    return found
+
+
+def main() -> int:
+    problems = check_all()
+    for problem in problems:
+        print(problem)
+    names = ", ".join(p.name for p in (*MANIFESTS, WORK_POOL_TEMPLATE))
+    print(f"{len(problems)} problem(s) in {names}" if problems else f"ok: {names}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""deployments/kubernetes/ checked offline: the manifests and the Prefect work-pool template validate,
+and a broken copy of each fails naming what is wrong, so the checks can fail.
+
+No cluster and no KubeRay CRD: our own schemas (deployments/kubernetes/schemas/), the operator's
+rules restated in deployments/kubernetes/check.py, and Prefect's own template validation and
+resolution. What only a real cluster shows is listed in docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from deployments.images import LOCK, image_reference, lock_hash
+from deployments.kubernetes import check
+
+RAYJOB = check.HERE / "rayjob.yaml"
+RAYCLUSTER = check.HERE / "raycluster.yaml"
+
+
+def documents(path):
+    return check.load_documents(path)
+
+
+def ray_object(docs):
+    return next(d for d in docs if d["kind"] in ("RayJob", "RayCluster"))
+
+
+def cluster_spec(doc):
+    return doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+
+
+def work_pool_template():
+    return json.loads(check.WORK_POOL_TEMPLATE.read_text())
+
+
+def test_the_image_tag_is_the_lock_hash():
+    assert len(lock_hash()) == 12 and int(lock_hash(), 16) >= 0
+    assert image_reference() == f"mnist-ray-prefect:{lock_hash(LOCK)}"
+
+
+@pytest.mark.parametrize("path", [RAYJOB, RAYCLUSTER], ids=lambda p: p.name)
+def test_each_manifest_validates(path):
+    docs = documents(path)
+    assert {d["kind"] for d in docs} >= {"PodDisruptionBudget"}
+    assert check.check_documents(docs) == []
+    assert cluster_spec(ray_object(docs))["rayVersion"] == check.lock_version("ray")
+
+
+def test_the_work_pool_template_validates_with_prefect():
+    template = work_pool_template()
+    assert check.check_work_pool_template(template) == []
+    # A deployment's job variables go through the same path the worker takes.
+    resolved = check.resolve_work_pool_template(template, {"storage_root": "s3://other/prefix", "env": {"X": "1"}})
+    container = resolved["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "MNIST_STORAGE_ROOT", "value": "s3://other/prefix"} in container["env"]
+    assert resolved["env"]["X"] == "1"
+
+
+def test_the_whole_folder_passes_the_command_line_check():
+    assert check.check_all() == []
+
+
+# Each breakage: (file, how to break the parsed documents, words the message must hold)
+def _misspell(docs):
+    ray_object(docs)["spec"]["shutdownAfterJobFinish"] = ray_object(docs)["spec"].pop("shutdownAfterJobFinishes")
+
+
+def _misspell_deep(docs):
+    head = cluster_spec(ray_object(docs))["headGroupSpec"]["template"]["spec"]
+    head["terminationGracePeriod"] = head.pop("terminationGracePeriodSeconds")
+
+
+def _ttl_without_shutdown(docs):
+    ray_object(docs)["spec"]["shutdownAfterJobFinishes"] = False
+
+
+def _wrong_ray_version(docs):
+    cluster_spec(ray_object(docs))["rayVersion"] = "2.59.0"
+
+
+def _image_not_the_lock_hash(docs):
+    cluster_spec(ray_object(docs))["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"] = (
+        "registry.example.com/mnist-ray-prefect:0123456789ab"
+    )
+
+
+def _short_grace(docs):
+    cluster_spec(ray_object(docs))["workerGroupSpecs"][0]["template"]["spec"]["terminationGracePeriodSeconds"] = 60
+
+
+def _secret_in_the_file(docs):
+    env = cluster_spec(ray_object(docs))["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    env[:] = [v for v in env if v["name"] != "AWS_SECRET_ACCESS_KEY"] + [{"name": "AWS_SECRET_ACCESS_KEY", "value": "hunter2"}]
+
+
+def _no_budget(docs):
+    docs[:] = [d for d in docs if d["kind"] != "PodDisruptionBudget"]
+
+
+def _budget_misses_the_head(docs):
+    budget = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] = "ray-worker"
+
+
+def _budget_takes_the_workers_too(docs):
+    budget = next(d for d in docs if d["kind"] == "PodDisruptionBudget")
+    del budget["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"]
+
+
+def _long_name(docs):
+    ray_object(docs)["metadata"]["name"] = "mnist-train-" + "x" * 40
+
+
+BREAKAGES = [
+    (RAYJOB, _misspell, ["shutdownAfterJobFinish", "Additional properties"]),
+    (RAYCLUSTER, _misspell_deep, ["terminationGracePeriod", "Additional properties"]),
+    (RAYJOB, _ttl_without_shutdown, ["ttlSecondsAfterFinished", "shutdownAfterJobFinishes: true"]),
+    (RAYJOB, _wrong_ray_version, ["rayVersion", "'2.59.0'", "lock's ray '2.60.0'"]),
+    (RAYCLUSTER, _wrong_ray_version, ["rayVersion", "'2.59.0'"]),
+    (RAYJOB, _image_not_the_lock_hash, ["image", "0123456789ab", image_reference()]),
+    (RAYCLUSTER, _short_grace, ["terminationGracePeriodSeconds", "60", "drain", "checkpoint upload", "90 s"]),
+    (RAYJOB, _secret_in_the_file, ["AWS_SECRET_ACCESS_KEY", "Secret"]),
+    (RAYJOB, _no_budget, ["PodDisruptionBudget", "head"]),
+    (RAYCLUSTER, _budget_misses_the_head, ["no PodDisruptionBudget", "selects its head"]),
+    (RAYJOB, _budget_takes_the_workers_too, ["PodDisruptionBudget mnist-train-head", "also selects worker pods"]),
+    (RAYJOB, _long_name, ["metadata.name", "47"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "breaking", "words"), BREAKAGES, ids=[f"{path.stem}-{breaking.__name__.strip('_')}" for path, breaking, _ in BREAKAGES]
+)
+def test_a_broken_manifest_fails_naming_the_problem(path, breaking, words):
+    docs = copy.deepcopy(documents(path))
+    breaking(docs)
+    problems = check.check_documents(docs)
+    assert problems, f"{breaking.__name__} passed the checks"
+    text = "\n".join(problems)
+    assert all(word in text for word in words), text
+
+
+def test_a_ttl_with_shutdown_is_fine_and_zero_ttl_needs_none():
+    docs = copy.deepcopy(documents(RAYJOB))
+    spec = ray_object(docs)["spec"]
+    spec["shutdownAfterJobFinishes"], spec["ttlSecondsAfterFinished"] = False, 0  # the operator's own rule: only TTL > 0
+    assert check.check_documents(docs) == []
+
+
+def test_a_new_lock_fails_the_image_and_version_checks(tmp_path):
+    """When the lock moves on, the manifests must follow: a changed lock is a new image tag."""
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(LOCK.read_text().replace("ray==2.60.0", "ray==2.61.0"))
+    problems = "\n".join(check.check_documents(documents(RAYJOB), lock))
+    assert "lock's ray '2.61.0'" in problems and lock_hash(lock) in problems
+
+
+def test_a_broken_work_pool_template_fails_in_prefects_own_check():
+    template = work_pool_template()
+    container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
+    container["serviceAccountName"] = "{{ service_acount_name }}"  # misspelt: no such variable
+    problems = check.check_work_pool_template(template)
+    assert len(problems) == 1 and "Prefect refuses it" in problems[0] and "service_acount_name" in problems[0]
+
+
+@pytest.mark.parametrize(
+    ("breaking", "words"),
+    [
+        (lambda t: t["variables"]["properties"]["image"].update(default="mnist-ray-prefect:latest"), ["image", "latest"]),
+        (lambda t: t["variables"]["properties"]["backoff_limit"].update(default="zero"), ["defaults", "zero"]),
+        (lambda t: t["job_configuration"].update(job_manifests=t["job_configuration"]["job_manifest"]), ["job_manifests", "xtra"]),
+        (
+            lambda t: t["job_configuration"]["job_manifest"]["spec"]["template"]["spec"].update(restartPolicy="OnFailure"),
+            ["restartPolicy", "Never"],
+        ),
+        (lambda t: t["variables"]["properties"]["env"]["default"].update(AWS_SECRET_ACCESS_KEY="hunter2"), ["AWS_SECRET_ACCESS_KEY"]),
+    ],
+    ids=["image-tag", "default-of-wrong-type", "misspelt-key", "restart-policy", "secret-in-env"],
+)
+def test_a_broken_work_pool_template_fails_naming_the_problem(breaking, words):
+    template = work_pool_template()
+    breaking(template)
+    text = "\n".join(check.check_work_pool_template(template))
+    assert text and all(word in text for word in words), text
