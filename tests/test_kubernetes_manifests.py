@@ -14,7 +14,7 @@ import json
 import pytest
 
 from deployments.images import LOCK, image_reference, lock_hash
-from deployments.kubernetes import check
+from deployments.kubernetes import check, rules, work_pool
 
 RAYJOB = check.HERE / "rayjob.yaml"
 RAYCLUSTER = check.HERE / "raycluster.yaml"
@@ -33,7 +33,7 @@ def cluster_spec(doc):
 
 
 def work_pool_template():
-    return json.loads(check.WORK_POOL_TEMPLATE.read_text())
+    return json.loads(work_pool.WORK_POOL_TEMPLATE.read_text())
 
 
 def test_the_image_tag_is_the_lock_hash():
@@ -46,14 +46,14 @@ def test_each_manifest_validates(path):
     docs = documents(path)
     assert {d["kind"] for d in docs} >= {"PodDisruptionBudget"}
     assert check.check_documents(docs) == []
-    assert cluster_spec(ray_object(docs))["rayVersion"] == check.lock_version("ray")
+    assert cluster_spec(ray_object(docs))["rayVersion"] == rules.lock_version("ray")
 
 
 def test_the_work_pool_template_validates_with_prefect():
     template = work_pool_template()
-    assert check.check_work_pool_template(template) == []
+    assert work_pool.check_work_pool_template(template) == []
     # A deployment's job variables go through the same path the worker takes.
-    resolved = check.resolve_work_pool_template(template, {"storage_root": "s3://other/prefix", "env": {"X": "1"}})
+    resolved = work_pool.resolve_work_pool_template(template, {"storage_root": "s3://other/prefix", "env": {"X": "1"}})
     container = resolved["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "MNIST_STORAGE_ROOT", "value": "s3://other/prefix"} in container["env"]
     assert resolved["env"]["X"] == "1"
@@ -161,7 +161,7 @@ def test_a_broken_work_pool_template_fails_in_prefects_own_check():
     template = work_pool_template()
     container = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
     container["serviceAccountName"] = "{{ service_acount_name }}"  # misspelt: no such variable
-    problems = check.check_work_pool_template(template)
+    problems = work_pool.check_work_pool_template(template)
     assert len(problems) == 1 and "Prefect refuses it" in problems[0] and "service_acount_name" in problems[0]
 
 
@@ -182,5 +182,5 @@ def test_a_broken_work_pool_template_fails_in_prefects_own_check():
 def test_a_broken_work_pool_template_fails_naming_the_problem(breaking, words):
     template = work_pool_template()
     breaking(template)
-    text = "\n".join(check.check_work_pool_template(template))
+    text = "\n".join(work_pool.check_work_pool_template(template))
     assert text and all(word in text for word in words), text

@@ -15,35 +15,31 @@ No cluster is needed, nor the KubeRay CRDs (which cannot be fetched here): each 
 
     python -m deployments.kubernetes.check      # prints every problem; exit 1 when there is one
 
+The shared rules are `deployments.kubernetes.rules`, the work-pool template's checks
+`deployments.kubernetes.work_pool`; this module checks the manifests and runs everything.
+
 tests/test_kubernetes_manifests.py runs these on the files and on broken copies of them.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shlex
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import jsonschema
 import yaml
-from prefect.server.schemas.actions import WorkPoolCreate
-from prefect.utilities.schema_tools.validation import is_valid_schema
-from prefect.utilities.schema_tools.validation import validate as prefect_validate
-from prefect.utilities.templating import find_placeholders
-from prefect.workers.base import BaseJobConfiguration
-from pydantic import ConfigDict, ValidationError
 
 from deployments.images import LOCK, image_reference
+from deployments.kubernetes.rules import env_errors, image_errors, lock_version
+from deployments.kubernetes.work_pool import WORK_POOL_TEMPLATE, check_work_pool_template
 
 HERE = Path(__file__).resolve().parent
 SCHEMAS = HERE / "schemas"
 MANIFESTS = (HERE / "rayjob.yaml", HERE / "raycluster.yaml")
-WORK_POOL_TEMPLATE = HERE / "prefect-work-pool.json"
 KUBERAY_VERSION = "v1.6.2"  # the release whose ray.io/v1 API reference schemas/ follows
 
 # The grace-period budget of a Ray pod. DRAIN: what Ray needs after SIGTERM to stop its processes
@@ -59,27 +55,8 @@ CHECKPOINT_UPLOAD_SECONDS = 60
 MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 TOKEN_AUTH_MIN_RAY = (2, 52, 0)  # KubeRay refuses authOptions.mode token for an older rayVersion
-# Environment variables that hold credentials: they may only come from a Secret.
-SECRET_ENV = re.compile(r"SECRET|PASSWORD|TOKEN|ACCESS_KEY|CREDENTIAL|API_KEY", re.IGNORECASE)
-# What the Prefect Kubernetes worker (prefect-kubernetes 0.8.0, KubernetesWorkerJobConfiguration)
-# insists on in a job manifest; that package is not in the lock, so its rule is restated here.
-WORKER_REQUIRED = {
-    ("apiVersion",): "batch/v1",
-    ("kind",): "Job",
-    ("spec", "template", "spec", "parallelism"): 1,
-    ("spec", "template", "spec", "completions"): 1,
-    ("spec", "template", "spec", "restartPolicy"): "Never",
-    ("spec", "template", "spec", "containers", 0, "name"): "prefect-job",
-}
 
 
-def lock_version(package: str, lock: Path = LOCK) -> str:
-    """The version requirements.lock pins for ``package`` (``ray`` -> ``2.60.0``)."""
-    for line in Path(lock).read_text().splitlines():
-        name, sep, version = line.partition("==")
-        if sep and name.strip().lower() == package:
-            return version.split()[0].strip()
-    raise LookupError(f"{package} is not pinned in {lock}")
 
 
 def load_documents(path: Path) -> list[dict]:
@@ -141,26 +118,6 @@ def _prestop_sleep(container: dict) -> int:
     command = ((container.get("lifecycle") or {}).get("preStop") or {}).get("exec", {}).get("command") or []
     words = shlex.split(command[-1]) if command and command[0] in ("/bin/sh", "sh", "/bin/bash") else list(command)
     return max((int(words[i + 1]) for i, word in enumerate(words[:-1]) if word == "sleep" and words[i + 1].isdigit()), default=0)
-
-
-def env_errors(where: str, env: Any) -> list[str]:
-    """A credential variable with a literal value: credentials come from a Secret, never from a file."""
-    found = []
-    for var in env if isinstance(env, list) else []:
-        name = var.get("name", "") if isinstance(var, dict) else ""
-        if SECRET_ENV.search(name) and not (var.get("valueFrom") or {}).get("secretKeyRef"):
-            found.append(f"{where}: env {name} holds a credential; take it from a Secret (valueFrom.secretKeyRef), never a value")
-    return found
-
-
-def image_errors(where: str, image: Any, expected: str) -> list[str]:
-    """An image that is not ``[registry/]<name>:<lock hash>``."""
-    if isinstance(image, str) and image.rsplit("/", 1)[-1] == expected:
-        return []
-    return [
-        f"{where}: image {image!r} is not {expected!r} (<name>:<lock hash> of requirements.lock, "
-        f"deployments/images.py; a registry prefix is fine): rebuild with `make image` and set the new tag"
-    ]
 
 
 def rule_errors(doc: dict, lock: Path = LOCK) -> list[str]:
@@ -301,83 +258,6 @@ def check_documents(docs: list[dict], lock: Path = LOCK) -> list[str]:
 
 def check_manifest(path: Path, lock: Path = LOCK) -> list[str]:
     return [f"{Path(path).name}: {problem}" for problem in check_documents(load_documents(path), lock)]
-
-
-def _get(obj: Any, path: tuple) -> Any:
-    for part in path:
-        try:
-            obj = obj[part]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return obj
-
-
-class KubernetesJobConfiguration(BaseJobConfiguration):
-    """The fields of the Prefect Kubernetes worker's job configuration (prefect-kubernetes 0.8.0).
-
-    That package is not in the lock, so its configuration class is restated here with the fields a
-    template may fill; ``extra="forbid"`` makes a misspelt ``job_configuration`` key fail the way
-    an unknown field of a schema does.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    annotations: dict[str, str] = {}
-    namespace: str = "default"
-    job_manifest: dict[str, Any]
-    cluster_config: dict[str, Any] | None = None
-    job_watch_timeout_seconds: int | None = None
-    pod_watch_timeout_seconds: int = 60
-    stream_output: bool = True
-
-
-def resolve_work_pool_template(template: dict, values: dict | None = None) -> dict:
-    """The job configuration a Prefect worker builds from ``template`` and a deployment's job variables.
-
-    Prefect's own code does it: ``from_template_and_values`` (the variables' defaults, the
-    deployment's values over them, ``apply_values``, block and variable references). Our template
-    names no block and no Prefect variable, so the client it would read those with is never called.
-    """
-
-    async def resolve() -> KubernetesJobConfiguration:
-        return await KubernetesJobConfiguration.from_template_and_values(template, values or {}, client=object())
-
-    return asyncio.run(resolve()).model_dump()
-
-
-def check_work_pool_template(template: dict, lock: Path = LOCK, values: dict | None = None) -> list[str]:
-    """Problems in a Kubernetes work pool's base job template, found with Prefect's own checks first."""
-    try:  # what the Prefect server runs on `prefect work-pool create --base-job-template`
-        WorkPoolCreate(name="mnist-kubernetes", type="kubernetes", base_job_template=template)
-    except ValidationError as exc:
-        return [f"work-pool template: Prefect refuses it: {error['msg']}" for error in exc.errors()]
-    found = []
-    variables = template["variables"]
-    try:
-        is_valid_schema(variables)
-    except ValueError as exc:
-        return [f"work-pool template variables: {exc}"]
-    defaults = {k: v["default"] for k, v in variables.get("properties", {}).items() if "default" in v}
-    try:
-        prefect_validate({**defaults, **(values or {})}, variables, raise_on_error=True, preprocess=True, ignore_required=True)
-    except Exception as exc:  # Prefect's ValidationError carries the JSON Schema message
-        found.append(f"work-pool template variables: the defaults do not fit their own schema: {exc}")
-    try:
-        resolved = resolve_work_pool_template(template, values)
-    except ValidationError as exc:
-        return found + [f"work-pool template job_configuration: {e['loc']}: {e['msg']}" for e in exc.errors()]
-    left = sorted(p.full_match for p in find_placeholders(resolved) if p.type.value == "standard")
-    if left:
-        found.append(f"work-pool template: placeholders left after Prefect resolved it: {left}")
-    manifest = resolved.get("job_manifest") or {}
-    for path, value in WORKER_REQUIRED.items():
-        if _get(manifest, path) != value:
-            found.append(f"work-pool template job_manifest.{'.'.join(map(str, path))}: the Kubernetes worker needs {value!r}")
-    container = _get(manifest, ("spec", "template", "spec", "containers", 0)) or {}
-    found += image_errors("work-pool template image (variables.image default)", container.get("image"), image_reference(lock))
-    found += env_errors("work-pool template job_manifest container", container.get("env"))
-    found += env_errors("work-pool template variables.env", [{"name": k} for k in (resolved.get("env") or {})])
-    return found
 
 
 def check_all(lock: Path = LOCK) -> list[str]:
