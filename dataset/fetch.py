@@ -115,41 +115,48 @@ def fetch_file(
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     for attempt in range(1, attempts + 1):
-        # A name that does not exist yet: torchvision's download_url returns early, without
-        # downloading, when its target already exists and no md5 is given.
-        tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
         try:
-            _transfer(url, tmp, read_timeout_s)
-            ok, actual, sha256 = check_file(tmp, checksum)
-            if not ok:
-                algorithm, _, expected = checksum.partition(":")
-                raise ChecksumMismatchError(
-                    f"checksum mismatch for {dest.name} from {url}: expected {algorithm} {expected}, "
-                    f"got {actual}; the download was discarded (check the source or its configured checksums)"
-                )
-            _fsync(tmp)  # durable before it becomes visible under the final name
-            os.replace(tmp, dest)
-            return sha256
+            return _fetch_once(url, dest, checksum, read_timeout_s)
         except ChecksumMismatchError:
             raise  # a wrong file is a wrong file: retrying the same source will not fix it
         except Exception as exc:
             if isinstance(exc, OSError) and exc.errno in STORAGE_ERRNOS:
                 raise  # a full or read-only storage root: retrying the download cannot help
-            if not is_transient(exc):
-                raise DownloadError(f"cannot download {dest.name} from {url}: {_describe(exc)} (not retried)") from exc
-            if attempt == attempts:
-                raise DownloadError(
-                    f"cannot download {dest.name} from {url}: {_describe(exc)} (gave up after {attempts} attempts)"
-                ) from exc
+            transient = is_transient(exc)
+            if not transient or attempt == attempts:
+                why = f"gave up after {attempts} attempts" if transient else "not retried"
+                raise DownloadError(f"cannot download {dest.name} from {url}: {_describe(exc)} ({why})") from exc
             delay = backoff_s * 2 ** (attempt - 1)
             log.warning(
                 "attempt %d/%d for %s from %s failed (%s); retrying in %.2fs",
                 attempt, attempts, dest.name, url, _describe(exc), delay,
             )
             time.sleep(delay)
-        finally:
-            tmp.unlink(missing_ok=True)  # no-op after a successful rename
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
+
+
+def _fetch_once(url: str, dest: Path, checksum: str, read_timeout_s: float) -> str:
+    """One attempt of `fetch_file`: the bytes into a fresh temporary name, verified, then renamed to ``dest``.
+
+    The temporary file is gone when this returns or raises, so a failed attempt leaves nothing behind.
+    """
+    # A name that does not exist yet: torchvision's download_url returns early, without
+    # downloading, when its target already exists and no md5 is given.
+    tmp = dest.parent / f".{dest.name}.{uuid.uuid4().hex[:8]}.part"
+    try:
+        _transfer(url, tmp, read_timeout_s)
+        ok, actual, sha256 = check_file(tmp, checksum)
+        if not ok:
+            algorithm, _, expected = checksum.partition(":")
+            raise ChecksumMismatchError(
+                f"checksum mismatch for {dest.name} from {url}: expected {algorithm} {expected}, "
+                f"got {actual}; the download was discarded (check the source or its configured checksums)"
+            )
+        _fsync(tmp)  # durable before it becomes visible under the final name
+        os.replace(tmp, dest)
+        return sha256
+    finally:
+        tmp.unlink(missing_ok=True)  # no-op after a successful rename
 
 
 def sync_files(

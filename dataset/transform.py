@@ -297,27 +297,11 @@ def build_split(
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
     augment = split == "train"
-    parts = part is not None and part[1] > 1
     table = split_table(spec, split)
     if table is not None:
-        if augment:
-            table = table.take(np.random.default_rng(epoch_seed(seed, epoch)).permutation(len(table)))
-        if exclude is not None and len(exclude):
-            table = drop_rows(table, exclude)
-        if parts:
-            index, count = part
-            table = table.take(np.arange(index, len(table) // count * count if augment else len(table), count))
-        ds = blocks(table, cfg.block_rows)
+        ds = blocks(_rows_in_memory(table, augment, seed, epoch, exclude, part), cfg.block_rows)
     else:
-        if augment and parts:
-            raise ValueError(f"{split}: a streamed training split is split across workers with streaming_split, not part=")
-        ds = stream_split(spec, split)
-        if augment:
-            ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
-        if exclude is not None and len(exclude):
-            ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
-        if parts:
-            ds = ds.map_batches(keep_part, batch_format="pyarrow", batch_size=None, fn_args=part, **task_args)
+        ds = _rows_streamed(spec, split, augment, seed, epoch, exclude, part)
     ds = ds.map_batches(
         prepare_batch,
         batch_format="pyarrow",
@@ -329,6 +313,41 @@ def build_split(
         **task_args,
     )
     ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def _rows_in_memory(
+    table: pa.Table, augment: bool, seed: int, epoch: int, exclude: np.ndarray | None, part: tuple[int, int] | None
+) -> pa.Table:
+    """`build_split`'s rows of an in-memory split: shuffled (training), without ``exclude``, then every
+    n-th row of ``part=(i, n)``, cut to an equal count per part on the training split."""
+    if augment:
+        table = table.take(np.random.default_rng(epoch_seed(seed, epoch)).permutation(len(table)))
+    if exclude is not None and len(exclude):
+        table = drop_rows(table, exclude)
+    if part is not None and part[1] > 1:
+        index, count = part
+        table = table.take(np.arange(index, len(table) // count * count if augment else len(table), count))
+    return table
+
+
+def _rows_streamed(
+    spec: TransformSpec, split: str, augment: bool, seed: int, epoch: int, exclude: np.ndarray | None,
+    part: tuple[int, int] | None,
+) -> ray.data.Dataset:
+    """`build_split`'s rows of a streamed split: Ray Data's shuffle (training), without ``exclude``, then
+    ``part`` by a hash of row_id (`keep_part`); refused for a training split (see `build_split`)."""
+    task_args = {"num_cpus": spec.config.cpus_per_task}
+    parts = part is not None and part[1] > 1
+    if augment and parts:
+        raise ValueError(f"{split}: a streamed training split is split across workers with streaming_split, not part=")
+    ds = stream_split(spec, split)
+    if augment:
+        ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
+    if exclude is not None and len(exclude):
+        ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
+    if parts:
+        ds = ds.map_batches(keep_part, batch_format="pyarrow", batch_size=None, fn_args=part, **task_args)
     return ds
 
 

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline_config import PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
+
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
 
 NIGHTLY_CRON = "0 2 * * *"
 NIGHTLY_TIMEZONE = "UTC"
@@ -89,8 +92,6 @@ def build_deployments(
     from prefect.deployments.runner import EntrypointType
 
     from flows.mnist import mnist_pipeline
-    from flows.train import train_pipeline
-    from flows.tune import mnist_tune
 
     # Module-path entrypoints: runs load `flows.mnist` / `flows.tune` / `flows.train` from the installed project,
     # whatever the working directory of this process.
@@ -110,27 +111,39 @@ def build_deployments(
         tags=[*TAGS, "manual"],
         **common,
     )
-    tune = mnist_tune.to_deployment(
+    return [nightly, manual, _tune_deployment(tune_preset, common), _train_deployment(manual_preset, common)]
+
+
+def _tune_deployment(preset: str, common: dict[str, Any]) -> RunnerDeployment:
+    """The search's ``mnist-resnet18-tune/manual`` (no schedule), its run form starting from tune preset ``preset``."""
+    from flows.tune import mnist_tune
+
+    return mnist_tune.to_deployment(
         name="manual",
-        parameters=tune_preset_parameters(tune_preset),
+        parameters=tune_preset_parameters(preset),
         description=(
             "Hyperparameter search (Ray Tune) started by hand: Run > Custom run in the UI. "
-            f"The form starts from tune preset '{tune_preset}'."
+            f"The form starts from tune preset '{preset}'."
         ),
         tags=[*TAGS, "tune", "manual"],
         **common,
     )
-    train = train_pipeline.to_deployment(
+
+
+def _train_deployment(preset: str, common: dict[str, Any]) -> RunnerDeployment:
+    """The generic flow's ``train/manual`` (no schedule, any workload), its run form starting from preset ``preset``."""
+    from flows.train import train_pipeline
+
+    return train_pipeline.to_deployment(
         name="manual",
-        parameters=preset_parameters(manual_preset),
+        parameters=preset_parameters(preset),
         description=(
             "Any workload (workload, model.name, download.*) started by hand: Run > Custom run in the UI. "
-            f"The form starts from preset '{manual_preset}'."
+            f"The form starts from preset '{preset}'."
         ),
         tags=[*TRAIN_TAGS, "manual"],
         **common,
     )
-    return [nightly, manual, tune, train]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -31,6 +31,7 @@ import stat
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -52,6 +53,10 @@ from pipeline_config import (
 from runner.runtime import local_gcs_port, ray_init_args
 from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
 from training import registry_files
+from training.models import ModelSpec
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 class PredictSettings(BaseSettings):
@@ -151,38 +156,33 @@ def default_output(root: str, model: str, version: int) -> str:
     return output
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        settings = CliApp.run(PredictSettings, cli_args=argv)
-        PipelineConfig(workload=settings.workload)  # the same name rules as the flow's
-        model = PromoteConfig(model_name=settings.model_name()).model_name
-        ray_cfg = RayConfig(address=settings.ray_address)
-        root = PipelineConfig(storage_root=settings.storage_root).storage_root
-        keep_mode = check_output(settings.output, settings.overwrite) if settings.output is not None else None
-        layout = StorageLayout.create(root, "predict")
-        layout.check_reachable()
-        # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
-        version, folder, card = registry_files.resolve(layout.root, model, settings.version)
-        run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
-        try:
-            transform = TransformConfig.model_validate(run_config.get("transform") or {})
-            evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
-                update={"num_actors": settings.num_actors, "batch_rows": settings.batch_rows}
-            )
-            model_spec = registry_files.card_model(card)
-            data = registry_files.card_data(card)
-            transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
-        except (ValidationError, KeyError, TypeError, ValueError) as exc:
-            raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
-        table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
-        output = settings.output or default_output(layout.root, model, version)
-    except (ValidationError, ValueError) as exc:
-        print(f"invalid input:\n{exc}", file=sys.stderr)
-        return 2
-    noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
-    print(f"Scoring {len(table):,} {noun} from {settings.input} with {model} v{version} (run {card.get('run_name')})", flush=True)
+class _CardScoring(NamedTuple):
+    """How a model card says its model scores images, as `training.inference.predict_table` takes it."""
 
+    transform: TransformConfig  # the run's, normalized with the card's mean and std
+    evaluate: EvaluateConfig  # the run's (``tta``), with this command's actor pool and batch size
+    model: ModelSpec  # the architecture model.pt holds
+    data: dict[str, Any]  # `training.registry_files.card_data`: shape, classes, mean, std, image_size
+
+
+def _card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int) -> _CardScoring:
+    """The card's scoring configuration; RegistryDamaged naming the card in ``folder`` when it does not validate."""
+    run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
+    try:
+        transform = TransformConfig.model_validate(run_config.get("transform") or {})
+        evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
+            update={"num_actors": num_actors, "batch_rows": batch_rows}
+        )
+        model_spec = registry_files.card_model(card)
+        data = registry_files.card_data(card)
+        transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
+    except (ValidationError, KeyError, TypeError, ValueError) as exc:
+        raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
+    return _CardScoring(transform, evaluate, model_spec, data)
+
+
+def _score(table: pa.Table, folder: str, scoring: _CardScoring, ray_cfg: RayConfig) -> dict[str, np.ndarray]:
+    """`predict_table` over ``table`` with the model in ``folder``, on a Ray started (or joined) for this call only."""
     # Imported only now, after the input checked out: torch and Ray Data take seconds to import,
     # and a bad --input must be refused within seconds (docs/architecture.md).
     import ray
@@ -199,11 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Driven from a Ray task, as the evaluation stage is: Ray Data's progress lines go to the
         # worker's log, not this terminal (ray.log_to_driver is off).
-        scoring = ray.remote(num_cpus=0)(predict_table)
-        out = ray.get(scoring.remote(table, folder, evaluate, transform, model_spec, data["shape"]))
+        remote_predict = ray.remote(num_cpus=0)(predict_table)
+        job = remote_predict.remote(table, folder, scoring.evaluate, scoring.transform, scoring.model, scoring.data["shape"])
+        return ray.get(job)
     finally:
         ray.shutdown()
-    names = data["classes"]
+
+
+def _predictions_parquet(out: dict[str, np.ndarray], names: list[str], model: str, version: int) -> bytes:
+    """The predictions as a Parquet file's bytes: row_id, label, pred and the class name ``pred_class``,
+    with the model, its version and its folder in the schema's metadata."""
     result = pa.table({
         "row_id": out["row_id"], "label": out["label"], "pred": out["pred"],
         "pred_class": [names[int(p)] if 0 <= int(p) < len(names) else str(int(p)) for p in out["pred"]],
@@ -212,12 +217,39 @@ def main(argv: list[str] | None = None) -> int:
     result = result.replace_schema_metadata({"model": model, "version": str(version), "model_dir": model_dir})
     buffer = pa.BufferOutputStream()
     pq.write_table(result, buffer)
+    return buffer.getvalue().to_pybytes()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        settings = CliApp.run(PredictSettings, cli_args=argv)
+        PipelineConfig(workload=settings.workload)  # the same name rules as the flow's
+        model = PromoteConfig(model_name=settings.model_name()).model_name
+        ray_cfg = RayConfig(address=settings.ray_address)
+        root = PipelineConfig(storage_root=settings.storage_root).storage_root
+        keep_mode = check_output(settings.output, settings.overwrite) if settings.output is not None else None
+        layout = StorageLayout.create(root, "predict")
+        layout.check_reachable()
+        # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
+        version, folder, card = registry_files.resolve(layout.root, model, settings.version)
+        scoring = _card_scoring(card, folder, settings.num_actors, settings.batch_rows)
+        data = scoring.data
+        table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
+        output = settings.output or default_output(layout.root, model, version)
+    except (ValidationError, ValueError) as exc:
+        print(f"invalid input:\n{exc}", file=sys.stderr)
+        return 2
+    noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
+    print(f"Scoring {len(table):,} {noun} from {settings.input} with {model} v{version} (run {card.get('run_name')})", flush=True)
+    out = _score(table, folder, scoring, ray_cfg)
+    parquet = _predictions_parquet(out, data["classes"], model, version)
     if settings.output is None and exists(output):  # another command took the default name meanwhile
         output = default_output(layout.root, model, version)
     elif not settings.overwrite and exists(output):  # appeared while scoring
         print(f"--output {output}: was created while scoring; not replaced (pass --overwrite)", file=sys.stderr)
         return 2
-    atomic_write_bytes(output, buffer.getvalue().to_pybytes())
+    atomic_write_bytes(output, parquet)
     if not is_remote(output):  # a temporary file's 0600 would otherwise stay
         os.chmod(output, keep_mode if keep_mode is not None else _new_file_mode())
     labelled = out["label"] != NO_LABEL

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from prefect.settings import (
     PREFECT_API_URL,
@@ -32,6 +32,9 @@ from runner.server_process import TIMEOUT_SETTING, ServerStartError, owned_serve
 from runner.stopping import STOP, sigterm_handler_kept
 from storage_io import S3_ENV_VARS
 from training.faults import TEST_HOOK_ENVS
+
+if TYPE_CHECKING:
+    from prefect.server.api.server import SubprocessASGIServer
 
 
 def current_api_url() -> str | None:
@@ -60,6 +63,33 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
             alongside(url)
         yield url
         return
+    server = _start_local_server(alongside)
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.api_url  # inherited by a local Ray started later
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+    finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
+        # Now, not at interpreter exit (Prefect's atexit hook): the run is over. Its last log
+        # lines are sent first, or they would meet a closed port.
+        from prefect.logging.handlers import APILogHandler
+
+        try:
+            APILogHandler().flush()  # blocks until the queued log lines are sent (at most 5 s)
+        finally:
+            server.stop()
+
+
+def _start_local_server(alongside: Callable[[str], None] | None) -> SubprocessASGIServer:
+    """`prefect_api`'s local server, started in another thread while ``alongside(url)`` runs in this one.
+
+    Its port is picked first, so the URL is known before the server answers. Returns once both
+    are done; raises what either raised (the server stopped first when ``alongside`` failed).
+    """
     server = owned_server_class()()  # its own session, stops when this process is gone (runner.server_process)
     server.port = server.find_available_port()
     failures: list[BaseException] = []
@@ -87,24 +117,7 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
             server.given_up.set()
     if failures:
         raise failures[0]
-    previous = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = server.api_url  # inherited by a local Ray started later
-    try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield server.api_url
-    finally:
-        if previous is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = previous
-        # Now, not at interpreter exit (Prefect's atexit hook): the run is over. Its last log
-        # lines are sent first, or they would meet a closed port.
-        from prefect.logging.handlers import APILogHandler
-
-        try:
-            APILogHandler().flush()  # blocks until the queued log lines are sent (at most 5 s)
-        finally:
-            server.stop()
+    return server
 
 
 class Runtime(NamedTuple):

@@ -28,6 +28,7 @@ from training.trainer import is_infrastructure_failure
 from training.tuning import (
     BEST_CONFIG_FILE,
     TrialContext,
+    TrialRecord,
     TuningResult,
     best_config_values,
     best_config_yaml,
@@ -69,14 +70,7 @@ def tune_search(
     )
     grid = search.fit()
     trials = trial_records(grid, tune_cfg, context.trials_dir)
-    errors = [result.error for result in grid if result.error is not None]
-    lost = [error for error in errors if is_infrastructure_failure(error)]
-    if lost:
-        raise TrialsFailed(f"{len(lost)} trial(s) lost their infrastructure; a retry restores the search: {lost[0]}") from lost[0]
-    best = best_trial(trials, tune_cfg)
-    if best is None or len(errors) == len(trials):
-        first = errors[0] if errors else None
-        raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
+    best = _best_or_raise(grid, trials, tune_cfg)
     other = workload if workload != DEFAULT_WORKLOAD else None  # MNIST's file stays as it was
     transform = TransformConfig.model_validate(spec.config.model_dump())
     # An image folder's search: the best config names the folder, so the winner trains on the same images.
@@ -96,3 +90,17 @@ def tune_search(
     logger.info("Best trial %s (%s %.4f); its config: %s", best.trial_id, tune_cfg.metric, best.best_metric, path)
     publish_tuning_report([record.model_dump() for record in trials], tune_cfg.metric, best.trial_id, path, workload)
     return result
+
+
+def _best_or_raise(grid, trials: list[TrialRecord], tune_cfg: TuneConfig) -> TrialRecord:
+    """The search's best trial; TrialsFailed when a trial lost its infrastructure (a retry of the stage
+    restores the search) or when no trial finished (every one errored, or none reported the metric)."""
+    errors = [result.error for result in grid if result.error is not None]
+    lost = [error for error in errors if is_infrastructure_failure(error)]
+    if lost:
+        raise TrialsFailed(f"{len(lost)} trial(s) lost their infrastructure; a retry restores the search: {lost[0]}") from lost[0]
+    best = best_trial(trials, tune_cfg)
+    if best is None or len(errors) == len(trials):
+        first = errors[0] if errors else None
+        raise TrialsFailed(f"no trial of {len(trials)} finished: {first or 'none reported a metric'}") from first
+    return best

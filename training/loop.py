@@ -144,19 +144,10 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         if guard is not None:
             guard.before_step(epoch, step)
         lr = one_cycle_lr((epoch + min(step / steps_per_epoch, 1.0)) / epochs, peak_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        images, labels = batch["image"], batch["label"]
-        logits = model(images)
-        loss = attempt.criterion(logits, labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if ema is not None:
-            ema.update_parameters(unwrap(model))
-        loss_sum += loss.item() * len(labels)
-        correct += (logits.argmax(1) == labels).sum().item()
-        seen += len(labels)
+        batch_loss, batch_correct = _train_step(attempt, batch["image"], batch["label"], lr)
+        loss_sum += batch_loss
+        correct += batch_correct
+        seen += len(batch["label"])
         row_ids = batch["row_id"].cpu()
         consumed.append(row_ids)
         if row_log is not None:
@@ -177,6 +168,24 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         "data_wait_s": data_wait,
         "lr": lr,
     } | ({"first_step_at": first_step_at} if first_step_at is not None else {})  # no step: a resumed epoch already done
+
+
+def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr: float) -> tuple[float, int]:
+    """One optimizer step on a batch at learning rate ``lr``, then the weight average's update.
+
+    Returns:
+        (the batch's summed loss, its count of correct predictions), for the epoch's totals.
+    """
+    for group in attempt.optimizer.param_groups:
+        group["lr"] = lr
+    logits = attempt.model(images)
+    loss = attempt.criterion(logits, labels)
+    attempt.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    attempt.optimizer.step()
+    if attempt.ema is not None:
+        attempt.ema.update_parameters(unwrap(attempt.model))
+    return loss.item() * len(labels), (logits.argmax(1) == labels).sum().item()
 
 
 @torch.no_grad()

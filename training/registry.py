@@ -67,7 +67,6 @@ from storage_io import (
     upload_dir,
 )
 from training.model import CHECKSUMS_FILE, MODEL_FILE, SEEDS_MODEL
-
 from training.registry_files import (
     CARD_FILE,
     CHAMPION_FILE,
@@ -181,25 +180,10 @@ def promote(
                 **base, promoted=True, version=champion["version"], version_dir=champion["path"],
                 reason=f"already the champion as v{champion['version']}",
             )
-        champion_accuracy, rescored = None, False
-        if champion is not None:
-            champion_accuracy = champion["test_accuracy"]
-            if champion["data_hash"] != candidate.data_hash:
-                if rescore is None:
-                    return Promotion(
-                        **base, promoted=False, champion_before=champion["version"],
-                        reason=f"the data changed since champion v{champion['version']} and it could not be scored again: kept",
-                    )
-                champion_accuracy, rescored = float(rescore(version_dir(layout.root, model, champion["version"]))), True
-        promoted, reason = decide(candidate, champion, champion_accuracy, min_improvement)
-        if rescored:
-            reason += "; the champion was scored again on this run's test set (the data changed)"
-        before = champion["version"] if champion else None
-        if not promoted:
-            return Promotion(
-                **base, promoted=False, reason=reason, version=before, champion_before=before,
-                champion_accuracy=champion_accuracy, champion_rescored=rescored,
-            )
+        verdict = _against_champion(layout.root, model, candidate, champion, min_improvement, rescore)
+        if not verdict.promoted:
+            return verdict
+        before, champion_accuracy, rescored = verdict.champion_before, verdict.champion_accuracy, verdict.champion_rescored
         version = _next_version(layout.root, model)
         folder = _publish_version(layout.root, model, version, candidate, files or {}, before, champion_accuracy, rescored)
         _write_pointer(layout.root, model, version, {  # last: the pointer names a complete version
@@ -209,10 +193,32 @@ def promote(
             "data_hash": candidate.data_hash,
             "promoted_at": _now(),
         })
-        return Promotion(
-            **base, promoted=True, reason=reason, version=version, version_dir=folder, champion_before=before,
-            champion_accuracy=champion_accuracy, champion_rescored=rescored,
-        )
+        return verdict.model_copy(update={"version": version, "version_dir": folder})
+
+
+def _against_champion(
+    root: str, model: str, candidate: Candidate, champion: dict | None, min_improvement: float,
+    rescore: Callable[[str], float] | None,
+) -> Promotion:
+    """`promote`'s decision, before anything is written: ``version`` is the champion's (None without one)."""
+    champion_accuracy, rescored = None, False
+    if champion is not None:
+        champion_accuracy = champion["test_accuracy"]
+        if champion["data_hash"] != candidate.data_hash:
+            if rescore is None:
+                return Promotion(
+                    model=model, min_improvement=min_improvement, promoted=False, champion_before=champion["version"],
+                    reason=f"the data changed since champion v{champion['version']} and it could not be scored again: kept",
+                )
+            champion_accuracy, rescored = float(rescore(version_dir(root, model, champion["version"]))), True
+    promoted, reason = decide(candidate, champion, champion_accuracy, min_improvement)
+    if rescored:
+        reason += "; the champion was scored again on this run's test set (the data changed)"
+    before = champion["version"] if champion else None
+    return Promotion(
+        model=model, min_improvement=min_improvement, promoted=promoted, reason=reason,
+        version=before, champion_before=before, champion_accuracy=champion_accuracy, champion_rescored=rescored,
+    )
 
 
 def _next_version(root: str, model: str) -> int:
