@@ -6,6 +6,7 @@ from pipeline_config.evaluation import CleanupConfig, EvaluateConfig, PromoteCon
 from pipeline_config.learning import ModelConfig, TrainConfig
 from pipeline_config.model import PipelineConfig, RayConfig
 from pipeline_config.settings import PRESETS, PipelineSettings, load_preset
+from pipeline_config.tracking import TrackingConfig
 from pipeline_config.tune import Range, SearchSpace, TuneConfig, TunePipelineConfig
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "Range",
     "RayConfig",
     "SearchSpace",
+    "TrackingConfig",
     "TrainConfig",
     "TransformConfig",
     "TuneConfig",

@@ -36,7 +36,7 @@ class EvaluateConfig(_Section):
 
 
 class PromoteConfig(_Section):
-    """Champion promotion, the evaluation stage's last step: a model that passed the gate becomes the
+    """Champion promotion, the stage after evaluation: a model that passed the gate becomes the
     champion under <storage_root>/models/<model_name>/ only when it beats the current one on the same test set."""
 
     enabled: bool = Field(

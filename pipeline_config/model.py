@@ -21,6 +21,7 @@ from pipeline_config.common import DEFAULT_WORKLOAD, _RUN_NAME, _S3_BUCKET, _WOR
 from pipeline_config.data import DownloadConfig, ParquetConfig, TransformConfig
 from pipeline_config.evaluation import CleanupConfig, EvaluateConfig, PromoteConfig
 from pipeline_config.learning import ModelConfig, TrainConfig
+from pipeline_config.tracking import TrackingConfig
 
 
 class RayConfig(_Section):
@@ -89,8 +90,11 @@ class PipelineConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="The network (model.name).")
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training stage.")
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig, description="Evaluation stage.")
-    promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Champion promotion (end of the evaluation stage).")
+    promote: PromoteConfig = Field(default_factory=PromoteConfig, description="Champion promotion stage.")
     cleanup: CleanupConfig = Field(default_factory=CleanupConfig, description="Cleanup stage.")
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="Experiment tracking in MLflow (off unless MLFLOW_TRACKING_URI is set)."
+    )
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
 
     @field_validator("workload")

@@ -19,7 +19,7 @@ import shlex
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -169,9 +169,10 @@ class _Watcher:
 class EpochWatcher(_Watcher):
     """Says one line per finished epoch while the training stage runs, by polling ``history.jsonl``."""
 
-    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0):
+    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0, on_epoch: Callable[[], None] | None = None):
         super().__init__(poll_s)
         self.history_path, self.epochs = history_path, epochs
+        self.on_epoch = on_epoch  # called after new epoch lines (the MLflow tracker logs them live)
         self._said: set[int] = set()
         self._finished: list[float] = []  # when each epoch was seen finished (monotonic seconds)
 
@@ -190,6 +191,7 @@ class EpochWatcher(_Watcher):
         return (seen[-1] - seen[0]) / (len(seen) - 1) if len(seen) >= 2 else None
 
     def _say_new(self) -> None:
+        new = False
         for row in sorted(self._rows(), key=lambda r: r["epoch"]):
             epoch = int(row["epoch"])
             if epoch in self._said or row.get("mid_epoch"):
@@ -198,6 +200,9 @@ class EpochWatcher(_Watcher):
             self._finished.append(time.monotonic())
             line = epoch_line(row, self.epochs, self._finished[-1] - self._start, self._seconds_per_epoch())
             say(line, logger=self.logger)
+            new = True
+        if new and self.on_epoch is not None:
+            self.on_epoch()
 
 
 class TrialWatcher(_Watcher):
@@ -259,6 +264,7 @@ def summary_lines(
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
     lines += promotion_lines(summary.promotion, summary.storage_root)
     lines += tuning_lines(summary.tuning, summary.workload)
+    lines += tracking_lines(summary.tracking)
     if summary.run_dir:
         lines.append(f"  run folder     {summary.run_dir}")
         lines.append(f"  summary        {summary.path} (--json prints it here)")
@@ -293,6 +299,16 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None) 
     if promotion.get("version") is None:  # no champion yet to predict with
         return [line]
     return [line, f"  predict        {command} --input <folder of IDX or Parquet digits>"]
+
+
+def tracking_lines(tracking: dict[str, Any] | None) -> list[str]:
+    """Where the run is in MLflow, and what an outage kept out of it (nothing when tracking is off)."""
+    if not tracking:
+        return []
+    lines = [f"  MLflow         {tracking.get('url') or tracking.get('uri')}"]
+    if tracking.get("not_recorded"):
+        lines.append(f"  not in MLflow  {', '.join(tracking['not_recorded'])} (the server did not answer; resuming the run records them)")
+    return lines
 
 
 def tuning_lines(tuning: dict[str, Any] | None, workload: str | None = None) -> list[str]:

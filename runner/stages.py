@@ -17,6 +17,7 @@ from prefect_ray.context import remote_options
 from pipeline_config import PipelineConfig
 from runner import console, stopping
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
+from runner.tracking import Tracker
 from storage_io import StorageLayout, atomic_write_json, join, read_json, storage_writes
 from training.records import HISTORY_FILE
 from training.trainer import latest_checkpoint
@@ -31,9 +32,10 @@ class StageRecorder:
 
     def __init__(
         self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any], plan: dict[str, float],
-        module: str = "flows.train",
+        module: str = "flows.train", tracker: Tracker | None = None,
     ):
         self.runner, self.layout, self.config, self.env, self.plan = runner, layout, config, env, plan
+        self.tracker = tracker or Tracker(config, layout, env)  # MLflow, when MLFLOW_TRACKING_URI is set
         self.module = module  # what resumes the run: python -m <module>
         self.stages: dict[str, StageRecord] = {}
         self.outputs: dict[str, Any] = {}
@@ -48,7 +50,8 @@ class StageRecorder:
         start = time.perf_counter()
         # Training says one line per epoch, read from the run's history on storage by this driver.
         history = join(self.layout.run_dir, HISTORY_FILE)
-        watch = console.EpochWatcher(history, self.epochs()) if name == "train" else nullcontext()
+        live = self.tracker.sync_epochs if self.tracker.enabled else None  # each epoch into MLflow as it finishes
+        watch = console.EpochWatcher(history, self.epochs(), on_epoch=live) if name == "train" else nullcontext()
         tune_cfg = getattr(self.config, "tune", None)
         if name == "tune" and tune_cfg is not None:  # one line per trial epoch, from the trials' histories
             watch = console.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
@@ -72,6 +75,8 @@ class StageRecorder:
             record.seconds = round(time.perf_counter() - start, 2)
         record.status = "completed"
         self.outputs[name] = result
+        if self.tracker.enabled:
+            self.tracker.sync(self.summary())
         seconds = console.duration(record.seconds)
         detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
         console.say("%s done in %s%s", number, seconds, detail)
@@ -137,7 +142,9 @@ class StageRecorder:
 
     def write_summary(self) -> RunSummary:
         """Build the summary and write it as summary.json; `last_summary` keeps it even when the write fails."""
-        summary = self.last_summary = self.summary()
+        summary = self.summary()
+        self.tracker.sync(summary, final=True)
+        summary = self.last_summary = summary.model_copy(update={"tracking": self.tracker.record()})
         with storage_writes("summary", self.layout.run_dir):
             atomic_write_json(self.layout.summary_path, summary.to_json())
         return summary

@@ -67,6 +67,7 @@ class RunSummary(BaseModel):
     promotion: dict[str, Any] | None = None  # `training.registry.Promotion` as metrics.json holds it
     evaluation: dict[str, Any] = {}  # evaluation/metrics.json
     tuning: dict[str, Any] | None = None  # a search's (`training.tuning`)
+    tracking: dict[str, Any] | None = None  # the MLflow run (`runner.tracking`); None: tracking is off
     config: dict[str, Any] = {}
     environment: dict[str, Any] = {}
 
@@ -86,7 +87,8 @@ class RunSummary(BaseModel):
         return f"{self.run_dir.rstrip('/')}/summary.json" if self.run_dir else None
 
     def to_json(self, config: bool = True) -> dict[str, Any]:
-        """The summary.json fields: a stage's ``error`` only when it failed, ``tuning`` only for a search;
+        """The summary.json fields: a stage's ``error`` only when it failed, ``tuning`` only for a search,
+        ``tracking`` only when MLflow tracking is on;
         without ``config``, what the CLI prints (``--json``, ``--summary-out``)."""
         data = self.model_dump(mode="json", exclude=None if config else {"config"})
         for stage in data["stages"].values():
@@ -94,6 +96,8 @@ class RunSummary(BaseModel):
                 del stage["error"]
         if self.tuning is None and self.module != SEARCH_MODULE:
             del data["tuning"]
+        if self.tracking is None:
+            del data["tracking"]
         return data
 
 

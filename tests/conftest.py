@@ -5,13 +5,35 @@ The plain helpers these fixtures use (and test modules import) are in ``tests/su
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from storage_io import StorageLayout
+from tests.support.mlflow_server import MlflowServer
 from tests.support.prefect_server import PrefectServer
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_tracking_unless_asked():
+    """A developer's MLFLOW_TRACKING_URI must not send every test run to their MLflow: the tests that
+    check tracking start their own server and pass its address."""
+    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)
+    yield
+    if saved is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = saved
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
+    """A real MLflow tracking server on 127.0.0.1 for the module (SQLite backend), stopped afterwards."""
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

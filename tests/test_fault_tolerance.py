@@ -18,6 +18,7 @@ through ``MNIST_FAULT_INJECT``:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -38,6 +39,7 @@ from ray.train import WorkerGroupError
 
 from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_for_pause
+from tests.support.mlflow_server import MlflowServer
 from tests.support.prefect_server import api_env
 from training.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
 from training.records import HISTORY_FILE, read_history
@@ -119,13 +121,15 @@ def mirror_flags(tmp_path_factory) -> list[str]:
     return real_digits_mirror(tmp_path_factory.mktemp("mirror"), train_per_class=60, test_per_class=20)
 
 
-def hooks(faults: str | None = None, record_rows: bool = False) -> dict[str, str]:
-    """The test-only environment: ``faults`` (``MNIST_FAULT_INJECT``) and the row log (``MNIST_RECORD_ROWS``)."""
-    return {**({FAULT_ENV: faults} if faults else {}), **({ROW_LOG_ENV: "1"} if record_rows else {})}
+def hooks(faults: str | None = None, record_rows: bool = False, tracking: str | None = None) -> dict[str, str]:
+    """The test-only environment: ``faults`` (``MNIST_FAULT_INJECT``) and the row log (``MNIST_RECORD_ROWS``);
+    ``tracking``: an MLflow server's address (``MLFLOW_TRACKING_URI``, how a user turns tracking on)."""
+    return {**({FAULT_ENV: faults} if faults else {}), **({ROW_LOG_ENV: "1"} if record_rows else {}),
+            **({"MLFLOW_TRACKING_URI": tracking} if tracking else {})}
 
 
 def start_cli(
-    args: list[str], storage: Path, api: str, faults: str | None = None, record_rows: bool = False
+    args: list[str], storage: Path, api: str, faults: str | None = None, record_rows: bool = False, tracking: str | None = None,
 ) -> tuple[subprocess.Popen, Path]:
     """``python -m flows.mnist`` against the Prefect API ``api`` (the session's shared server), started; (process, log prefix).
 
@@ -136,7 +140,7 @@ def start_cli(
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
-            cwd=ROOT, env=api_env(api, **hooks(faults, record_rows)), stdout=out, stderr=err, text=True,
+            cwd=ROOT, env=api_env(api, **hooks(faults, record_rows, tracking)), stdout=out, stderr=err, text=True,
             start_new_session=True,
         )
     return proc, log
@@ -163,25 +167,36 @@ def stop_cli(started: tuple[subprocess.Popen, Path]) -> None:
 
 
 def run_cli(
-    args: list[str], storage: Path, api: str, faults: str | None = None, timeout: float = 900, record_rows: bool = False
+    args: list[str], storage: Path, api: str, faults: str | None = None, timeout: float = 900, record_rows: bool = False,
+    tracking: str | None = None,
 ) -> tuple[subprocess.CompletedProcess, dict]:
     """``python -m flows.mnist`` to its end against the Prefect API ``api`` (the session's shared server)."""
     name = args[args.index("--run-name") + 1]
-    return finish_cli(start_cli(args, storage, api, faults, record_rows), storage, name, timeout)
+    return finish_cli(start_cli(args, storage, api, faults, record_rows, tracking), storage, name, timeout)
 
 
 @pytest.mark.slow
-def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path, mirror_flags, shared_server):
+def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path, mirror_flags, shared_server, mlflow_server):
+    """Both runs are tracked in MLflow. The interrupted one keeps one MLflow run with one point per
+    epoch through a worker restart and a Prefect retry, and its promoted model is the registered
+    model's champion; the reference run loses its MLflow server mid-training and completes anyway."""
     storage = tmp_path / "storage"
+    outage = MlflowServer(tmp_path / "mlflow-outage").start()
     # The uninterrupted reference run with the same seed, started first and running beside the
     # interrupted one on the same root (one builds the dataset, the other waits for it and reuses it).
-    calm = start_cli([*mirror_flags, *COMMON, "--run-name", "calm"], storage, shared_server.api)
+    # It promotes nothing, so the champion is the interrupted run's.
+    calm = start_cli([*mirror_flags, *COMMON, "--run-name", "calm", "--no-promote.enabled"], storage, shared_server.api,
+                     tracking=outage.uri)
     try:
         # First kill: Ray Train restarts the worker group (max_failures=1). Second kill: Ray Train gives
         # up, Prefect retries the stage, and fit() resumes the same run from its epoch-1 checkpoint.
         faults = "kill:rank=1:epoch=1:step=2;kill:rank=0:epoch=2:step=2"
         args = [*mirror_flags, *COMMON, "--run-name", "kills", "--train.max-failures", "1", "--train.stage-retries", "1"]
-        out, summary = run_cli(args, storage, shared_server.api, faults)
+        kills = start_cli(args, storage, shared_server.api, faults, tracking=mlflow_server.uri)
+        # The reference run's tracking server goes away once its first epoch is in MLflow.
+        outage.wait_for_epoch("calm", 600, alive=lambda: calm[0].poll() is None)
+        outage.stop()
+        out, summary = finish_cli(kills, storage, "kills")
         assert out.returncode == 0, out.stderr[-3000:]
         assert summary["status"] == "completed"
         assert len(list((storage / "runs" / "kills" / "faults").glob("*.fired"))) == 2  # both faults really fired
@@ -198,6 +213,27 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
         assert [a["start_epoch"] for a in ref_summary["training_attempts"]] == [0]
     finally:
         stop_cli(calm)  # only when the test failed before it ended
+        outage.stop()
+    # MLflow: one run for the interrupted pipeline run, one point per epoch (step = the global epoch),
+    # the test metrics, the reports, and the promoted model as the registered model's champion.
+    (tracked,) = mlflow_server.runs(run_name="kills")
+    assert tracked.info.status == "FINISHED" and tracked.info.run_name == "kills"
+    assert mlflow_server.steps(tracked.info.run_id) == mlflow_server.steps(tracked.info.run_id, "train_loss") == [0, 1, 2]
+    assert tracked.data.metrics["test_accuracy"] == pytest.approx(summary["test_accuracy"])
+    assert tracked.data.params["train.max_failures"] == "1" and tracked.data.params["model.name"] == summary["config"]["model"]["name"]
+    assert tracked.data.tags["prefect_flow_run_id"] and tracked.data.tags["git_commit"]
+    assert {a.path for a in mlflow_server.client().list_artifacts(tracked.info.run_id, "evaluation")} >= {
+        "evaluation/confusion_matrix.png", "evaluation/training_curves.png", "evaluation/metrics.json"}
+    assert summary["tracking"]["run_id"] == tracked.info.run_id and summary["tracking"]["not_recorded"] == []
+    model, version = summary["promotion"]["model"], summary["promotion"]["version"]
+    assert summary["promotion"]["promoted"] and mlflow_server.client().get_model_version_by_alias(model, "champion").run_id == tracked.info.run_id
+    ours = hashlib.sha256((storage / "models" / model / f"v{version}" / "model.pt").read_bytes()).hexdigest()
+    assert mlflow_server.champion_sha256(model) == ours  # models:/<model>@champion is our champion's weights
+    # The reference run lost its server mid-training: it completed, warned once, and says what MLflow lacks.
+    assert ref_summary["status"] == "completed" and ref_summary["tracking"]["run_id"]
+    assert {"epoch metrics", "test metrics"} <= set(ref_summary["tracking"]["not_recorded"]), ref_summary["tracking"]
+    assert (reference.stdout + reference.stderr).count("the run goes on without tracking") == 1
+    assert "not in MLflow" in reference.stdout + reference.stderr
     # Same seed, same result: each epoch's order and augmentation are fixed by (seed, epoch) and
     # the restarts resumed from exact checkpoints (weights, optimizer, EMA), so the interrupted
     # run matches the uninterrupted one within half a point (200 test digits: one digit).
@@ -246,11 +282,12 @@ def committed_rows(row_log: Path, attempts: list[dict]) -> dict[int, Counter]:
 
 
 @pytest.mark.slow
-def test_interrupted_epochs_train_every_row_exactly_once_and_a_killed_driver_resumes(tmp_path, mirror_flags, shared_server):
+def test_interrupted_epochs_train_every_row_exactly_once_and_a_killed_driver_resumes(tmp_path, mirror_flags, shared_server, mlflow_server):
     """Kills between mid-epoch checkpoints, then the driver killed mid-training, then the same run name
     on a different number of workers: the run resumes (finished stages skipped after verification,
     training from the last committed checkpoint) and the rows that every surviving step trained on
-    add up to the training set exactly once per epoch."""
+    add up to the training set exactly once per epoch. Tracked in MLflow, the resumed run continues
+    the killed driver's MLflow run, and no epoch gets a second point."""
     storage = tmp_path / "storage"
     base = [*mirror_flags, *COMMON, "--run-name", "exact", "--train.checkpoint-every-steps", "3", "--train.stage-retries", "0"]
     # First run, 2 workers: a kill at step 5 of epoch 1 is repaired by Ray Train from the step-3
@@ -259,22 +296,31 @@ def test_interrupted_epochs_train_every_row_exactly_once_and_a_killed_driver_res
     faults = f"kill:rank=1:epoch=1:step=5;{pause_env(epoch=2, step=4)[FAULT_ENV]}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *base, "--train.max-failures", "1"],
-        cwd=ROOT, env=api_env(shared_server.api, **hooks(faults, record_rows=True)), stdout=subprocess.DEVNULL,
+        cwd=ROOT, env=api_env(shared_server.api, **hooks(faults, record_rows=True, tracking=mlflow_server.uri)), stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL, start_new_session=True,
     )
     run_dir = storage / "runs" / "exact"
     try:
         wait_for_pause(storage, "exact", timeout_s=600, alive=lambda: proc.poll() is None)
         assert has_committed_checkpoint(run_dir)
+        mlflow_server.wait_for_epoch("exact", 60)
+        (tracked,) = mlflow_server.runs(run_name="exact")
+        deadline = time.monotonic() + 30  # the epoch lines (and their MLflow points) follow the history within a poll
+        while mlflow_server.steps(tracked.info.run_id) != [0, 1] and time.monotonic() < deadline:
+            time.sleep(1)
+        assert mlflow_server.steps(tracked.info.run_id) == [0, 1]  # logged live, before the crash
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
     assert list(run_dir.glob("checkpoint_*")), "no checkpoint before the crash"
     assert not (run_dir / "summary.json").is_file() or json.loads((run_dir / "summary.json").read_text())["status"] != "completed"
     # Second run of the same run name with 1 worker: the rest of epoch 2 is split over 1 rank.
-    out, summary = run_cli([*base, "--train.num-workers", "1"], storage, shared_server.api, record_rows=True)
+    out, summary = run_cli([*base, "--train.num-workers", "1"], storage, shared_server.api, record_rows=True, tracking=mlflow_server.uri)
     assert out.returncode == 0, out.stderr[-3000:]
     assert summary["status"] == "completed"
+    (resumed,) = mlflow_server.runs(run_name="exact")  # the same MLflow run, finished now
+    assert resumed.info.run_id == tracked.info.run_id and resumed.info.status == "FINISHED"
+    assert mlflow_server.steps(resumed.info.run_id) == [0, 1, 2]  # epoch 2 added once, 0 and 1 not again
     assert summary["data"]["download_skipped"] and summary["data"]["conversion_skipped"]  # verified on storage, skipped
     attempts = summary["training_attempts"]
     assert [a["world_size"] for a in attempts] == [2, 2, 1], attempts

@@ -204,7 +204,7 @@ def _paused_trials(run_dir: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_writes_the_best_recipe(tmp_path):
+def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_writes_the_best_recipe(tmp_path, mlflow_server):
     """The smoke search (4 trials of up to 2 epochs, ASHA after epoch 1) of the small model (CliRun's) on the
     bundled sample, on 2 CPUs (one trial at a time).
 
@@ -214,11 +214,13 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_wri
     second is held mid-way, the whole CLI is SIGKILLed (driver, Ray, Prefect server); the same
     command with the same --run-name (kill fault only) restores the search, leaves the finished
     trial alone and completes the other three. The best config file it names is a main-flow config
-    file with model.name and the best trial's sampled recipe.
+    file with model.name and the best trial's sampled recipe. Tracked in MLflow: one parent run for
+    the search, one nested run per trial with one point per epoch it trained.
     """
     kill = "kill:rank=0:epoch=1:step=3"
     fault = {FAULT_ENV: f"{kill};{pause_env(epoch=0, step=0)[FAULT_ENV]}"}
-    first = CliRun(tmp_path, "tune-killed", env=fault, module="flows.tune")
+    tracking = {"MLFLOW_TRACKING_URI": mlflow_server.uri}
+    first = CliRun(tmp_path, "tune-killed", env=fault | tracking, module="flows.tune")
     run_dir = first.root / "runs" / "tune-killed"
     first.wait_until(lambda: _paused_trials(run_dir), "the first trial's pause", 420)
     (opener,) = _paused_trials(run_dir)
@@ -237,7 +239,7 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_wri
     before = {trial: (run_dir / "trials" / trial / "history.jsonl").read_bytes() for trial in finished}
     attempts_before = {trial: (run_dir / "trials" / trial / "train_attempts.jsonl").read_text() for trial in finished}
 
-    resumed = CliRun(tmp_path, "tune-killed", env={FAULT_ENV: kill}, module="flows.tune")
+    resumed = CliRun(tmp_path, "tune-killed", env={FAULT_ENV: kill} | tracking, module="flows.tune")
     code, _ = resumed.finish(600)
     out = resumed.output()
     assert code == 0, out[-3000:]
@@ -263,6 +265,15 @@ def test_search_killed_mid_way_resumes_without_rerunning_finished_trials_and_wri
     assert best["trial_id"] in epochs and best["val_ce"] == min(
         json.loads(line)["val_ce"] for p in (run_dir / "trials").iterdir() for line in (p / "history.jsonl").read_text().splitlines())
     assert "best trial" in out and "best config" in out
+    # MLflow: the search's run and, nested in it, one run per trial with its epochs once each.
+    runs = mlflow_server.runs(run_name="tune-killed")
+    (parent,) = [run for run in runs if "tune_trial" not in run.data.tags]
+    nested = {run.data.tags["tune_trial"]: run for run in runs if "tune_trial" in run.data.tags}
+    assert set(nested) == set(epochs) and parent.data.tags["best_trial"] == best["trial_id"]
+    assert all(run.data.tags["mlflow.parentRunId"] == parent.info.run_id for run in nested.values())
+    assert {trial: mlflow_server.steps(run.info.run_id) for trial, run in nested.items()} == {
+        trial: list(range(count)) for trial, count in epochs.items()}
+    assert parent.info.status == "FINISHED" and summary["tracking"]["not_recorded"] == []
 
     # The best config file, as the summary names it, is a config file of the main flow that names the
     # model the trials trained and the best trial's recipe. (That such a file trains: the tune
