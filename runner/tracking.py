@@ -75,6 +75,7 @@ class Tracker:
         self.run_url: str | None = None
         self.given_up = False  # the server failed once: no more requests in this run
         self.not_recorded: list[str] = []
+        self._recorded: set[str] = set()  # what this process recorded already and never changes (artifacts, the version)
         self._client = None
         if self.uri:
             # Bound every request: MLflow's default is 120 s and 7 retries, minutes of a run spent waiting.
@@ -138,14 +139,21 @@ class Tracker:
         self._do("epoch metrics", self._log_epochs)
         if evaluated:
             self._do("test metrics", lambda: self._log_test(summary.evaluation))
-            self._do("artifacts", lambda: self._log_artifacts(summary))
+            self._once("artifacts", lambda: self._log_artifacts(summary))
         if promotion.get("promoted"):
-            self._do("the registered model version", lambda: self._register(promotion))
+            self._once("the registered model version", lambda: self._register(promotion))
         if summary.tuning:
             self._do("the trials", lambda: self._log_trials(summary.tuning))
         if final:
             status = {"completed": "FINISHED", "interrupted": "KILLED", "cancelled": "KILLED"}.get(summary.status, "FAILED")
             self._do("the run's end", lambda: self.client().set_terminated(self.run_id, status))
+
+    def _once(self, what: str, action: Callable[[], Any]) -> None:
+        """`_do`, for a step whose result does not change once it succeeded in this process."""
+        if what not in self._recorded:
+            self._do(what, action)
+            if not self.given_up:
+                self._recorded.add(what)
 
     def sync_epochs(self) -> None:
         """Only the new epochs (while training runs: `runner.console.EpochWatcher` calls it)."""
