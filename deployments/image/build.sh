@@ -66,7 +66,9 @@ if [ ! -f "$WHEELS/.complete" ]; then
     say "downloading the lock's wheels into $WHEELS"
     rm -rf "$WHEELS"
     # `pip wheel` keeps wheels as they are and builds one for any pin published only as an sdist.
-    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps -r requirements.lock "pip==$PIP_VERSION" -w "$WHEELS"
+    # Its warnings (each local index folder a package is missing from) go to a log, shown on failure.
+    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check --no-deps -r requirements.lock "pip==$PIP_VERSION" -w "$WHEELS" \
+        2> "$BUILD_DIR/wheels.log" || { tail -30 "$BUILD_DIR/wheels.log"; exit 1; }
     cp requirements.lock "$WHEELS/requirements.lock"
     touch "$WHEELS/.complete"
 fi
@@ -85,7 +87,6 @@ if ! $DOCKER image inspect "$DEPS_IMAGE" >/dev/null 2>&1; then
     debootstrap --variant=minbase --include="$DEBS" --cache-dir="$BUILD_DIR/debs" "$SUITE" "$ROOTFS" "$MIRROR" \
         > "$BUILD_DIR/debootstrap.log" 2>&1 || { tail -20 "$BUILD_DIR/debootstrap.log"; exit 1; }
     mkdir -p "$ROOTFS/wheels" && mount --bind "$WHEELS" "$ROOTFS/wheels" && mount -t proc proc "$ROOTFS/proc"
-    say "venv /opt/venv from the lock, offline"
     # env -i: none of the host's pip settings (its index, find-links, constraints) reach the chroot.
     in_root() { chroot "$ROOTFS" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 PIP_NO_CACHE_DIR=1 "$@"; }
     case "$PY_PREFIX" in /usr|/usr/local|/) echo "$PYTHON is not a self-contained prefix ($PY_PREFIX): point PYTHON at one (e.g. pyenv's)" >&2; exit 1;; esac
@@ -97,6 +98,7 @@ if ! $DOCKER image inspect "$DEPS_IMAGE" >/dev/null 2>&1; then
         -c . | tar -C "$ROOTFS/opt/python" -x
     echo /opt/python/lib > "$ROOTFS/etc/ld.so.conf.d/python.conf"  # libpython's RUNPATH names the host's prefix
     chroot "$ROOTFS" /sbin/ldconfig
+    say "venv /opt/venv from the lock, offline"
     in_root /opt/python/bin/python3 -m venv /opt/venv
     in_root /opt/venv/bin/python -m pip install --quiet --no-index --find-links /wheels "pip==$PIP_VERSION"
     in_root /opt/venv/bin/python -m pip install --quiet --no-index --find-links /wheels -r /wheels/requirements.lock
