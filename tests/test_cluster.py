@@ -157,6 +157,12 @@ def test_pipeline_on_the_cluster_survives_a_preempted_worker(cluster, tmp_path):
     assert [(a["start_epoch"], a["start_step"], a["world_size"]) for a in attempts] == [(0, 0, 2), (1, 6, 2)], attempts
     assert attempts[1]["local_world_size"] == 1, attempts
     assert summary["resumed_from_epoch"] == 1
+    # The training stage and Ray Train's controller ran on the head (runner.stages.stage_options),
+    # not on the preempted node: one controller for the whole run.
+    code = ("import json, ray; from ray.util.state import list_actors; ray.init(address='auto', logging_level='ERROR'); "
+            "print(json.dumps([a.node_id for a in list_actors(filters=[('class_name', '=', 'TrainController')], limit=100)]))")
+    controllers = json.loads(cluster.python("head", code).strip().splitlines()[-1])
+    assert controllers == [cluster.node_ids()["head"]], controllers
     # Ray Train charged the restart to the preemption budget, not max_failures.
     controller_logs = cluster.exec("head", ["sh", "-c", "cat /tmp/ray/session_latest/logs/train/*.log 2>/dev/null || true"]).stdout
     assert "Source: preemption" in controller_logs, controller_logs[-3000:]

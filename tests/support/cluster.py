@@ -32,7 +32,7 @@ SHM = "1g"  # /dev/shm of each Ray node (Docker's default 64 MB would push the o
 OBJECT_STORE_BYTES = 500_000_000
 # Ray's graceful drain on SIGTERM (`ray start --block`): the node is marked draining with reason
 # PREEMPTION and this deadline, then its processes are stopped. Docker's stop timeout is longer.
-DRAIN_S = 15
+DRAIN_S = 30
 
 
 def default_image() -> str:
