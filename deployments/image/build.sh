@@ -9,8 +9,8 @@
 #               /opt/python, and a venv at /opt/venv installed from those wheels with --no-index,
 #               `docker import`ed. Made once per lock. Not bookworm's python3: it is 3.11.2, and
 #               the lock, resolved on 3.11.7, does not install there (redis needs async-timeout
-#               below 3.11.3, which the lock lacks); the same patch release as the host also lets
-#               a driver on the host join the cluster (Ray compares Python down to the patch).
+#               below 3.11.3, which the lock lacks); the same patch release as the host also keeps
+#               a driver on the host within Ray's check (it compares Python down to the patch).
 #   3. image    <name>:<lock hash>: the project on top (Dockerfile), labelled with a hash of the
 #               code, so a code change rebuilds only this small layer.
 #   4. check    the image's `pip list` against the lock: every pin at its version, nothing else.
