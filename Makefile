@@ -12,7 +12,7 @@ LOCK := requirements.lock
 PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.6.2
 
-.PHONY: install lock run smoke tune test test-fast bench clean
+.PHONY: install lock run smoke tune test test-fast test-cluster bench image clean
 
 install: $(STAMP)
 
@@ -51,6 +51,21 @@ test-fast: install
 
 bench: install
 	$(PY) -m benchmarks.run $(ARGS)
+
+# The container image <project name>:<lock hash>, built offline with no registry base image
+# (debootstrap + a venv from the lock's wheels, `docker import`ed; docs/operations.md). The tag
+# rule (first 12 hex of sha256(requirements.lock)) is deployments/images.py, shared with the
+# Kubernetes manifests and their test. Rebuilt only when the lock or the code changed; build output in
+# IMAGE_BUILD_DIR (default /var/tmp/<name>-image), never in the repository.
+IMAGE = $(shell $(PYTHON) -m deployments.images)
+
+image:
+	PYTHON=$(PYTHON) PIP_VERSION=$(PIP_VERSION) deployments/image/build.sh
+
+# The opt-in cluster test (tests/test_cluster.py): moto S3, a Prefect server, a Ray head and two
+# 1-CPU Ray workers as containers of $(IMAGE) on one Docker network. Skipped unless RUN_CLUSTER_TESTS=1.
+test-cluster: install image
+	RUN_CLUSTER_TESTS=1 CLUSTER_IMAGE=$(IMAGE) $(PY) -m pytest -m cluster -p no:cacheprovider $(ARGS)
 
 clean:
 	rm -rf $(VENV) .lock-venv storage .pytest_cache

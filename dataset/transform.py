@@ -259,8 +259,28 @@ def stream_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
 
 
 def blocks(table: pa.Table, block_rows: int) -> ray.data.Dataset:
-    """An in-memory table as a Ray Dataset of ``block_rows``-row blocks (`ray.data.from_arrow`)."""
-    return ray.data.from_arrow([table.slice(start, block_rows) for start in range(0, max(len(table), 1), block_rows)])
+    """An in-memory table as a Ray Dataset of ``block_rows``-row blocks: `ray.data.from_arrow`, with
+    each block's metadata computed in this process instead of in a Ray task per block.
+
+    ``from_arrow`` asks every block's metadata from a task that reserves a whole CPU. On one machine
+    `train.data_cpus` keeps one free; on a cluster of 1-CPU nodes whose training workers each hold
+    part of a CPU no node ever has a whole one, and training waited on those tasks forever (the
+    cluster test, tests/test_cluster.py). The metadata is a few fields read off the table. Ray
+    2.60's own steps (``ray.data.read_api.from_arrow_refs``) otherwise; Ray is pinned.
+    """
+    from ray.data._internal.logical.interfaces import LogicalPlan
+    from ray.data._internal.logical.operators.from_operators import FromArrow
+    from ray.data._internal.stats import DatasetStats
+    from ray.data._internal.util import get_table_block_metadata_schema
+    from ray.data.context import DataContext
+    from ray.data.dataset import MaterializedDataset
+
+    tables = [table.slice(start, block_rows) for start in range(0, max(len(table), 1), block_rows)]
+    metadata = [get_table_block_metadata_schema(t) for t in tables]
+    refs = [ray.put(t) for t in tables]
+    stats = DatasetStats(metadata={"FromArrow": metadata}, parent=None)
+    context = DataContext.get_current().copy()
+    return MaterializedDataset(LogicalPlan(FromArrow(refs, metadata), context), context, stats)
 
 
 def read_split(spec: TransformSpec, split: str) -> ray.data.Dataset:

@@ -65,6 +65,13 @@ class TrainConfig(_Section):
             "waiting for it. The global batch stays the same: each worker takes global_batch_size / workers. Unset: fixed."
         ),
     )
+    placement: Literal["PACK", "SPREAD"] = Field(
+        "PACK",
+        description=(
+            "Where Ray places the workers (ScalingConfig.placement_strategy): PACK fills a node first, SPREAD puts "
+            "them on different nodes when it can, so one lost node takes fewer of them."
+        ),
+    )
     epochs: int = Field(12, ge=1, le=1000, description="Passes over the training split (at most; see max_images).")
     max_images: int = Field(
         150_000,
@@ -104,6 +111,25 @@ class TrainConfig(_Section):
         ),
     )
     max_failures: int = Field(2, ge=-1, le=100, description="Worker-group restarts Ray Train makes (FailureConfig); -1 = unlimited.")
+    max_preemption_failures: int = Field(
+        3,
+        ge=-1,
+        le=100,
+        description=(
+            "Restarts Ray Train makes after a node is preempted or drained (a spot reclaim, a node SIGTERMed), a "
+            "budget apart from max_failures (FailureConfig.max_preemption_failures); -1 = unlimited."
+        ),
+    )
+    preemption_check_steps: int = Field(
+        10,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Every this many optimizer steps the workers ask Ray Train whether a node of theirs is being preempted "
+            "(ray.train.get_preemption_info, one small call shared by all ranks); if so they save a mid-epoch "
+            "checkpoint at once, which the restart resumes from. 0: never ask."
+        ),
+    )
     stage_retries: int = Field(
         1,
         ge=0,

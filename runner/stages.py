@@ -24,6 +24,24 @@ from training.trainer import latest_checkpoint
 from training.tuning import TRIALS_DIR
 
 
+def stage_options(cpus: float) -> dict[str, Any]:
+    """Ray options for a stage task holding ``cpus`` logical CPUs.
+
+    A stage that holds none only coordinates: it calls Ray Train's ``fit()`` (whose controller
+    Ray Train puts on the same node), starts Ray Data or inference actors, or lists files. It runs
+    on the driver's node, on a cluster normally the head, which is not the node a spot reclaim or
+    a drain takes away; anywhere else it would die with a preempted worker node and take the
+    whole stage with it (seen in the cluster test: the training stage and its controller on the
+    preempted node). Soft: another node when the driver's cannot take it. One machine: no change.
+    """
+    if cpus:
+        return {"num_cpus": cpus}
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
+
+
 class StageRecorder:
     """Runs stages on the task runner and records their status and seconds for summary.json.
 
@@ -56,7 +74,7 @@ class StageRecorder:
         if name == "tune" and tune_cfg is not None:  # one line per trial epoch, from the trials' histories
             watch = console.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
         try:
-            with remote_options(num_cpus=self.plan[name]):
+            with remote_options(**stage_options(self.plan[name])):
                 future = self.runner.submit(stage, parameters=parameters)
             with watch:
                 result = stopping.wait_for_stage(future, name)

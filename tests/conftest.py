@@ -36,6 +36,24 @@ def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
         server.stop()
 
 
+CLUSTER_OPT_IN = "RUN_CLUSTER_TESTS"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cluster`` run only with RUN_CLUSTER_TESTS=1 (`make test-cluster`); a skip otherwise, by design.
+
+    They need Docker and the image `make image` builds, and take minutes, so neither `make test`
+    (CI) nor `make test-fast` runs them. A hook rather than addopts' ``-m "not cluster"``, which the
+    ``-m "not slow"`` of `make test-fast` would replace.
+    """
+    if os.environ.get(CLUSTER_OPT_IN) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"cluster test: opt in with `make test-cluster` ({CLUSTER_OPT_IN}=1), needs Docker")
+    for item in items:
+        if "cluster" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def layout(tmp_path) -> StorageLayout:
     return StorageLayout.create(str(tmp_path / "storage"), "test-run")

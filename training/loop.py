@@ -64,6 +64,7 @@ class LoopConfig(BaseModel):
     attempts_log: str | None = None
     history_path: str | None = None  # every epoch's metrics, from rank 0
     checkpoint_every_steps: int = 0
+    preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
     transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
     row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
 
@@ -81,6 +82,8 @@ class Attempt:
     batch_size: int  # this rank's share of the global batch
     steps_per_epoch: int
     checkpoint_every: int = 0  # mid-epoch reports every this many steps (0: never; Ray Train only)
+    preemption_check: int = 0  # ray.train.get_preemption_info every this many steps (0: never; Ray Train only)
+    saved_for_preemption: bool = False  # the just-in-time checkpoint of this attempt is written
     guard: StepGuard | None = None
     row_log: RowLog | None = None
 
@@ -152,7 +155,8 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         consumed.append(row_ids)
         if row_log is not None:
             row_log.write(epoch, step, row_ids)
-        if attempt.checkpoint_every and (step + 1) % attempt.checkpoint_every == 0:
+        periodic = attempt.checkpoint_every and (step + 1) % attempt.checkpoint_every == 0
+        if periodic or preempted(attempt, step):
             rows = gather_rows(consumed)
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
             report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model)
@@ -188,6 +192,27 @@ def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr
     return loss.item() * len(labels), (logits.argmax(1) == labels).sum().item()
 
 
+def preempted(attempt: Attempt, step: int) -> bool:
+    """Whether a node of this worker group is being preempted and no just-in-time checkpoint was saved yet.
+
+    Asked every ``attempt.preemption_check`` steps, at the same steps on every rank (the call is a
+    barrier, rank 0's answer is everyone's). Ray marks a node draining when it is preempted or its
+    ``ray start`` gets SIGTERM; the node keeps running until the drain deadline, so the ranks save
+    a mid-epoch checkpoint (with the data position) at once and train on. When the node goes, Ray
+    Train restarts from that checkpoint, on the preemption budget (``train.max_preemption_failures``).
+    """
+    if not attempt.preemption_check or attempt.saved_for_preemption or (step + 1) % attempt.preemption_check:
+        return False
+    info = ray.train.get_preemption_info()
+    if info is None:
+        return False
+    attempt.saved_for_preemption = True
+    if ray.train.get_context().get_world_rank() == 0:
+        print(f"[preemption] nodes {info.preempted_node_ids} (ranks {info.preempted_ranks}) are being preempted: "
+              f"checkpoint after step {step + 1}", flush=True)
+    return True
+
+
 @torch.no_grad()
 def validate(attempt: Attempt, shard) -> dict:
     """Loss and accuracy of the attempt's shipped weights (`Attempt.weights`) over the validation split (summed across ranks).
@@ -220,8 +245,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     start = restore(attempt.model, attempt.optimizer, attempt.ema)
     if rank == 0 and cfg.attempts_log:
         with storage_writes("train", cfg.attempts_log):
-            record_attempt(cfg.attempts_log, start, world_size)
+            record_attempt(cfg.attempts_log, start, world_size, local_world_size=context.get_local_world_size())
     attempt.checkpoint_every = cfg.checkpoint_every_steps
+    attempt.preemption_check = cfg.preemption_check_steps
     attempt.guard = StepGuard(rank, world_size, cfg.hang_timeout_s, cfg.fault_dir)
     attempt.row_log = RowLog(cfg.row_log_dir, start, world_size, rank) if cfg.row_log_dir else None
 

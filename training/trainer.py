@@ -135,6 +135,7 @@ def loop_config(
         attempts_log=join(run_dir, ATTEMPTS_LOG) if run_dir else None,
         history_path=join(run_dir, HISTORY_FILE) if run_dir else None,
         checkpoint_every_steps=cfg.checkpoint_every_steps,
+        preemption_check_steps=cfg.preemption_check_steps,
         # Each epoch builds its train pipeline from it (a resumed one without the rows already trained on).
         transform=spec.model_dump(mode="json") if spec is not None else None,
         # Test-only: every rank logs the row_ids it trains on (training.faults.ROW_LOG_ENV).
@@ -329,12 +330,16 @@ def torch_trainer(
         train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
-        scaling_config=ScalingConfig(num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}),
+        scaling_config=ScalingConfig(
+            num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}, placement_strategy=cfg.placement
+        ),
         run_config=RunConfig(
             storage_path=storage_path,
             storage_filesystem=storage_fs if is_remote(run_dir) else None,
             name=basename(run_dir),
-            failure_config=FailureConfig(max_failures=cfg.max_failures),
+            # A drained or preempted node (Ray marks it draining on SIGTERM, spot reclaims) spends its
+            # own budget, not max_failures, which stays for real failures.
+            failure_config=FailureConfig(max_failures=cfg.max_failures, max_preemption_failures=cfg.max_preemption_failures),
             checkpoint_config=CheckpointConfig(
                 num_to_keep=cfg.num_to_keep,
                 checkpoint_score_attribute=cfg.checkpoint_score,
