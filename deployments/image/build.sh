@@ -56,6 +56,23 @@ code_files() {
 CODE_HASH="$( { code_files | while read -r f; do sha256sum "$f"; done; sha256sum "$HERE"/build.sh "$HERE"/Dockerfile; } |
     sha256sum | cut -c1-12)"
 
+# Before any work: the tools and the daemon this needs, each named with how to get it.
+missing=()
+command -v debootstrap >/dev/null || missing+=(debootstrap)
+command -v "$DOCKER" >/dev/null || missing+=(docker.io)
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "make image needs ${missing[*]}: apt-get install ${missing[*]} (as root), then start dockerd" >&2
+    exit 2
+fi
+if [ "$(id -u)" != 0 ]; then
+    echo "make image runs debootstrap, chroot and bind mounts: run it as root" >&2
+    exit 2
+fi
+if ! $DOCKER info >/dev/null 2>&1; then
+    echo "make image: the Docker daemon does not answer ('$DOCKER info' fails); start it (systemctl start docker, or 'dockerd &' where no init system runs)" >&2
+    exit 2
+fi
+
 if [ "$($DOCKER image inspect --format '{{index .Config.Labels "code-hash"}}' "$IMAGE" 2>/dev/null)" = "$CODE_HASH" ]; then
     say "$IMAGE is up to date (lock $LOCK_HASH, code $CODE_HASH)"
     exit 0
