@@ -225,6 +225,10 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
     assert {a.path for a in mlflow_server.client().list_artifacts(tracked.info.run_id, "evaluation")} >= {
         "evaluation/confusion_matrix.png", "evaluation/training_curves.png", "evaluation/metrics.json"}
     assert summary["tracking"]["run_id"] == tracked.info.run_id and summary["tracking"]["not_recorded"] == []
+    # The Prefect run page links to the MLflow run, and the MLflow run back to the Prefect flow run.
+    links = {a["key"]: a for a in shared_server.artifacts(summary["flow_run_id"]) if a["type"] == "link"}
+    assert tracked.info.run_id in links["mnist-mlflow-run"]["data"]
+    assert tracked.data.tags["prefect_flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run_id']}")
     model, version = summary["promotion"]["model"], summary["promotion"]["version"]
     assert summary["promotion"]["promoted"] and mlflow_server.client().get_model_version_by_alias(model, "champion").run_id == tracked.info.run_id
     ours = hashlib.sha256((storage / "models" / model / f"v{version}" / "model.pt").read_bytes()).hexdigest()
