@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flows.train import STAGE_CPUS
 from pipeline_config import PipelineConfig
 from tests.support.runs import torchvision_resnet18_seed_style
 from training.model import SEEDS_MODEL, checkpoint_model
@@ -53,7 +54,7 @@ def test_default_preset_passes_its_gate_on_the_bundled_sample_with_a_readable_te
     terminal = (out.stdout + out.stderr).splitlines()
     epochs = [line for line in terminal if " - epoch " in line]
     assert len(epochs) == summary["epochs"] == 12 and "epoch 12/12" in epochs[-1]
-    assert sum(" done in " in line for line in terminal) == 6  # one line per finished stage
+    assert sum(" done in " in line for line in terminal) == len(STAGE_CPUS) == 7  # one line per finished stage
     assert not any("Failed to query Ray Train Controller" in line or "Starting execution of Dataset" in line for line in terminal)
     assert len(terminal) < 60, "\n".join(terminal)
     assert any(line.startswith("Run default completed in ") for line in out.stdout.splitlines())
