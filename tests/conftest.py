@@ -16,14 +16,12 @@ from tests.support.prefect_server import PrefectServer
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
 
 
-@pytest.fixture(scope="session", autouse=True)
-def no_tracking_unless_asked():
-    """A developer's MLFLOW_TRACKING_URI must not send every test run to their MLflow: the tests that
-    check tracking start their own server and pass its address."""
-    saved = os.environ.pop("MLFLOW_TRACKING_URI", None)
-    yield
-    if saved is not None:
-        os.environ["MLFLOW_TRACKING_URI"] = saved
+@pytest.fixture(autouse=True)
+def no_tracking_unless_asked(monkeypatch):
+    """A developer's MLFLOW_TRACKING_URI (or one a library wrote into os.environ) must not send every
+    test run to an MLflow: the tests that check tracking start their own server and pass its address."""
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI"):
+        monkeypatch.delenv(name, raising=False)
 
 
 @pytest.fixture(scope="module")

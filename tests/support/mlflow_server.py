@@ -87,12 +87,20 @@ class MlflowServer:
         import mlflow
         import mlflow.artifacts
 
-        before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
-        mlflow.set_tracking_uri(self.uri)  # models:/ is resolved through the registry URI: this server's, as a user sets it
+        # models:/ is resolved through the registry URI, set as a user sets it. mlflow's setters also
+        # write MLFLOW_TRACKING_URI/MLFLOW_REGISTRY_URI into os.environ, where every later run this
+        # process starts would inherit them: both are put back exactly as they were.
+        saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
+        mlflow.set_tracking_uri(self.uri)
         mlflow.set_registry_uri(self.uri)
         try:
             local = mlflow.artifacts.download_artifacts(f"models:/{model}@champion")
         finally:
-            mlflow.set_tracking_uri(before[0])
-            mlflow.set_registry_uri(before[1])
+            mlflow.set_tracking_uri(None)
+            mlflow.set_registry_uri(None)
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
         return hashlib.sha256((Path(local) / "model.pt").read_bytes()).hexdigest()
