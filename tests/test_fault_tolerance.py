@@ -226,8 +226,8 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
         "evaluation/confusion_matrix.png", "evaluation/training_curves.png", "evaluation/metrics.json"}
     assert summary["tracking"]["run_id"] == tracked.info.run_id and summary["tracking"]["not_recorded"] == []
     # The Prefect run page links to the MLflow run, and the MLflow run back to the Prefect flow run.
-    links = {a["key"]: a for a in shared_server.artifacts(summary["flow_run_id"]) if a["type"] == "link"}
-    assert tracked.info.run_id in links["mnist-mlflow-run"]["data"]
+    links = {a["key"]: a for a in shared_server.artifacts(summary["flow_run_id"])}  # a link artifact: markdown in Prefect 3.9
+    assert summary["tracking"]["url"] in links["mnist-mlflow-run"]["data"] and tracked.info.run_id in summary["tracking"]["url"]
     assert tracked.data.tags["prefect_flow_run_url"].endswith(f"/runs/flow-run/{summary['flow_run_id']}")
     model, version = summary["promotion"]["model"], summary["promotion"]["version"]
     assert summary["promotion"]["promoted"] and mlflow_server.client().get_model_version_by_alias(model, "champion").run_id == tracked.info.run_id
