@@ -67,8 +67,8 @@ def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
 class Tracker:
     """The MLflow side of one pipeline run (a no-op when tracking is off); see the module docstring."""
 
-    def __init__(self, config: PipelineConfig, layout: StorageLayout, env: dict[str, Any], prefect_url: str | None = None):
-        self.config, self.layout, self.env, self.prefect_url = config, layout, env, prefect_url
+    def __init__(self, config: PipelineConfig, layout: StorageLayout, env: dict[str, Any]):
+        self.config, self.layout, self.env = config, layout, env
         self.uri = tracking_uri(config)
         self.experiment = config.tracking.experiment or config.workload
         self.run_id: str | None = None
@@ -209,7 +209,7 @@ class Tracker:
         }
         if flow_run.id:  # the latest attempt's flow run (a resume is a new one)
             tags["prefect_flow_run_id"] = str(flow_run.id)
-            ui = self.prefect_url or _prefect_ui_url()
+            ui = _prefect_ui_url()
             if ui:
                 tags["prefect_flow_run_url"] = f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}"
         self.client().log_batch(self.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
