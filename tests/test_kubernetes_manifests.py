@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 from deployments.images import LOCK, image_reference, lock_hash
 from deployments.kubernetes import check, rules, work_pool
@@ -184,3 +187,136 @@ def test_a_broken_work_pool_template_fails_naming_the_problem(breaking, words):
     breaking(template)
     text = "\n".join(work_pool.check_work_pool_template(template))
     assert text and all(word in text for word in words), text
+
+
+# The command line: a path (a file or a folder), --help, exit 2 for a path that is not there.
+def run_check(capsys, *argv):
+    code = check.main([str(arg) for arg in argv])
+    return code, capsys.readouterr().out
+
+
+def write_manifest(folder, docs, name="rayjob.yaml"):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return folder / name
+
+
+def test_help_exits_0_and_shows_the_usage():
+    done = subprocess.run(
+        [sys.executable, "-m", "deployments.kubernetes.check", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: python -m deployments.kubernetes.check [-h] [path]"), done.stdout
+    assert "a manifest file or a folder" in done.stdout and "ok:" not in done.stdout
+
+
+@pytest.mark.parametrize(("make", "words"), [(None, "no such file or folder"), ("empty", "no manifests")])
+def test_a_path_that_holds_no_manifest_exits_2_naming_it(tmp_path, capsys, make, words):
+    path = tmp_path / "manifests"
+    if make:
+        path.mkdir()
+    with pytest.raises(SystemExit) as stopped:
+        check.main([str(path)])
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and words in err and str(path) in err, err
+
+
+@pytest.mark.parametrize("argv", [[], [check.HERE], [RAYJOB]], ids=["default", "folder", "file"])
+def test_the_shipped_manifests_pass_the_command_line_check(capsys, argv):
+    code, out = run_check(capsys, *argv)
+    names = ["rayjob.yaml"] if argv == [RAYJOB] else ["prefect-work-pool.json", "raycluster.yaml", "rayjob.yaml"]
+    assert code == 0 and out.startswith("ok: ") and all(name in out for name in names), out
+
+
+def test_a_folder_with_a_bad_manifest_fails_naming_the_file(tmp_path, capsys):
+    docs = copy.deepcopy(documents(RAYJOB))
+    _wrong_ray_version(docs)
+    bad = write_manifest(tmp_path / "manifests", docs, "bad-job.yaml")
+    write_manifest(tmp_path / "manifests", documents(RAYCLUSTER), "good-cluster.yaml")
+    code, out = run_check(capsys, bad.parent)
+    problems = out.splitlines()[:-1]
+    assert code == 1 and problems and all(line.startswith(f"{bad}: RayJob") for line in problems), out
+    assert "rayVersion: '2.59.0'" in out and out.splitlines()[-1].startswith(f"{len(problems)} problem(s) in"), out
+    assert "good-cluster.yaml" in out.splitlines()[-1]
+
+
+# A credential written inline: (where it goes, the secret, words the message must hold). Each secret
+# is made up; the AWS key id and the key block are put together here so no scanner takes them for real.
+FAKE_KEY_ID = "AKIA" + "Z7EXAMPLEKEY4242"
+FAKE_KEY_BLOCK = "-----BEGIN RSA " + "PRIVATE KEY-----\nMIIEowIBAAKCAQEAq8hunter2Zq8\n-----END RSA PRIVATE KEY-----"
+
+
+def _head(docs):
+    return cluster_spec(ray_object(docs))["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def _worker(docs):
+    return cluster_spec(ray_object(docs))["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+
+
+def _entrypoint(docs, text):
+    ray_object(docs)["spec"]["entrypoint"] = text
+
+
+def _command(docs, text):
+    _head(docs)["command"] = ["/bin/sh", "-c", text]
+
+
+def _args(docs, text):
+    _worker(docs)["args"] = text.split(" ")
+
+
+def _env_value(docs, text):
+    _head(docs)["env"] = [*_head(docs)["env"], {"name": "RUN_DATABASE", "value": text}]
+
+
+HEAD = "spec.rayClusterSpec.headGroupSpec.template.spec.containers[0]"
+WORKER = "spec.rayClusterSpec.workerGroupSpecs[0].template.spec.containers[0]"
+INLINE = [
+    (_entrypoint, "AWS_SECRET_ACCESS_KEY={} python -m flows.mnist", "Zq8-hunter2-wX", ["spec.entrypoint: ", "AWS_SECRET_ACCESS_KEY=<redacted>"]),
+    (_entrypoint, "python -m flows.mnist --mlflow-token={}", "Zq8-hunter2-wX", ["spec.entrypoint: ", "--mlflow-token=<redacted>"]),
+    (_command, "curl -H 'Authorization: Bearer {}' http://x && ray start", "eyJhbGciOi.Zq8", [f"{HEAD}.command: ", "Bearer <redacted>"]),
+    (_command, "export AWS_ACCESS_KEY_ID={} && ray start", FAKE_KEY_ID, [f"{HEAD}.command: ", "an AWS access key id"]),
+    (_args, "--address auto --password {}", "Zq8-hunter2-wX", [f"{WORKER}.args: ", "--password <redacted>"]),
+    (_args, "--storage token={}", "Zq8-hunter2-wX", [f"{WORKER}.args: ", "token=<redacted>"]),
+    (_env_value, "postgresql://mnist:{}@db:5432/runs", "Zq8-hunter2-wX", [f"{HEAD}.env[5].value (RUN_DATABASE): ", "postgresql:// URL"]),
+    (_env_value, "{}", FAKE_KEY_BLOCK, [f"{HEAD}.env[5].value (RUN_DATABASE): ", "a private key block"]),
+]
+
+
+@pytest.mark.parametrize(
+    ("put", "text", "secret", "words"), INLINE, ids=[f"{put.__name__.strip('_')}-{i}" for i, (put, *_) in enumerate(INLINE)]
+)
+def test_an_inline_credential_fails_naming_the_field_never_the_value(tmp_path, capsys, put, text, secret, words):
+    docs = copy.deepcopy(documents(RAYJOB))
+    put(docs, text.format(secret))
+    path = write_manifest(tmp_path, docs)
+    code, out = run_check(capsys, path)
+    assert code == 1 and f"{path}: RayJob mnist-train " in out and "an inline credential" in out, out
+    assert all(word in out for word in words), out
+    assert secret not in out and secret.splitlines()[-1] not in out and "hunter2" not in out, out
+
+
+@pytest.mark.parametrize(
+    ("put", "text"),
+    [
+        (_entrypoint, "python -m flows.mnist --password=$(RUN_PASSWORD) --token ${RUN_TOKEN}"),
+        (_command, "curl -H \"Authorization: Bearer $(RAY_AUTH_TOKEN)\" http://x; ray start"),
+        (_args, "--storage-credentials-file /var/run/secrets/s3 --ray-token-path /var/run/secrets/ray"),
+        (_env_value, "postgresql://mnist:$(RUN_DB_PASSWORD)@db:5432/runs"),
+    ],
+    ids=["entrypoint", "command", "args", "env-value"],
+)
+def test_a_reference_to_a_credential_passes(tmp_path, capsys, put, text):
+    docs = copy.deepcopy(documents(RAYJOB))
+    put(docs, text)
+    code, out = run_check(capsys, write_manifest(tmp_path, docs))
+    assert code == 0 and out.startswith("ok: "), out
+
+
+def test_a_credential_in_the_work_pool_command_fails_without_its_value():
+    template = work_pool_template()
+    template["variables"]["properties"]["command"]["default"] = "python -m flows.mnist --password=Zq8-hunter2-wX"
+    text = "\n".join(work_pool.check_work_pool_template(template))
+    assert "work-pool template (resolved) job_manifest.spec.template.spec.containers[0].args" in text, text
+    assert "--password=<redacted>" in text and "hunter2" not in text, text

@@ -8,21 +8,26 @@ No cluster is needed, nor the KubeRay CRDs (which cannot be fetched here): each 
 2. against the rules the KubeRay operator applies when it reconciles, which no schema expresses
    (a TTL needs shutdownAfterJobFinishes, name lengths, authOptions' Ray version, ...);
 3. against this project: rayVersion is the lock's ray, every image is `<name>:<lock hash>`
-   (deployments/images.py), credentials come only from Secrets, each pod's grace period outlasts
-   the drain plus a checkpoint upload, and a PodDisruptionBudget protects each Ray head;
+   (deployments/images.py), credentials come only from Secrets (no credential written inline in
+   an entrypoint, command, args or env value: `deployments.kubernetes.credentials`), each pod's
+   grace period outlasts the drain plus a checkpoint upload, and a PodDisruptionBudget protects
+   each Ray head;
 4. the work-pool template with Prefect's own functions: the server's base-job-template validation,
    its JSON Schema check of the variables, and the worker's template resolution.
 
-    python -m deployments.kubernetes.check      # prints every problem; exit 1 when there is one
+    python -m deployments.kubernetes.check [PATH]   # every problem; exit 1 when there is one, 2 for a bad PATH
 
-The shared rules are `deployments.kubernetes.rules`, the work-pool template's checks
-`deployments.kubernetes.work_pool`; this module checks the manifests and runs everything.
+PATH is a manifest file or a folder of them (*.yaml, *.yml, *.json; default: this folder); a JSON
+file with a `job_configuration` is checked as a work-pool template. The shared rules are
+`deployments.kubernetes.rules`, the work-pool template's checks `deployments.kubernetes.work_pool`;
+this module checks the manifests and runs everything.
 
 tests/test_kubernetes_manifests.py runs these on the files and on broken copies of them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import shlex
@@ -34,12 +39,12 @@ import jsonschema
 import yaml
 
 from deployments.images import LOCK, image_reference
-from deployments.kubernetes.rules import env_errors, image_errors, lock_version
-from deployments.kubernetes.work_pool import WORK_POOL_TEMPLATE, check_work_pool_template
+from deployments.kubernetes.credentials import credential_errors
+from deployments.kubernetes.rules import image_errors, lock_version
 
 HERE = Path(__file__).resolve().parent
 SCHEMAS = HERE / "schemas"
-MANIFESTS = (HERE / "rayjob.yaml", HERE / "raycluster.yaml")
+MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
 KUBERAY_VERSION = "v1.6.2"  # the release whose ray.io/v1 API reference schemas/ follows
 
 # The grace-period budget of a Ray pod. DRAIN: what Ray needs after SIGTERM to stop its processes
@@ -194,7 +199,6 @@ def _cluster_errors(kind: str, path: str, spec: dict, lock: Path) -> list[str]:
         containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
         for index, container in enumerate(containers):
             found += image_errors(f"{kind} {where}.spec.containers[{index}]", container.get("image"), expected)
-            found += env_errors(f"{kind} {where}.spec.containers[{index}]", container.get("env"))
         wait = max([CHECKPOINT_UPLOAD_SECONDS] + [_prestop_sleep(c) for c in containers])
         grace = pod.get("terminationGracePeriodSeconds")
         if not isinstance(grace, int) or grace <= DRAIN_SECONDS + wait:
@@ -247,34 +251,88 @@ def budget_errors(docs: list[dict]) -> list[str]:
     return found
 
 
-def check_documents(docs: list[dict], lock: Path = LOCK) -> list[str]:
+def check_documents(docs: list, lock: Path = LOCK) -> list[str]:
     """Every problem in one manifest file's documents."""
     found = []
-    for doc in docs:
+    for index, doc in enumerate(docs):
+        if not isinstance(doc, dict):
+            found.append(f"document {index + 1}: not a Kubernetes object (a mapping with apiVersion and kind)")
+            continue
         found += schema_errors(doc)
-        found += rule_errors(doc, lock)
-    return found + budget_errors(docs)
+        found += credential_errors(f"{doc.get('kind')} {(doc.get('metadata') or {}).get('name')}", doc)
+        try:
+            found += rule_errors(doc, lock)
+        except (AttributeError, KeyError, TypeError, ValueError):  # a shape the schema errors above already name
+            found.append(f"{doc.get('kind')}: the operator's and the project's rules not checked; fix the above first")
+    objects = [doc for doc in docs if isinstance(doc, dict)]
+    try:
+        return found + budget_errors(objects)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return found + ["PodDisruptionBudget: not checked; fix the errors above first"]
 
 
-def check_manifest(path: Path, lock: Path = LOCK) -> list[str]:
-    return [f"{Path(path).name}: {problem}" for problem in check_documents(load_documents(path), lock)]
+def shown(path: Path) -> str:
+    """``path`` as the messages name it: relative to the working folder when it is under it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
-def check_all(lock: Path = LOCK) -> list[str]:
-    """Every problem in deployments/kubernetes/: the manifests and the work-pool template."""
-    found = []
-    for path in MANIFESTS:
-        found += check_manifest(path, lock)
-    template = json.loads(WORK_POOL_TEMPLATE.read_text())
-    found += [f"{WORK_POOL_TEMPLATE.name}: {p}" for p in check_work_pool_template(template, lock)]
-    return found
+def check_file(path: Path, lock: Path = LOCK) -> list[str]:
+    """Every problem in one file: its manifests, or the work-pool template it holds."""
+    try:
+        docs = [doc for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")) if doc is not None]
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        return [f"{shown(path)}: cannot be read as YAML or JSON{at} ({exc.__class__.__name__})"]
+    if len(docs) == 1 and isinstance(docs[0], dict) and "job_configuration" in docs[0]:
+        from deployments.kubernetes.work_pool import check_work_pool_template  # Prefect: seconds to import
+
+        problems = check_work_pool_template(docs[0], lock)
+    else:
+        problems = check_documents(docs, lock) if docs else ["no Kubernetes object in the file"]
+    return [f"{shown(path)}: {problem}" for problem in problems]
 
 
-def main() -> int:
-    problems = check_all()
+def manifest_files(path: Path) -> list[Path]:
+    """``path`` itself, or the manifests directly in the folder ``path`` (sorted by name)."""
+    if not Path(path).is_dir():
+        return [Path(path)]
+    return sorted(p for p in Path(path).iterdir() if p.suffix in MANIFEST_SUFFIXES and p.is_file())
+
+
+def check_all(lock: Path = LOCK, path: Path = HERE) -> list[str]:
+    """Every problem in the manifests at ``path`` (default: deployments/kubernetes/ with the work-pool template)."""
+    return [problem for file in manifest_files(path) for problem in check_file(file, lock)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deployments.kubernetes.check",
+        description="Check Kubernetes manifests (KubeRay RayJob and RayCluster, PodDisruptionBudget) and a Prefect "
+        "Kubernetes work-pool template offline: our schemas, KubeRay's rules, the lock's Ray and image tag, "
+        "credentials only from Secrets (none inline in entrypoint, command, args or env values), grace periods.",
+    )
+    parser.add_argument(
+        "path",
+        nargs="?",
+        type=Path,
+        default=HERE,
+        help="a manifest file or a folder of them (*.yaml, *.yml, *.json); default: this check's own folder, "
+        "deployments/kubernetes/",
+    )
+    path = parser.parse_args(argv).path
+    if not path.exists():
+        parser.error(f"no such file or folder: {path}")
+    files = manifest_files(path)
+    if not files:
+        parser.error(f"no manifests ({', '.join('*' + s for s in MANIFEST_SUFFIXES)}) in the folder {path}")
+    problems = [problem for file in files for problem in check_file(file)]
     for problem in problems:
         print(problem)
-    names = ", ".join(p.name for p in (*MANIFESTS, WORK_POOL_TEMPLATE))
+    names = ", ".join(shown(file) for file in files)
     print(f"{len(problems)} problem(s) in {names}" if problems else f"ok: {names}")
     return 1 if problems else 0
 

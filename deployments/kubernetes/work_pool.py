@@ -19,7 +19,8 @@ from prefect.workers.base import BaseJobConfiguration
 from pydantic import ConfigDict, ValidationError
 
 from deployments.images import LOCK, image_reference
-from deployments.kubernetes.rules import env_errors, image_errors
+from deployments.kubernetes.credentials import credential_errors
+from deployments.kubernetes.rules import image_errors
 
 WORK_POOL_TEMPLATE = Path(__file__).resolve().parent / "prefect-work-pool.json"
 # What the Prefect Kubernetes worker (prefect-kubernetes 0.8.0, KubernetesWorkerJobConfiguration)
@@ -106,6 +107,6 @@ def check_work_pool_template(template: dict, lock: Path = LOCK, values: dict | N
             found.append(f"work-pool template job_manifest.{'.'.join(map(str, path))}: the Kubernetes worker needs {value!r}")
     container = _get(manifest, ("spec", "template", "spec", "containers", 0)) or {}
     found += image_errors("work-pool template image (variables.image default)", container.get("image"), image_reference(lock))
-    found += env_errors("work-pool template job_manifest container", container.get("env"))
-    found += env_errors("work-pool template variables.env", [{"name": k} for k in (resolved.get("env") or {})])
+    # The resolved configuration: job_manifest's containers, and `env` and `command` from the variables.
+    found += credential_errors("work-pool template (resolved)", resolved)
     return found
