@@ -17,10 +17,12 @@ The images go through the same Ray Data actor pool the evaluation stage uses
 evaluation's accuracy. With labels in the input, the accuracy is printed too. A local Ray is
 started for the command (or ``--ray-address`` joins a cluster); no Prefect API is needed.
 
-Everything is checked before Ray starts, and a bad input exits 2 naming the file or field: every
-input file (`dataset.inputs`), the registry (a damaged pointer or card, a model.pt that does not
-match its checksum: `training.registry_files.resolve`), and ``--output`` (a folder or another kind of
-file is refused; an existing file only replaced with ``--overwrite``, keeping its mode).
+Everything is checked before Ray starts, and a bad input exits 2 naming the file or flag
+(``--flag: message``, one line each): every input file (`dataset.inputs`), the registry (a
+``--model`` it does not hold, answered with the models that have a champion; a damaged pointer or
+card, a model.pt that does not match its checksum: `training.registry_files.resolve`), and
+``--output`` (a folder or another kind of file is refused; an existing file only replaced with
+``--overwrite``, keeping its mode).
 """
 
 from __future__ import annotations
@@ -110,7 +112,10 @@ def check_output(output: str, overwrite: bool) -> int | None:
     if not output.strip() or has_control_characters(output):
         raise ValueError(f"--output {output!r}: empty, or contains a line break or another control character")
     if is_remote(output):
-        PipelineConfig(storage_root=output)  # the bucket-name and prefix rules of an s3:// root
+        try:
+            PipelineConfig(storage_root=output)  # the bucket-name and prefix rules of an s3:// root
+        except ValidationError as exc:
+            raise ValueError(f"--output {exc.errors()[0]['msg'].removeprefix('Value error, ')}") from None
         if is_dir(output):
             raise ValueError(f"--output {output}: is a folder (objects exist under it); name a file, e.g. {output.rstrip('/')}/predictions.parquet")
         if is_file(output) and not overwrite:
@@ -220,6 +225,31 @@ def _predictions_parquet(out: dict[str, np.ndarray], names: list[str], model: st
     return buffer.getvalue().to_pybytes()
 
 
+# A field of the models this command validates its arguments with -> the flag that sets it.
+_FLAGS = {"model_name": "--model", "address": "--ray-address"}
+
+
+def field_lines(exc: ValidationError) -> str:
+    """A ValidationError as ``--flag: message`` lines, one per error (no pydantic dump)."""
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        flag = _FLAGS.get(field, "--" + field.replace("_", "-")) if field else "arguments"
+        lines.append(f"{flag}: {error['msg'].removeprefix('Value error, ')}")
+    return "\n".join(lines)
+
+
+def check_model(root: str, model: str, which: str) -> None:
+    """ValueError naming the models that have a champion when ``model`` has no folder in the registry at all
+    (a typo in --model, or the default name where no run of it promoted); ``which``: how the error names it."""
+    if is_dir(registry_files.model_dir(root, model)):
+        return  # resolve() tells a missing champion from a damaged one
+    found = registry_files.champions(root)
+    there = ", ".join(f"{name} (champion v{version})" for name, version in found.items())
+    hint = f"the models with a champion there, to pass as --model: {there}" if found else "no model there has a champion yet; run the pipeline until one passes its gate"
+    raise ValueError(f"{which}: no such model in {join(root, registry_files.MODELS_DIR)}; {hint}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -231,13 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         keep_mode = check_output(settings.output, settings.overwrite) if settings.output is not None else None
         layout = StorageLayout.create(root, "predict")
         layout.check_reachable()
+        which = f"--model {model}" if settings.model else f"the default model {model} (of --workload {settings.workload})"
+        check_model(layout.root, model, which)
         # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
         version, folder, card = registry_files.resolve(layout.root, model, settings.version)
         scoring = _card_scoring(card, folder, settings.num_actors, settings.batch_rows)
         data = scoring.data
         table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
         output = settings.output or default_output(layout.root, model, version)
-    except (ValidationError, ValueError) as exc:
+    except ValidationError as exc:
+        print(f"invalid input:\n{field_lines(exc)}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
         print(f"invalid input:\n{exc}", file=sys.stderr)
         return 2
     noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"

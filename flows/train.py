@@ -6,7 +6,11 @@
 
 ``workload`` names the run (``<workload>-<time>-<id>``), its artifact keys and the registry's
 model (``<workload>-<model>``); its default is MNIST, whose own entry point ``flows.mnist`` is
-this flow with MNIST's names (flow ``mnist-resnet18``, ``MNIST_*`` environment variables).
+this flow with MNIST's names (flow ``mnist-resnet18``, ``MNIST_*`` environment variables). An
+image folder (``download.source=folder``) without a workload of its own is named after the folder.
+
+Before any work (`check_registry_fits`): a champion of the run's registry name trained on other
+images or classes than this run's data is refused, naming ``--workload`` and ``promote.model_name``.
 
 Stages hand each other manifests (paths, row counts, checksums), never in-memory data, so any
 stage can run on any Ray node, be retried, or be skipped when its output is already on storage.
@@ -18,14 +22,18 @@ import sys
 
 from prefect import Task, flow
 
+from dataset import folder
+from dataset.idx import IMAGE_SHAPE
+from dataset.parquet import MNIST_CLASSES
 from pipeline_config import PipelineConfig
+from pipeline_config.model import folder_workload
 from pipeline_config.settings import TrainSettings
 from reporting import artifacts
-from runner import hooks
+from runner import console, hooks
 from runner.harness import flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
 from runner.summary import RunSummary
-from storage_io import StorageLayout, lease_uses
+from storage_io import StorageLayout, is_remote, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
@@ -33,6 +41,7 @@ from tasks.promote import promote
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
+from training import registry_files
 from training.trainer import plan_resources
 
 
@@ -82,18 +91,73 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
 
 
 def check_cluster_fits(config: PipelineConfig) -> None:
-    """Refuse training workers the cluster cannot hold (ValueError naming the field) before any work starts."""
+    """Refuse training workers the cluster cannot hold, or a champion this run's model could never be
+    compared with (ValueError naming the field), before any work starts; say how the workload was named."""
     import ray
 
+    if config.download.source == "folder":
+        console.say(workload_line(config))
+    check_registry_fits(config)
     if config.train.mode == "single":
         return
     resources = ray.cluster_resources()
     plan_resources(config.train, resources.get("CPU", 0), resources.get("GPU", 0))
 
 
+def workload_line(config: PipelineConfig) -> str:
+    """Which workload an image folder's run has, and why: ``workload shapes (from the folder's name; ...)``."""
+    if config.workload == folder_workload(config.download.path or ""):
+        return f"workload {config.workload} (from the folder's name; set --workload to change)"
+    return f"workload {config.workload} (set by workload)"
+
+
+def data_to_come(config: PipelineConfig) -> tuple[tuple[int | None, ...], list[str]]:
+    """((channels, height, width), classes) of the data the run will convert, known before any work:
+    an image folder's from its layout and (local folders) its images' headers, None where not known yet
+    (an s3:// folder's channels); MNIST's IDX sources' from their format."""
+    if config.download.source != "folder":
+        return IMAGE_SHAPE, list(MNIST_CLASSES)
+    layout = folder.check_folder(config.download.path)  # FolderError naming the path
+    size = config.transform.image_size
+    if is_remote(layout.path):
+        return (None, size, size), layout.classes
+    return folder.scan_images(layout, size), layout.classes
+
+
+def check_registry_fits(config: PipelineConfig) -> None:
+    """ValueError, before any work, when the champion of the run's registry name was trained on other
+    images or classes than this run's data: promotion could never compare the two."""
+    if not config.promote.enabled:
+        return
+    layout = StorageLayout.create(config.storage_root, "preflight")
+    layout.check_reachable()
+    try:
+        if registry_files.read_champion(layout.root, config.registry_name) is None:
+            return  # nothing to compare with: the data is not read for this
+    except registry_files.RegistryDamaged:
+        return  # promotion names the damage (and --repair mends it)
+    shape, classes = data_to_come(config)
+    if config.promote.model_name:
+        fix = f"Set promote.model_name to a name of this data's own (it is {config.promote.model_name})."
+    else:
+        fix = (f"Set --workload to a name of this data's own (it is {config.workload}; the champion's name is "
+               "<workload>-<model>), or set promote.model_name.")
+    registry_files.check_comparable(layout.root, config.registry_name, shape, classes, fix)
+
+
+class _CheckedTrainSettings(TrainSettings):
+    """Run the training pipeline for any workload (a Prefect flow on Ray) once and print its summary."""
+
+    def pipeline_config(self) -> PipelineConfig:
+        """The flow's parameter, after `check_registry_fits`: the CLI refuses a mismatch before Ray starts (exit 2)."""
+        config = super().pipeline_config()
+        check_registry_fits(config)
+        return config
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI entry point: parse settings, run the flow against a Prefect API, print a short summary."""
-    return run_cli(argv, TrainSettings, train_pipeline, "Training pipeline", "flows.train")
+    return run_cli(argv, _CheckedTrainSettings, train_pipeline, "Training pipeline", "flows.train")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ cleanup) and `tune` (the search's sections and `TunePipelineConfig`); `RayConfig
 from __future__ import annotations
 
 import os
+import re
+import unicodedata
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
@@ -69,7 +72,8 @@ class PipelineConfig(_Section):
         description=(
             "What this pipeline trains, as a name: it starts the default run names (<workload>-<time>-<id>), the Prefect "
             "artifact keys (<workload>-test-metrics, ...) and the registry's model name (<workload>-<model>). "
-            "Lowercase letters, digits and '-'. mnist keeps the names MNIST runs always had."
+            "Lowercase letters, digits and '-'. mnist keeps the names MNIST runs always had. With "
+            "download.source=folder, unset or mnist: the folder's name (my-images for download.path data/my-images)."
         ),
     )
     run_name: str | None = Field(
@@ -96,6 +100,26 @@ class PipelineConfig(_Section):
         default_factory=TrackingConfig, description="Experiment tracking in MLflow (off unless MLFLOW_TRACKING_URI is set)."
     )
     ray: RayConfig = Field(default_factory=RayConfig, description="Ray cluster.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _workload_from_folder(cls, data: Any) -> Any:
+        """download.source=folder with workload unset or mnist (the default, what the Prefect form starts
+        with): the folder's name, so a folder run never takes MNIST's datasets, artifacts or champion."""
+        if not isinstance(data, dict) or data.get("workload") not in (None, DEFAULT_WORKLOAD):
+            return data
+        download = data.get("download")
+        source, path = (download.get("source"), download.get("path")) if isinstance(download, dict) else (
+            getattr(download, "source", None), getattr(download, "path", None))
+        if source != "folder" or not isinstance(path, str) or not path.strip():
+            return data
+        name = folder_workload(path)
+        if not name:
+            raise ValueError(
+                f"download.path {path!r}: its folder's name cannot name the workload (lowercase letters, digits and '-'); "
+                "set --workload <name> (workload: in a config file), e.g. --workload flowers"
+            )
+        return {**data, "workload": name}
 
     @field_validator("workload")
     @classmethod
@@ -177,3 +201,14 @@ class PipelineConfig(_Section):
                 f"({self.train.data_cpus}): Ray Data tasks could never run beside training; lower one or raise the other"
             )
         return self
+
+
+def folder_workload(path: str) -> str:
+    """The workload an image folder's name makes (``data/My Images/`` -> ``my-images``, ``s3://b/flowers`` ->
+    ``flowers``): ASCII lowercase letters and digits, other runs of characters a '-', at most 40; "" when none is left."""
+    if path.startswith("s3://"):
+        name = path[len("s3://") :].rstrip("/").rsplit("/", 1)[-1]
+    else:
+        name = os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(path))))
+    ascii_name = unicodedata.normalize("NFKD", name).encode("ascii", "ignore").decode()
+    return re.sub(r"[^a-z0-9]+", "-", ascii_name.lower()).strip("-")[:40].rstrip("-")

@@ -262,7 +262,7 @@ def summary_lines(
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
-    lines += promotion_lines(summary.promotion, summary.storage_root)
+    lines += promotion_lines(summary.promotion, summary.storage_root, summary.data_source)
     lines += tuning_lines(summary.tuning, summary.workload)
     lines += tracking_lines(summary.tracking)
     if summary.run_dir:
@@ -284,8 +284,9 @@ def summary_lines(
     return lines
 
 
-def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None) -> list[str]:
-    """Whether the run's model became the champion, why, and how to score images with the champion."""
+def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None, data_source: str | None = None) -> list[str]:
+    """Whether the run's model became the champion, why, and how to score images with the champion:
+    ``--input`` as the run's data came (``data_source``: an image folder's images, MNIST's IDX digits)."""
     if not promotion:
         return []
     model = promotion.get("model", "?")
@@ -298,7 +299,8 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None) 
     command = shlex.join([interpreter(), "-m", "flows.predict", *options])
     if promotion.get("version") is None:  # no champion yet to predict with
         return [line]
-    return [line, f"  predict        {command} --input <folder of IDX or Parquet digits>"]
+    inputs = {"folder": "<folder of images>", None: "<folder of images, IDX or Parquet files>"}
+    return [line, f"  predict        {command} --input {inputs.get(data_source, '<folder of IDX or Parquet digits>')}"]
 
 
 def tracking_lines(tracking: dict[str, Any] | None) -> list[str]:

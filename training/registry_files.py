@@ -228,6 +228,47 @@ def read_champion(root: str, model: str) -> dict | None:
     return pointer | {"path": version_dir(root, model, pointer["version"])}
 
 
+def champions(root: str) -> dict[str, int]:
+    """Every model under ``<root>/models/`` with a readable champion pointer: name -> the champion's version."""
+    found = {}
+    for name in list_dirs(join(root, MODELS_DIR)):
+        try:
+            pointer = read_champion(root, name)
+        except RegistryDamaged:
+            continue
+        if pointer:
+            found[name] = pointer["version"]
+    return found
+
+
+def check_comparable(root: str, model: str, shape: tuple[int | None, ...], classes: list[str], fix: str) -> None:
+    """Before any work: ValueError ending with ``fix`` when ``model``'s champion was trained on other images
+    (channels, height, width; a None in ``shape`` is not known yet and not compared) or other classes, which
+    promotion could never compare with this run's model. No champion, or a damaged registry (promotion names
+    the damage): nothing to say here."""
+    try:
+        pointer = read_champion(root, model)
+        card = read_card(root, model, pointer["version"]) if pointer else None
+    except RegistryDamaged:
+        return
+    if card is None:
+        return
+    theirs = card_data(card)
+    if all(a is None or a == b for a, b in zip(shape, theirs["shape"])) and list(classes) == list(theirs["classes"]):
+        return
+    raise ValueError(
+        f"the registry's {model} champion v{pointer['version']} ({version_dir(root, model, pointer['version'])}) was "
+        f"trained on {_described(theirs['shape'], theirs['classes'])}; this run's data is {_described(shape, classes)}: "
+        f"promotion could never compare them. {fix}"
+    )
+
+
+def _described(shape: tuple[int | None, ...], classes: list[str]) -> str:
+    """``3x20x20 images of 3 classes (a, b, c)``: channels x height x width, '?' where not known yet."""
+    names = ", ".join(classes[:6]) + (f", ... ({len(classes) - 6} more)" if len(classes) > 6 else "")
+    return f"{'x'.join('?' if part is None else str(part) for part in shape)} images of {len(classes)} classes ({names})"
+
+
 def problems(root: str, model: str, weights: bool = True) -> list[str]:
     """Every damaged file of ``model``'s registry, one line each (empty: intact).
 
