@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from urllib.parse import urlparse
 
-from storage_io import STORAGE_ERRNOS, sha256_file
+from storage_io import STORAGE_ERRNOS, redact_text, redact_url, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -125,11 +125,11 @@ def fetch_file(
             transient = is_transient(exc)
             if not transient or attempt == attempts:
                 why = f"gave up after {attempts} attempts" if transient else "not retried"
-                raise DownloadError(f"cannot download {dest.name} from {url}: {_describe(exc)} ({why})") from exc
+                raise DownloadError(f"cannot download {dest.name} from {redact_url(url)}: {_describe(exc)} ({why})") from exc
             delay = backoff_s * 2 ** (attempt - 1)
             log.warning(
                 "attempt %d/%d for %s from %s failed (%s); retrying in %.2fs",
-                attempt, attempts, dest.name, url, _describe(exc), delay,
+                attempt, attempts, dest.name, redact_url(url), _describe(exc), delay,
             )
             time.sleep(delay)
     raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
@@ -149,7 +149,7 @@ def _fetch_once(url: str, dest: Path, checksum: str, read_timeout_s: float) -> s
         if not ok:
             algorithm, _, expected = checksum.partition(":")
             raise ChecksumMismatchError(
-                f"checksum mismatch for {dest.name} from {url}: expected {algorithm} {expected}, "
+                f"checksum mismatch for {dest.name} from {redact_url(url)}: expected {algorithm} {expected}, "
                 f"got {actual}; the download was discarded (check the source or its configured checksums)"
             )
         _fsync(tmp)  # durable before it becomes visible under the final name
@@ -198,7 +198,7 @@ def _transfer(url: str, tmp: Path, read_timeout_s: float = 30.0) -> None:
         # torchvision's download_url cannot do file:// (its progress bar reads response.length,
         # which file responses lack) and would leave an empty file behind, so copy directly.
         if parsed.netloc not in ("", "localhost"):
-            raise DownloadError(f"file:// URL {url} names a remote host; only local paths are supported")
+            raise DownloadError(f"file:// URL {redact_url(url)} names a remote host; only local paths are supported")
         shutil.copyfile(urllib.request.url2pathname(parsed.path), tmp)
     else:
         # md5=None: we verify ourselves, to name expected and actual checksums in the error.
@@ -228,4 +228,4 @@ def _describe(exc: BaseException) -> str:
         return f"HTTP {exc.code} {exc.reason}"
     if isinstance(exc, urllib.error.URLError):
         return str(exc.reason)
-    return f"{type(exc).__name__}: {exc}"
+    return redact_text(f"{type(exc).__name__}: {exc}")

@@ -31,7 +31,7 @@ import pydantic
 
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
 from pipeline_config.data import DownloadConfig, MirrorChecksums
-from storage_io import StorageLayout, local_copy
+from storage_io import StorageLayout, local_copy, redact_url
 
 from dataset.fetch import SourceUnreachableError, verified_files
 
@@ -125,7 +125,7 @@ def resolve_source(cfg: DownloadConfig, layout: StorageLayout | None = None) -> 
         return SourcePlan("official", mirror, expected_md5)
     if cfg.source == "auto":
         return _sample_plan()._replace(fell_back=True)
-    tried = "; ".join(f"{url} ({why})" for url, why in failures.items())
+    tried = "; ".join(f"{redact_url(url)} ({why})" for url, why in failures.items())
     raise SourceUnreachableError(
         f"the official MNIST source is unreachable: no mirror accepted a connection within "
         f"{cfg.connect_timeout_s:g}s (tried {tried}). Use download.source=auto to fall back to the "

@@ -26,7 +26,7 @@ from typing import Any
 
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from runner.summary import RunSummary
-from storage_io import join, list_dirs
+from storage_io import join, list_dirs, redact_text, redact_url
 from training.records import HISTORY_FILE, read_history
 
 # flows.predict's --model when unset: the default workload's default model (mnist-resnet18).
@@ -257,7 +257,7 @@ def summary_lines(
     else:
         stage, _ = summary.failed_stage()
         where = f" in stage {stage}" if stage else ""
-        lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {error}")
+        lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {redact_text(str(error))}")
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"
@@ -304,12 +304,13 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None, 
 
 
 def tracking_lines(tracking: dict[str, Any] | None) -> list[str]:
-    """Where the run is in MLflow, and what an outage kept out of it (nothing when tracking is off)."""
+    """Where the run is in MLflow (credentials redacted), and what a failure kept out of it (nothing when tracking is off)."""
     if not tracking:
         return []
-    lines = [f"  MLflow         {tracking.get('url') or tracking.get('uri')}"]
+    lines = [f"  MLflow         {redact_url(str(tracking.get('url') or tracking.get('uri')))}"]
     if tracking.get("not_recorded"):
-        lines.append(f"  not in MLflow  {', '.join(tracking['not_recorded'])} (the server did not answer; resuming the run records them)")
+        why = f"MLflow failed: {redact_text(tracking['error'])}" if tracking.get("error") else "MLflow failed during the run"
+        lines.append(f"  not in MLflow  {', '.join(tracking['not_recorded'])} ({why}; resuming the run once MLflow answers records them)")
     return lines
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -23,6 +24,7 @@ from pipeline_config import DEFAULT_WORKLOAD
 from reporting.artifacts import artifact_keys, gate_verdict
 from runner.console import resume_command
 from runner.summary import SEARCH_MODULE, RunSummary, outcome_of
+from storage_io import redact_text
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
 WEBHOOK_TIMEOUT_S = 10.0
@@ -52,7 +54,8 @@ def failure_summary(
     summary = summary or RunSummary()
     stage, error = summary.failed_stage()
     # one paragraph: Prefect's messages for invalid parameters span several lines
-    cause = " ".join((error or state_message or "unknown error (see the flow run log)").split()).rstrip(".")
+    # URLs without their credentials: a refused parameter's validation error echoes its value
+    cause = redact_text(" ".join((error or state_message or "unknown error (see the flow run log)").split()).rstrip("."))
     run_name = summary.run_name or config.get("run_name")
     storage_root = summary.storage_root or config.get("storage_root")
     run_dir = summary.run_dir
@@ -130,4 +133,14 @@ def report_failure(flow, flow_run, state) -> None:
         post_webhook(url, payload)
         logger.info("Failure summary posted to the webhook in %s", WEBHOOK_ENV)
     except Exception as exc:  # the paragraph is already in the log; a dead webhook must not hide it
-        logger.warning("Failure webhook (%s) failed: %s: %s", WEBHOOK_ENV, type(exc).__name__, exc)
+        logger.warning("Failure webhook (%s) failed: %s: %s", WEBHOOK_ENV, type(exc).__name__, webhook_error(exc, url))
+
+
+def webhook_error(exc: BaseException, url: str) -> str:
+    """``exc``'s message without the webhook's URL, which is its secret (a Slack-style URL carries its
+    token in the path): the URL is named by its variable, any other URL is redacted."""
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        host = None
+    return redact_text(str(exc).replace(url, f"${WEBHOOK_ENV}"), hide_hosts=[host] if host else [])

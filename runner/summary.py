@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from pipeline_config import DEFAULT_WORKLOAD
+from storage_io import redact_text
 
 SEARCH_MODULE = "flows.tune"  # a search's summary has a ``tuning`` section, even an empty one
 
@@ -88,16 +89,20 @@ class RunSummary(BaseModel):
 
     def to_json(self, config: bool = True) -> dict[str, Any]:
         """The summary.json fields: a stage's ``error`` only when it failed, ``tuning`` only for a search,
-        ``tracking`` only when MLflow tracking is on;
+        ``tracking`` only when MLflow tracking is on; URLs in errors and tracking without their credentials;
         without ``config``, what the CLI prints (``--json``, ``--summary-out``)."""
         data = self.model_dump(mode="json", exclude=None if config else {"config"})
         for stage in data["stages"].values():
             if stage["error"] is None:
                 del stage["error"]
+            else:
+                stage["error"] = redact_text(stage["error"])
         if self.tuning is None and self.module != SEARCH_MODULE:
             del data["tuning"]
         if self.tracking is None:
             del data["tracking"]
+        else:
+            data["tracking"] = {key: redact_text(value) if isinstance(value, str) else value for key, value in self.tracking.items()}
         return data
 
 

@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline_config import PipelineConfig
+from pipeline_config.tracking import TRACKING_URI_ENV, check_tracking_uri
 from reporting import pictures
 from runner.summary import RunSummary
-from storage_io import StorageLayout, join, list_dirs, list_files, read_bytes
+from storage_io import StorageLayout, join, list_dirs, list_files, read_bytes, redact_text, redact_url
 from training.records import HISTORY_FILE, read_history
 
 logger = logging.getLogger(__name__)
@@ -48,19 +49,26 @@ MAX_PARAMS = 100  # MLflow's limit of params in one log_batch call
 
 
 def tracking_uri(config: PipelineConfig) -> str | None:
-    """Where runs are tracked: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``; None: tracking is off."""
-    return config.tracking.uri or os.environ.get("MLFLOW_TRACKING_URI", "").strip() or None
+    """Where runs are tracked: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``; None: tracking is off.
+
+    The variable is held to ``tracking.uri``'s rules (`check_tracking_uri`): ValueError naming it, for
+    the preflight (`runner.harness`) to refuse the run before any work, when the tracker cannot use it.
+    """
+    if config.tracking.uri:
+        return config.tracking.uri
+    value = os.environ.get(TRACKING_URI_ENV, "").strip()
+    return check_tracking_uri(value, TRACKING_URI_ENV) if value else None
 
 
 def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """The whole config as MLflow params: ``train.epochs`` -> ``12`` (lists and unset values as JSON)."""
+    """The whole config as MLflow params: ``train.epochs`` -> ``12`` (lists and unset values as JSON; URLs redacted)."""
     params: dict[str, str] = {}
     for key, value in config.items():
         name = f"{prefix}{key}"
         if isinstance(value, dict):
             params |= flat_params(value, f"{name}.")
         else:
-            params[name] = json.dumps(value) if not isinstance(value, str) else value
+            params[name] = json.dumps(value) if not isinstance(value, str) else redact_text(value)
     return params
 
 
@@ -75,6 +83,7 @@ class Tracker:
         self.run_url: str | None = None
         self.given_up = False  # the server failed once: no more requests in this run
         self.not_recorded: list[str] = []
+        self.error: str | None = None  # the failure that made the tracker give up, redacted
         self._recorded: set[str] = set()  # what this process recorded already and never changes (artifacts, the version)
         self._client = None
         if self.uri:
@@ -92,8 +101,9 @@ class Tracker:
         if not self.enabled:
             return None
         return {
-            "uri": self.uri, "experiment": self.experiment, "run_id": self.run_id, "url": self.run_url,
-            "not_recorded": sorted(set(self.not_recorded)),
+            "uri": redact_url(self.uri), "experiment": self.experiment, "run_id": self.run_id,
+            "url": redact_url(self.run_url) if self.run_url else None,
+            "not_recorded": sorted(set(self.not_recorded)), "error": self.error,
         }
 
     def _do(self, what: str, action: Callable[[], Any]) -> Any:
@@ -108,10 +118,10 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 - a tracker outage must never fail training
             self.given_up = True
             self.not_recorded.append(what)
+            self.error = redact_text(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
             logger.warning(
-                "MLflow at %s failed (%s: %s) while recording %s; the run goes on without tracking, and its summary "
-                "lists what was not recorded (a resume of the same run records it)", self.uri, type(exc).__name__,
-                str(exc).splitlines()[0][:160] if str(exc) else "", what,
+                "MLflow at %s failed (%s) while recording %s; the run goes on without tracking, and its summary "
+                "lists what was not recorded (a resume of the same run records it)", redact_url(self.uri), self.error, what,
             )
             return None
 
@@ -178,7 +188,7 @@ class Tracker:
         else:
             run = client.create_run(experiment_id, tags={RUN_TAG: self.layout.run_name}, run_name=self.layout.run_name)
         self.run_id = run.info.run_id
-        self.run_url = f"{self.uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
+        self.run_url = f"{redact_url(self.uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
         self._log_params(run.data.params)
         self._set_tags()
         _link_in_prefect(self.run_url, self.config.workload)
@@ -211,7 +221,7 @@ class Tracker:
             tags["prefect_flow_run_id"] = str(flow_run.id)
             ui = _prefect_ui_url()
             if ui:
-                tags["prefect_flow_run_url"] = f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}"
+                tags["prefect_flow_run_url"] = redact_url(f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}")
         self.client().log_batch(self.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
 
     def _log_epochs(self) -> None:
@@ -345,5 +355,5 @@ def _link_in_prefect(url: str, workload: str) -> None:
 
         create_link_artifact(url, link_text="the MLflow run", key=f"{workload}-mlflow-run", description="This run in MLflow")
     except Exception as exc:  # noqa: BLE001 - a report must not fail the run
-        logger.warning("could not publish the MLflow link to Prefect: %s", exc)
+        logger.warning("could not publish the MLflow link to Prefect: %s", redact_text(str(exc)))
 

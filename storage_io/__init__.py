@@ -2,6 +2,7 @@
 
 By concern, each importing only the ones above it in this list:
 
+    redact      URLs as shown or stored: without the user, password or token they carry
     errors      a full, read-only or over-quota root as one clear `StorageWriteError`
     filesystem  local and S3 primitives (join, exists, read_bytes, list_files, remove, sha256)
     writes      atomic writes, folders built in staging and published whole, local copies
@@ -64,6 +65,11 @@ from storage_io.locks import (
     live_leases,
     paths_in_use,
     run_lease,
+)
+from storage_io.redact import (
+    has_credentials,
+    redact_text,
+    redact_url,
 )
 from storage_io.writes import (
     MANIFEST,
@@ -130,4 +136,7 @@ __all__ = [
     "paths_in_use",
     "run_lease",
     "lease_uses",
+    "has_credentials",
+    "redact_text",
+    "redact_url",
 ]

@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict
 
 from storage_io.filesystem import S3_SCHEME, S3Settings, is_remote, join
+from storage_io.redact import redact_text, redact_url
 
 
 class StorageLayout(BaseModel):
@@ -83,7 +84,7 @@ class StorageLayout(BaseModel):
 
         settings = S3Settings()
         bucket = self.root[len(S3_SCHEME) :].split("/", 1)[0]
-        where = settings.endpoint_url or "AWS"
+        where = redact_url(settings.endpoint_url) if settings.endpoint_url else "AWS"  # never its credentials
         config = Config(connect_timeout=5, read_timeout=15, retries={"max_attempts": 2, "mode": "standard"})
         try:
             settings.boto3_client(config).head_bucket(Bucket=bucket)
@@ -102,9 +103,9 @@ class StorageLayout(BaseModel):
                     f"storage_root {self.root}: {where} refused the credentials for bucket {bucket!r} ({code}); "
                     "check AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and the bucket's permissions"
                 ) from None
-            raise ValueError(f"storage_root {self.root}: {where} answered {code} for bucket {bucket!r}: {error.get('Message', exc)}") from None
+            raise ValueError(f"storage_root {self.root}: {where} answered {code} for bucket {bucket!r}: {redact_text(str(error.get('Message', exc)))}") from None
         except BotoCoreError as exc:  # connection refused, DNS, timeouts: nothing answered
             raise ValueError(
-                f"storage_root {self.root}: cannot reach the S3 endpoint {where} ({type(exc).__name__}: {exc}); "
+                f"storage_root {self.root}: cannot reach the S3 endpoint {where} ({type(exc).__name__}: {redact_text(str(exc))}); "
                 "check AWS_ENDPOINT_URL and that the server is up"
             ) from None
