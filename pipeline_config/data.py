@@ -87,8 +87,15 @@ class DownloadConfig(_Section):
         if value is None:
             return value
         _no_control_characters(value, "download.mirror_url")
-        if urlparse(value).scheme not in {"http", "https", "file"}:
+        parsed = urlparse(value)
+        if parsed.scheme not in {"http", "https", "file"}:
             raise ValueError("must start with http://, https:// or file://")
+        # Never used by the download (file names are appended to the base URL), and a flow parameter is stored and shown.
+        if "@" in parsed.netloc or parsed.query or parsed.fragment or "?" in value or "#" in value:
+            raise ValueError(
+                "download.mirror_url holds credentials (user:password@) or a ?query/#fragment: give the base URL "
+                "alone, of a mirror that needs no credentials in its URL (the four file names are appended to it)"
+            )
         return value.rstrip("/") + "/"
 
     @field_validator("path")

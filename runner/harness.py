@@ -27,7 +27,8 @@ from runner import console, stopping
 from runner.runtime import cli_runtime, ray_task_runner
 from runner.stages import StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
-from storage_io import StorageLayout, atomic_write_json, run_lease
+from runner.tracking import tracking_uri
+from storage_io import StorageLayout, atomic_write_json, redact_text, run_lease
 from training import models
 
 
@@ -73,6 +74,7 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
     """
     models.check_name(config.model.name)  # ValueError naming model.name: an unknown model, a module that does not import
     folder.check_source(config.download, config.transform.image_size)  # source=folder: a bad layout or image, named
+    tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     stage = None
@@ -131,7 +133,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     try:
         settings, config, layout = checked_settings(argv, settings_class)
     except (ValidationError, ValueError) as exc:
-        print(f"invalid configuration:\n{exc}", file=sys.stderr)
+        print(f"invalid configuration:\n{redact_text(str(exc))}", file=sys.stderr)  # a refused URL's credentials too
         return 2
     started = time.perf_counter()
     named = "MNIST" if config.workload == DEFAULT_WORKLOAD else config.workload
@@ -165,6 +167,7 @@ def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, Pipeli
     config = settings.pipeline_config()
     models.check_name(config.model.name)
     folder.check_source(config.download, config.transform.image_size)
+    tracking_uri(config)  # MLFLOW_TRACKING_URI the tracker cannot use, or with credentials: refused, naming it
     if config.run_name is None:
         config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
     layout = StorageLayout.create(config.storage_root, config.run_name)
