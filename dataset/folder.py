@@ -10,23 +10,32 @@ Layout, as torchvision's ``ImageFolder`` and Hugging Face's ``imagefolder`` read
 subfolders, sorted; label i is the i-th. Every check (`check_folder`) runs before any work and
 names the path that is wrong. The folder is only read: never copied, modified or deleted.
 
-The conversion (`convert_folder`) reads the images with Ray Data (``ray.data.read_images``, one
-split at a time, in file order), in grayscale when every image is grayscale and RGB otherwise,
-resized to ``transform.image_size`` when that is set, and writes the same Parquet layout as the
-IDX conversion (`dataset.parquet`): row_id, image (height x width x channels uint8), label.
+A local folder's images are decoded in full before any work (`check_source`): a file that stops
+short, or one of more than ``download.max_image_pixels`` pixels (from its header), is refused by
+name. Files that are not images, hidden files and links to missing files are passed over and
+counted (`FolderLayout.skipped`; the conversion's terminal line names the first few).
+
+The conversion (`convert_folder`) reads the files with Ray Data (``ray.data.read_binary_files``,
+one split at a time, in file order) and decodes them in Ray Data tasks as `dataset.images` does
+(16-bit grayscale scaled to 8 bits), in grayscale when every image is grayscale and RGB
+otherwise, resized to ``transform.image_size`` when that is set, and writes the same Parquet
+layout as the IDX conversion (`dataset.parquet`): row_id, image (height x width x channels
+uint8), label.
 """
 
 from __future__ import annotations
 
+import os
 import posixpath
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
+from dataset import images
 from dataset.parquet import SPLITS, _SplitWriter, schema_for, to_table
 from pipeline_config import ParquetConfig
-from storage_io import filesystem, is_dir, is_remote, join, list_dirs, list_files, sha256_file
+from storage_io import StorageLayout, filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 # PIL modes read as one channel; any other (RGB, RGBA, P, CMYK, ...) makes the dataset RGB.
@@ -38,19 +47,94 @@ class FolderError(ValueError):
 
 
 class FolderLayout(NamedTuple):
-    """What `check_folder` found: the class names and every split's images (relative paths, labels)."""
+    """What `check_folder` found: the class names, every split's images (relative paths, labels), and the
+    files it passed over (relative paths, each with why: not an image, hidden, a link to a missing file)."""
 
     path: str
     classes: list[str]
     files: dict[str, list[tuple[str, int]]]  # "train" / "val" / "test" -> [(relative path, label)], sorted
+    skipped: tuple[str, ...] = ()
 
     @property
     def has_val(self) -> bool:
         return bool(self.files.get("val"))
 
+    def skipped_note(self, shown: int = 3) -> str | None:
+        """The files the check passed over, counted and the first ``shown`` named; None when there are none."""
+        if not self.skipped:
+            return None
+        more = f" and {len(self.skipped) - shown} more" if len(self.skipped) > shown else ""
+        return f"{len(self.skipped)} file(s) in {self.path} skipped: {', '.join(self.skipped[:shown])}{more}"
+
 
 def _is_image(name: str) -> bool:
     return name.lower().endswith(IMAGE_EXTENSIONS) and not posixpath.basename(name).startswith(".")
+
+
+def _passed_over(name: str) -> str:
+    return f"{name} (hidden)" if posixpath.basename(name).startswith(".") else f"{name} (not .png/.jpg/.jpeg)"
+
+
+def _dangling_links(folder: str) -> list[str]:
+    """Relative paths of the symbolic links under a local ``folder`` whose target is missing (listings omit them)."""
+    found = []
+    for where, _, names in os.walk(folder):
+        for name in names:
+            full = os.path.join(where, name)
+            if os.path.islink(full) and not os.path.exists(full):
+                found.append(os.path.relpath(full, folder).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def _check_split(path: str, split: str, classes: list[str], field: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
+    """(class folder names, images as (relative path, label), files passed over) of one split; FolderError naming the path."""
+    split_dir = join(path, split)
+    names = list_dirs(split_dir)
+    listed = list_files(split_dir)
+    loose = [name for name in listed if "/" not in name and _is_image(name)]
+    if loose:
+        raise FolderError(f"{join(split_dir, loose[0])}: an image outside a class folder; put it in {split}/<class>/")
+    if not names:
+        raise FolderError(f"{field} {path}: {split}/ has no class subfolders ({split}/<class>/*.png|jpg)")
+    if split != "train":
+        unknown = [name for name in names if name not in classes]
+        if unknown:
+            raise FolderError(
+                f"{join(split_dir, unknown[0])}: class {unknown[0]!r} is not in {join(path, 'train')} "
+                f"(its classes: {', '.join(classes)})"
+            )
+    by_class: dict[str, list[str]] = {name: [] for name in names}
+    for rel in listed:
+        if "/" in rel and _is_image(rel) and rel.split("/", 1)[0] in by_class:
+            by_class[rel.split("/", 1)[0]].append(rel)
+    rows: list[tuple[str, int]] = []
+    for name in names:
+        if not by_class[name]:
+            raise FolderError(f"{join(split_dir, name)}: no images (*.png, *.jpg, *.jpeg) in this class folder")
+        label = (names if split == "train" else classes).index(name)
+        rows += [(f"{split}/{rel}", label) for rel in by_class[name]]
+    skipped = [_passed_over(f"{split}/{rel}") for rel in listed if not _is_image(rel)]
+    if not is_remote(path):
+        skipped += [f"{split}/{rel} (a link to a missing file)" for rel in _dangling_links(split_dir)]
+    return names, rows, skipped
+
+
+def _check_learnable(layout: FolderLayout, field: str) -> None:
+    """FolderError naming the folder and the fix: one class only, or no image left for validation."""
+    path, classes = layout.path, layout.classes
+    if len(classes) < 2:
+        raise FolderError(
+            f"{field} {path}: train/ has one class folder ({classes[0]}); a classifier needs at least two: "
+            "add a train/<class>/ (and test/<class>/) folder for every other class"
+        )
+    if not layout.has_val:
+        counts = np.bincount([label for _, label in layout.files["train"]], minlength=len(classes))
+        if counts.max() < 2:
+            raise FolderError(
+                f"{field} {path}: the validation split would be empty: without a val/ folder it takes images from "
+                "train/ classes of two images or more, and every class in train/ has one; add images to train/<class>/ "
+                "or a val/<class>/ folder"
+            )
 
 
 def check_folder(path: str, field: str = "download.path") -> FolderLayout:
@@ -58,7 +142,9 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
 
     Refused: a missing folder, no ``train/`` or ``test/``, a split without class subfolders or
     with images outside them, a class folder without images, a class in ``test/`` or ``val/``
-    that ``train/`` does not have.
+    that ``train/`` does not have, a ``train/`` of one class, and (without ``val/``) a ``train/``
+    whose classes have one image each, which leaves nothing for validation. Files that are not
+    images, hidden files and links to missing files are passed over and listed in ``skipped``.
     """
     if not is_dir(path):
         raise FolderError(f"{field} {path}: no such folder")
@@ -70,47 +156,45 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
             )
     classes: list[str] = []
     files: dict[str, list[tuple[str, int]]] = {}
+    skipped: list[str] = []
     for split in ("train", "val", "test"):
-        if split not in splits:
-            continue
-        split_dir = join(path, split)
-        names = list_dirs(split_dir)
-        loose = [name for name in list_files(split_dir) if "/" not in name and _is_image(name)]
-        if loose:
-            raise FolderError(f"{join(split_dir, loose[0])}: an image outside a class folder; put it in {split}/<class>/")
-        if not names:
-            raise FolderError(f"{field} {path}: {split}/ has no class subfolders ({split}/<class>/*.png|jpg)")
-        if split == "train":
-            classes = names
-        else:
-            unknown = [name for name in names if name not in classes]
-            if unknown:
-                raise FolderError(
-                    f"{join(split_dir, unknown[0])}: class {unknown[0]!r} is not in {join(path, 'train')} "
-                    f"(its classes: {', '.join(classes)})"
-                )
-        rows: list[tuple[str, int]] = []
-        for name in names:
-            images = [rel for rel in list_files(join(split_dir, name)) if _is_image(rel)]
-            if not images:
-                raise FolderError(f"{join(split_dir, name)}: no images (*.png, *.jpg, *.jpeg) in this class folder")
-            rows += [(f"{split}/{name}/{rel}", classes.index(name)) for rel in images]
-        files[split] = rows
-    return FolderLayout(path=path, classes=classes, files=files)
+        if split in splits:
+            names, files[split], passed = _check_split(path, split, classes, field)
+            classes = names if split == "train" else classes
+            skipped += passed
+    layout = FolderLayout(path=path, classes=classes, files=files, skipped=tuple(skipped))
+    _check_learnable(layout, field)
+    return layout
+
+
+def _check_reachable(path: str, field: str) -> None:
+    """An ``s3://`` folder's bucket answers; FolderError with the storage root check's message, naming ``field``."""
+    try:
+        StorageLayout.create(path, "download-path-check").check_reachable()
+    except ValueError as exc:
+        raise FolderError(str(exc).replace(f"storage_root {path.rstrip('/')}", f"{field} {path}", 1)) from None
 
 
 def check_source(cfg, image_size: int | None = None) -> FolderLayout | None:
     """Before any work: the layout of ``download.path`` when ``download.source=folder``, else None.
 
-    FolderError naming the path: a bad layout (`check_folder`), and for a local folder a file that
-    is not a readable image or sizes that differ without ``transform.image_size`` (`scan_images`:
-    headers only, no pixels). An ``s3://`` folder's images are opened by the conversion stage only:
-    one request per image is too much to spend before any work."""
+    FolderError naming the path: an ``s3://`` folder whose endpoint or bucket does not answer (the
+    storage root's check, `StorageLayout.check_reachable`), a bad layout (`check_folder`), and for a
+    local folder every image decoded in full (`scan_images`): a file that is not a readable image or
+    stops short, one of more than ``download.max_image_pixels`` pixels, sizes that differ without
+    ``transform.image_size``. An ``s3://`` folder's images are opened by the conversion stage only:
+    reading every image over the network before any work is too much to spend."""
     if cfg.source != "folder" or not cfg.path:
         return None
-    layout = check_folder(cfg.path)
-    if not is_remote(cfg.path):
-        scan_images(layout, image_size)
+    remote = is_remote(cfg.path)
+    if remote:
+        _check_reachable(cfg.path, "download.path")
+    try:
+        layout = check_folder(cfg.path)
+    except OSError as exc:  # the listing failed half-way (network, permissions)
+        raise FolderError(f"download.path {cfg.path}: cannot list it ({type(exc).__name__}: {exc})") from None
+    if not remote:
+        scan_images(layout, image_size, cfg.max_image_pixels, decode=True)
     return layout
 
 
@@ -132,29 +216,35 @@ def stratified_split(labels: list[int], every: int, seed: int) -> np.ndarray:
     return np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
 
 
-def _open_image(path: str):
-    from PIL import Image
-
+def _read_image(path: str, max_pixels: int | None, decode: bool) -> tuple[str, tuple[int, int]]:
+    """(PIL mode, (width, height)) of the image at ``path``: from its header, or (``decode``) after decoding all of it."""
+    if decode:
+        return images.check_image(read_bytes(path), path, max_pixels)
     fs, where = filesystem(path)
     handle = fs.open_input_file(where)
     try:
-        with Image.open(handle) as image:
+        with images.open_image(handle, path, max_pixels) as image:
             return image.mode, image.size  # header only: the pixels are not decoded
     finally:
         handle.close()
 
 
-def scan_images(layout: FolderLayout, image_size: int | None) -> tuple[int, int, int]:
+def scan_images(
+    layout: FolderLayout, image_size: int | None, max_pixels: int | None = None, decode: bool = False
+) -> tuple[int, int, int]:
     """(channels, height, width) the converted images will have; FolderError naming a file that cannot be read,
-    or one whose size differs from the first one's when ``image_size`` is unset."""
+    one of more than ``max_pixels`` pixels (None: no limit), one whose size differs from the first one's when
+    ``image_size`` is unset, and (``decode``) one that cannot be decoded in full."""
     channels, first = 1, None
     for split in ("train", "val", "test"):
         for rel, _ in layout.files.get(split, []):
             path = join(layout.path, rel)
             try:
-                mode, size = _open_image(path)
-            except Exception as exc:  # PIL's UnidentifiedImageError, a truncated header, an unreadable file
-                raise FolderError(f"{path}: not a readable image ({type(exc).__name__}: {exc})") from None
+                mode, size = _read_image(path, max_pixels, decode)
+            except images.ImageError as exc:
+                raise FolderError(str(exc)) from None
+            except OSError as exc:  # gone since the listing, unreadable
+                raise FolderError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
             if mode not in GRAY_MODES:
                 channels = 3
             if first is None:
@@ -196,15 +286,51 @@ def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[
     return planned
 
 
-def convert_folder(
-    layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float = 0.25
-) -> tuple[dict[str, int], tuple[int, int, int]]:
-    """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W))."""
+def _decoded(
+    paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None, num_cpus: float
+):
+    """A Ray Data dataset of the files at ``paths`` (on ``fs``), decoded by `dataset.images.decode_batch` (16-bit
+    scaled, resized when ``resize``, gray or RGB), in file order: columns ``image`` (N, H, W, C) and ``path``."""
     import ray.data
 
-    shape = scan_images(layout, image_size)
     channels, height, width = shape
-    schema = schema_for(channels * height * width)
+    ds = ray.data.read_binary_files(
+        paths, filesystem=fs, include_paths=True, num_cpus=num_cpus, file_extensions=None, shuffle=None
+    )
+    rows_per_batch = max(1, min(256, (64 << 20) // (channels * height * width)))  # about 64 MB of pixels a batch
+    kwargs = {"shape": shape, "resize": resize, "max_pixels": max_pixels, "prefix": "s3://" if remote else ""}
+    ds = ds.map_batches(
+        images.decode_batch, fn_kwargs=kwargs, batch_size=rows_per_batch, batch_format="numpy", num_cpus=num_cpus
+    )
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+def _write_split(ds, writer: _SplitWriter, by_path: dict[str, tuple[int, int]], group: int) -> int:
+    """Write the decoded images of ``ds`` with their row ids and labels (``by_path``); the rows written.
+    FolderError naming the first file that could not be decoded or came out at another size."""
+    seen = 0
+    for batch in ds.iter_batches(batch_size=group, batch_format="numpy"):
+        failed = next((message for message in batch["error"] if message), None)
+        if failed:
+            raise FolderError(failed)
+        pixels = batch["image"]
+        ids_labels = np.array([by_path[_key(p)] for p in batch["path"]], dtype=np.int64).reshape(-1, 2)
+        writer.write(to_table(ids_labels[:, 0], pixels.reshape(len(pixels), -1), ids_labels[:, 1]))
+        seen += len(pixels)
+    return seen
+
+
+def convert_folder(
+    layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float = 0.25,
+    max_pixels: int | None = None,
+) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W)).
+
+    ``max_pixels``: ``download.max_image_pixels`` (None: not checked again; a local folder's images were
+    checked before any work)."""
+    shape = scan_images(layout, image_size, max_pixels)
+    schema = schema_for(int(np.prod(shape)))
     fs, _ = filesystem(layout.path)
     rows: dict[str, int] = {}
     for split, planned in plan_rows(layout, cfg).items():
@@ -213,20 +339,8 @@ def convert_folder(
             if planned:
                 paths = [filesystem(join(layout.path, rel))[1] for rel, _, _ in planned]
                 by_path = {_key(p): (row_id, label) for p, (_, row_id, label) in zip(paths, planned)}
-                ds = ray.data.read_images(
-                    paths, filesystem=fs, mode="L" if channels == 1 else "RGB",
-                    size=(height, width) if image_size is not None else None, include_paths=True,
-                    num_cpus=num_cpus, file_extensions=None, shuffle=None,
-                )
-                ds.context.execution_options.preserve_order = True
-                seen = 0
-                for batch in ds.iter_batches(batch_size=cfg.rows_per_group, batch_format="numpy"):
-                    images = np.stack(list(batch["image"])) if batch["image"].dtype == object else batch["image"]
-                    if images.shape[1:3] != (height, width):
-                        raise FolderError(f"{batch['path'][0]}: read as {images.shape[2]}x{images.shape[1]}, expected {width}x{height}")
-                    ids_labels = np.array([by_path[_key(p)] for p in batch["path"]], dtype=np.int64).reshape(-1, 2)
-                    writer.write(to_table(ids_labels[:, 0], images.reshape(len(images), -1), ids_labels[:, 1]))
-                    seen += len(images)
+                ds = _decoded(paths, fs, is_remote(layout.path), shape, image_size is not None, max_pixels, num_cpus)
+                seen = _write_split(ds, writer, by_path, cfg.rows_per_group)
                 if seen != len(planned):
                     raise FolderError(f"{join(layout.path, split)}: Ray Data read {seen} images, the folder lists {len(planned)}")
         finally:

@@ -35,15 +35,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dataset import images
 from dataset.folder import IMAGE_EXTENSIONS
 from dataset.idx import IMAGE_SHAPE
 from dataset.parquet import MNIST_CLASSES, schema_for, to_table
+from pipeline_config import DownloadConfig
 
 NO_LABEL = -1
 IMAGE_SUFFIXES = ("-images-idx3-ubyte", "-images-idx3-ubyte.gz", "-images.idx3-ubyte", "-images.idx3-ubyte.gz")
 # Digits one call scores at most (784 MB of pixels); more is refused before reading it. Score a
 # larger set in several calls.
 MAX_IMAGES = 1_000_000
+# Pixels (width x height) one PNG/JPEG may have, read from its header before it is decoded: the default
+# of download.max_image_pixels, the limit a training run's images were held to.
+MAX_IMAGE_PIXELS = DownloadConfig.model_fields["max_image_pixels"].default
 _CHUNK = 1 << 22
 _GZIP_ERRORS = (EOFError, gzip.BadGzipFile, zlib.error, struct.error)
 
@@ -180,25 +185,24 @@ def _image_files(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
 
 
 def _image_table(files: list[tuple[Path, int]], shape: tuple[int, int, int], image_size: int | None) -> pa.Table:
-    """The images decoded as the conversion decodes them (`dataset.folder.convert_folder`: resized first, then
-    converted to gray or RGB); InputError naming a file that is not an image or not the model's size."""
-    from PIL import Image
-
+    """The images decoded as the conversion decodes them (`dataset.images`: 16-bit scaled to 8 bits, resized
+    first, then converted to gray or RGB); InputError naming a file that is not an image, stops short, has
+    more than `MAX_IMAGE_PIXELS` pixels or is not the model's size."""
     channels, height, width = shape
     pixels = np.empty((len(files), height * width * channels), dtype=np.uint8)
     for i, (path, _) in enumerate(files):
         try:
-            with Image.open(path) as image:
-                if image_size is not None:
-                    image = image.resize((width, height), resample=Image.BILINEAR)
-                elif image.size != (width, height):
+            with images.open_image(path.read_bytes(), str(path), MAX_IMAGE_PIXELS, None) as image:
+                if image_size is None and image.size != (width, height):
                     raise InputError(f"{path}: {image.size[0]}x{image.size[1]} pixels, the model takes {width}x{height}")
-                image = image.convert("L" if channels == 1 else "RGB")
-                pixels[i] = np.asarray(image, dtype=np.uint8).reshape(-1)
+                resize = (width, height) if image_size is not None else None
+                pixels[i] = images.pixels(image, channels, resize, str(path)).reshape(-1)
         except InputError:
             raise
-        except Exception as exc:  # PIL's UnidentifiedImageError, a truncated file
-            raise InputError(f"{path}: not a readable image ({type(exc).__name__}: {exc})") from None
+        except images.ImageError as exc:
+            raise InputError(str(exc)) from None
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read it ({exc.strerror or exc})") from None
     labels = np.array([label for _, label in files], dtype=np.int64)
     return to_table(np.arange(len(files), dtype=np.int64), pixels, labels)
 

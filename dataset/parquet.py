@@ -90,6 +90,9 @@ class ParquetDataset(BaseModel):
     skipped: bool = False
     image_shape: tuple[int, int, int] = IMAGE_SHAPE  # (channels, height, width): what the model is built for
     classes: list[str] = list(MNIST_CLASSES)  # label i is classes[i]
+    # What the conversion's terminal line says besides the counts: a stored dataset that failed its
+    # check and was rebuilt (naming the file), files of an image folder that were passed over.
+    notes: list[str] = []
 
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)
@@ -98,7 +101,8 @@ class ParquetDataset(BaseModel):
         """What the conversion stage's closing terminal line adds after its name and seconds."""
         rows = self.rows
         counts = f"{rows.get('train', 0):,} train / {rows.get('val', 0):,} validation / {rows.get('test', 0):,} test rows"
-        return f": {counts}{' (verified on storage, reused)' if self.skipped else ''}"
+        notes = "".join(f"; {note}" for note in self.notes)
+        return f": {counts}{' (verified on storage, reused)' if self.skipped else ''}{notes}"
 
     @property
     def num_classes(self) -> int:

@@ -60,6 +60,15 @@ class DownloadConfig(_Section):
             "(and optionally val/<class>/) with PNG or JPEG images; read, never modified or deleted."
         ),
     )
+    max_image_pixels: int = Field(
+        50_000_000,
+        ge=1,
+        le=150_000_000,
+        description=(
+            "source=folder: the most pixels (width x height) one image may have, read from its header before it is "
+            "decoded; a larger image is refused before any work, naming the file. At most 150 megapixels."
+        ),
+    )
     mirror_url: str | None = Field(
         None,
         description="Base URL (http://, https:// or file://) serving the four IDX .gz files; used when source=mirror.",
