@@ -19,8 +19,8 @@ Registers and serves, until Ctrl-C:
 
 Runs of all four execute one at a time (``--limit 1``: on a small machine two runs, a search
 included, would fight over the same CPUs and Ray would start two local clusters) in subprocesses
-of this process, with its environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``) and
-working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
+of this process, with its environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
+``PIPELINE_MODEL_MODULES``: the modules a run's ``model.name`` may import) and working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
 ``deployments/prefect.yaml`` declares the same four deployments for ``prefect deploy`` and a
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline_config import PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
+from training import model_trust
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -166,6 +167,12 @@ def main(argv: list[str] | None = None) -> int:
     from prefect import serve
 
     args = parse_args(argv)
+    try:
+        allowed = model_trust.allowed_modules()  # what the runs of these deployments may import as model.name
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    print(f"model.name functions these deployments' runs may import: modules under {', '.join(allowed)} ({model_trust.MODULES_ENV})")
     serve(*build_deployments(args.cron, args.timezone, args.manual_preset, args.tune_preset), limit=args.limit)
     return 0
 

@@ -41,6 +41,7 @@ from tasks.promote import promote
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
+from training import model_trust
 from training import registry_files
 from training.trainer import plan_resources
 
@@ -74,6 +75,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
         to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload
     )
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
+    model_trust.try_on_dataset(config, dataset)  # an s3:// folder's shape is known only now: the model runs on it
     artifacts.publish_dataset_report(dataset, workload)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
     trained = stage(

@@ -19,7 +19,9 @@ class ModelConfig(_Section):
             "resnet18 (the seeds' model), any torchvision classification model by name (e.g. mobilenet_v3_small; "
             "built without weights, first layer and head fitted to the data), or your own function as "
             "package.module:function, called with in_channels= and num_classes= and returning a torch.nn.Module "
-            "(importable on every Ray worker). training.models:small_cnn is a small CNN for quick runs."
+            "(importable on every Ray worker). training.models:small_cnn is a small CNN for quick runs. A run started "
+            "from a deployment imports only modules the server allows (PIPELINE_MODEL_MODULES); every run tries the "
+            "model on the data's shape before any work."
         ),
     )
 

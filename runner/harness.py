@@ -29,7 +29,7 @@ from runner.stages import StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
 from runner.tracking import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, redact_text, run_lease
-from training import models
+from training import model_trust
 
 
 def default_run_name(prefix: str = DEFAULT_WORKLOAD) -> str:
@@ -72,9 +72,10 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
     exception carries it (`runner.summary.attach`). ``module``: the flow's CLI module, what the
     summary's resume command runs.
     """
-    models.check_name(config.model.name)  # ValueError naming model.name: an unknown model, a module that does not import
-    folder.check_source(config.download, config.transform.image_size)  # source=folder: a bad layout or image, named
+    model_trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
+    source = folder.check_source(config.download, config.transform.image_size)  # source=folder: a bad layout or image, named
     tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
+    model_trust.check_model(config, source)  # ValueError naming model.name: it does not import, build or run on this data
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     stage = None
@@ -100,6 +101,14 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
                 return stage.write_summary()
     finally:
         stopping.flow_body_done(stage.last_summary if stage else None)
+
+
+def started_by_deployment() -> bool:
+    """Whether this flow run was started through a deployment (the UI's run form, the API), not by the CLI."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    return bool(context and context.flow_run and context.flow_run.deployment_id)
 
 
 def _named_run(config: PipelineConfig) -> str:
@@ -165,9 +174,9 @@ def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, Pipeli
     ValidationError or ValueError naming the field when something cannot work, before any work starts."""
     settings = parse_cli(argv, settings_class)
     config = settings.pipeline_config()
-    models.check_name(config.model.name)
-    folder.check_source(config.download, config.transform.image_size)
+    source = folder.check_source(config.download, config.transform.image_size)
     tracking_uri(config)  # MLFLOW_TRACKING_URI the tracker cannot use, or with credentials: refused, naming it
+    model_trust.check_model(config, source)  # the command line's user may import any module
     if config.run_name is None:
         config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
     layout = StorageLayout.create(config.storage_root, config.run_name)

@@ -66,7 +66,16 @@ class Predictor:
 
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:
-    """counts[true, predicted]."""
+    """counts[true, predicted]; ValueError when a label or a prediction is not one of the ``num_classes`` classes
+    (a model with more outputs than the data has classes), which would otherwise be counted in another cell."""
+    labels, preds = np.asarray(labels, dtype=np.int64), np.asarray(preds, dtype=np.int64)
+    for what, values in (("prediction", preds), ("label", labels)):
+        outside = (values < 0) | (values >= num_classes)
+        if outside.any():
+            raise ValueError(
+                f"{int(outside.sum())} {what}(s) outside the {num_classes} classes (0-{num_classes - 1}), e.g. "
+                f"{int(values[outside][0])}: the model's outputs do not match the data's classes; not scored"
+            )
     return np.bincount(labels * num_classes + preds, minlength=num_classes * num_classes).reshape(num_classes, num_classes)
 
 

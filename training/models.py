@@ -10,7 +10,9 @@
   convolution remade for the data's channels.
 * ``package.module:function``, a user's own: called as ``function(in_channels=..., num_classes=...)``
   and returning an ``nn.Module``. The module must be importable where the model is built: on
-  every Ray worker (installed in the environment, or on the workers' ``PYTHONPATH``).
+  every Ray worker (installed in the environment, or on the workers' ``PYTHONPATH``). A run started
+  through a deployment imports it only from a module the serving process allows
+  (``PIPELINE_MODEL_MODULES``, `training.model_trust`).
 
 `ModelSpec` is what was built: the name, the input channels and the number of classes. It goes
 into every checkpoint's ``extra_state.pt``, the training result and the model card, so whoever
@@ -24,6 +26,7 @@ orchestration runs use it) and an example of a function a team writes for its ow
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 from typing import Any
 
@@ -32,6 +35,10 @@ from pydantic import BaseModel, ConfigDict
 DEFAULT_MODEL = "resnet18"
 _CALLABLE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 _TORCHVISION = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class ModelNameError(ValueError):
+    """``model.name`` names no usable model: the message names the field and what is wrong."""
 
 
 class ModelSpec(BaseModel):
@@ -79,21 +86,23 @@ def _resolve(name: str) -> tuple[str, Any]:
         return "resnet18", None
     if ":" in name:
         if not _CALLABLE.match(name):
-            raise ValueError(f"model.name {name!r}: write a function of your own as package.module:function")
+            raise ModelNameError(f"model.name {name!r}: write a function of your own as package.module:function")
         module_name, function_name = name.split(":")
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise ValueError(
+            raise ModelNameError(
                 f"model.name {name!r}: cannot import {module_name!r} ({exc}); install the package that holds it, "
                 "or put its folder on PYTHONPATH (on every Ray worker too)"
             ) from None
+        except Exception as exc:  # its top level raised: a SyntaxError, a RuntimeError, ...
+            raise ModelNameError(f"model.name {name!r}: importing {module_name!r} raised {said(exc)}") from None
         builder = getattr(module, function_name, None)
         if not callable(builder):
-            raise ValueError(f"model.name {name!r}: {module_name} has no function {function_name!r}")
+            raise ModelNameError(f"model.name {name!r}: {module_name} has no function {function_name!r}")
         return "callable", builder
     if not _TORCHVISION.match(name):
-        raise ValueError(
+        raise ModelNameError(
             f"model.name {name!r}: use resnet18, a torchvision classification model's name (e.g. mobilenet_v3_small) "
             "or package.module:function"
         )
@@ -103,7 +112,7 @@ def _resolve(name: str) -> tuple[str, Any]:
     if name not in known:
         close = [k for k in known if k.startswith(name[:4])][:6]
         hint = f" (similar: {', '.join(close)})" if close else ""
-        raise ValueError(f"model.name {name!r} is not a torchvision classification model{hint}")
+        raise ModelNameError(f"model.name {name!r} is not a torchvision classification model{hint}")
     return "torchvision", models.get_model_builder(name)
 
 
@@ -117,10 +126,45 @@ def build_model(name: str, *, in_channels: int, num_classes: int):
     if kind == "torchvision":
         model = builder(weights=None, num_classes=num_classes)
         return _with_input_channels(model, in_channels, name)
-    model = builder(in_channels=in_channels, num_classes=num_classes)
+    check_signature(name, builder)
+    try:
+        model = builder(in_channels=in_channels, num_classes=num_classes)
+    except Exception as exc:
+        function = name.rsplit(":", 1)[-1]
+        raise ModelNameError(
+            f"model.name {name!r}: {function}(in_channels={in_channels}, num_classes={num_classes}) raised {said(exc)}"
+        ) from exc
     if not isinstance(model, torch.nn.Module):
-        raise ValueError(f"model.name {name!r} returned {type(model).__name__}, not a torch.nn.Module")
+        raise ModelNameError(f"model.name {name!r} returned {type(model).__name__}, not a torch.nn.Module")
     return model
+
+
+def check_signature(name: str, builder) -> None:
+    """ValueError naming model.name unless ``builder`` can be called as ``builder(in_channels=..., num_classes=...)``.
+
+    Read from the signature, so a function that takes other arguments (``os:system``, ``builtins:eval``)
+    is never called; a callable without a readable signature (a C builtin) is refused too."""
+    function = name.rsplit(":", 1)[-1]
+    try:
+        signature = inspect.signature(builder)
+    except (TypeError, ValueError):
+        raise ModelNameError(
+            f"model.name {name!r}: {function} has no readable signature; write a Python function "
+            f"{function}(in_channels, num_classes) that returns a torch.nn.Module"
+        ) from None
+    try:
+        signature.bind(in_channels=1, num_classes=2)
+    except TypeError as exc:
+        raise ModelNameError(
+            f"model.name {name!r}: {function}{signature} cannot be called as {function}(in_channels=..., num_classes=...) "
+            f"({exc}); the function must take in_channels and num_classes and return a torch.nn.Module"
+        ) from None
+
+
+def said(exc: BaseException) -> str:
+    """``Type: message`` of ``exc`` for a refusal: the message's first line, at most 300 characters."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
 
 
 def resnet18_for(in_channels: int, num_classes: int):
@@ -149,7 +193,7 @@ def _with_input_channels(model, in_channels: int, name: str):
                         padding=child.padding, dilation=child.dilation, groups=1, bias=child.bias is not None,
                     ))
                 return model
-    raise ValueError(f"model.name {name!r}: found no Conv2d layer to adapt to {in_channels} input channel(s)")
+    raise ModelNameError(f"model.name {name!r}: found no Conv2d layer to adapt to {in_channels} input channel(s)")
 
 
 def small_cnn(in_channels: int, num_classes: int):

@@ -1,0 +1,132 @@
+"""Which ``model.name`` a run may import, and the model tried once before any work.
+
+A ``package.module:function`` model is code: importing its module runs the module's top level, in
+the flow's process and on every Ray worker. A command-line run is its user's own, so it imports
+what it names. A run started through a deployment (the UI's run form, the API) names its model in
+a parameter, so it imports only a module under a prefix that the process running the flow allows
+in ``PIPELINE_MODEL_MODULES`` (comma-separated module prefixes; ``training.models``, the
+project's own, always). `check_allowed` decides on the name alone: a refused module is never
+imported. Torchvision models by name are always allowed (nothing is imported by name).
+
+`try_model` builds the model for the data's channels and classes and runs one forward pass on
+two images of the data's shape, before download, conversion and training: a function with the
+wrong signature, one that returns no ``nn.Module``, one that raises, or a model whose output is
+not one score per class is refused naming ``model.name`` and what it did. `data_for_trial` says
+what shape and classes are known before any work.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+
+from dataset import folder
+from dataset.idx import IMAGE_SHAPE
+from dataset.parquet import MNIST_CLASSES
+from pipeline_config import PipelineConfig
+from storage_io import is_remote
+from training.models import ModelNameError, build_model, check_name, said
+
+MODULES_ENV = "PIPELINE_MODEL_MODULES"
+DEFAULT_MODULES = ("training.models",)
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_TRIAL_IMAGES = 2  # train-mode batch norm needs more than one value per channel
+
+
+def allowed_modules() -> tuple[str, ...]:
+    """``training.models`` and the prefixes in ``PIPELINE_MODEL_MODULES``; ValueError naming the setting
+    for an entry that is not a module name."""
+    raw = os.environ.get(MODULES_ENV, "")
+    entries = [entry.strip() for entry in raw.split(",") if entry.strip()]
+    bad = [entry for entry in entries if not _MODULE.fullmatch(entry)]
+    if bad:
+        raise ValueError(
+            f"{MODULES_ENV}={raw!r}: {bad[0]!r} is not a module name; "
+            "list module prefixes separated by commas, e.g. training.models,myteam.models"
+        )
+    return tuple(dict.fromkeys((*DEFAULT_MODULES, *entries)))
+
+
+def is_allowed(module: str, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``module`` is one of ``prefixes`` or inside one (``a.b`` allows ``a.b`` and ``a.b.c``, not ``a.bc``)."""
+    return any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes)
+
+
+def check_allowed(name: str, *, deployed: bool) -> None:
+    """ValueError naming ``model.name`` and ``PIPELINE_MODEL_MODULES`` when a deployment's run names a
+    ``module:function`` outside the allowed modules. Decided on the string: nothing is imported."""
+    if not deployed or ":" not in name:
+        return
+    module = name.split(":", 1)[0]
+    prefixes = allowed_modules()
+    if is_allowed(module, prefixes):
+        return
+    raise ValueError(
+        f"model.name {name!r}: a run started through a deployment imports models only from the modules in "
+        f"{MODULES_ENV} ({', '.join(prefixes)}), and {module!r} is not one of them; nothing was imported. "
+        f"To allow it, add {module} (or its package) to {MODULES_ENV} in the environment of the process that "
+        "serves the deployments or of the worker (docs/operations.md, Security)"
+    )
+
+
+def data_for_trial(config: PipelineConfig, layout: folder.FolderLayout | None) -> tuple[tuple[int, int, int], int] | None:
+    """((channels, height, width), classes) of the data the run trains on, when known before any work.
+
+    The IDX sources: MNIST's digits. A local image folder (``layout``, from `dataset.folder.check_source`):
+    its images' headers. An ``s3://`` folder: None (its images are read by the conversion only).
+    """
+    if config.download.source != "folder":
+        return IMAGE_SHAPE, len(MNIST_CLASSES)
+    if layout is None or is_remote(layout.path):
+        return None
+    return folder.scan_images(layout, config.transform.image_size), len(layout.classes)
+
+
+def check_model(config: PipelineConfig, layout: folder.FolderLayout | None) -> None:
+    """Before any work: ``model.name`` resolves (imports what it names) and, when the data's shape is known,
+    builds and runs (`try_model`); ValueError naming model.name."""
+    check_name(config.model.name)
+    data = data_for_trial(config, layout)
+    if data is not None:
+        try_model(config.model.name, *data)
+
+
+@functools.lru_cache(maxsize=16)
+def try_model(name: str, shape: tuple[int, int, int], num_classes: int) -> None:
+    """Build ``name`` for ``shape``'s channels and ``num_classes`` classes and run one forward pass (train mode,
+    no gradients) on two random images of ``shape``. ValueError naming model.name and what the function
+    or the model returned or raised. Torch's random state is left as it was. A model that passed is not
+    tried again in this process (the CLI checks before Ray starts, the flow again in its body)."""
+    import torch
+
+    channels, height, width = shape
+    images = f"{_TRIAL_IMAGES} images of {channels}x{height}x{width}"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        try:
+            model = build_model(name, in_channels=channels, num_classes=num_classes)
+        except ModelNameError:
+            raise
+        except Exception as exc:  # a torchvision builder's own error
+            raise ValueError(f"model.name {name!r}: building it raised {said(exc)}") from None
+        try:
+            with torch.no_grad():
+                out = model.train()(torch.randn(_TRIAL_IMAGES, *shape))
+        except Exception as exc:
+            raise ValueError(f"model.name {name!r}: the model's forward pass on {images} raised {said(exc)}") from None
+    wanted = (_TRIAL_IMAGES, num_classes)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != wanted:
+        got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"model.name {name!r}: the model's forward pass on {images} returned {got}, not a tensor of shape "
+            f"{wanted}: one score per class, and the data has {num_classes} classes"
+        )
+
+
+
+def try_on_dataset(config: PipelineConfig, dataset) -> None:
+    """After the conversion: `try_model` on the converted ``dataset``'s shape and classes (a
+    `dataset.parquet.ParquetDataset`) when they were not known before any work (an ``s3://`` folder)."""
+    if config.download.source == "folder" and is_remote(config.download.path or ""):
+        try_model(config.model.name, tuple(dataset.image_shape), dataset.num_classes)
