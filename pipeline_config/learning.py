@@ -9,6 +9,23 @@ from pydantic import Field, field_validator
 
 from pipeline_config.common import _MODEL_REF, _Section, _no_control_characters
 
+# Fewer optimizer steps than this and a run is warned before training that it will hardly learn. The
+# recipe benchmark (benchmarks/recipe.py, docs/performance.md) shows the default recipe holding up from
+# about 150 steps and not below; 100 leaves the warning to runs that are clearly too short.
+FEW_STEPS = 100
+
+
+def steps_per_epoch(train_rows: int, global_batch_size: int, workers: int = 1) -> int:
+    """Optimizer steps in one epoch, as the training loop counts them (`training.loop.start_attempt`):
+    each of ``workers`` ranks takes ``global_batch_size // workers`` rows a step over its share of the rows."""
+    batch = max(1, global_batch_size // workers)
+    return max(1, math.ceil(train_rows / workers / batch))
+
+
+def _count(n: int, word: str) -> str:
+    """``2 steps``, ``1 step``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
 
 class ModelConfig(_Section):
     """Which network is trained, evaluated and promoted (training.models builds it)."""
@@ -177,3 +194,52 @@ class TrainConfig(_Section):
         if self.max_images == 0 or train_rows <= 0:
             return self.epochs
         return max(1, min(self.epochs, math.ceil(self.max_images / train_rows)))
+
+    def optimizer_steps(self, train_rows: int, workers: int | None = None) -> int:
+        """The optimizer steps a run over ``train_rows`` training rows makes: steps an epoch x `epochs_for`.
+
+        ``workers``: the ranks sharing each global batch; unset, this config's (1 in single mode).
+        """
+        workers = self.train_workers() if workers is None else workers
+        return steps_per_epoch(train_rows, self.global_batch_size, workers) * self.epochs_for(train_rows)
+
+    def train_workers(self) -> int:
+        """The ranks that share each global batch: ``num_workers``, 1 in single mode."""
+        return 1 if self.mode == "single" else self.num_workers
+
+    def few_steps_warning(self, train_rows: int) -> str | None:
+        """What to say before training when the run makes fewer than `FEW_STEPS` optimizer steps, with the fix; else None."""
+        workers = self.train_workers()
+        steps, epochs = self.optimizer_steps(train_rows), self.epochs_for(train_rows)
+        if steps >= FEW_STEPS:
+            return None
+        per_epoch = steps_per_epoch(train_rows, self.global_batch_size, workers)
+        over = f" over {workers} workers" if workers > 1 else ""
+        fixes = []
+        batch = self._batch_for_enough_steps(train_rows)
+        if batch is not None:
+            fixes.append(f"lower train.global_batch_size (e.g. {batch} gives {steps_per_epoch(train_rows, batch, workers) * epochs})")
+        fixes.append(self._epochs_fix(train_rows, per_epoch))
+        return (
+            f"this run makes {_count(steps, 'optimizer step')} ({train_rows} training images / global batch {self.global_batch_size}"
+            f"{over} = {_count(per_epoch, 'step')} an epoch x {_count(epochs, 'epoch')}); "
+            f"the default recipe needs about {FEW_STEPS} or more to learn: {' or '.join(fixes)}"
+        )
+
+    def _batch_for_enough_steps(self, train_rows: int) -> int | None:
+        """The largest power-of-two global batch below this one (at least one row per worker) giving `FEW_STEPS` steps."""
+        workers, epochs = self.train_workers(), self.epochs_for(train_rows)
+        batch = 1 << (self.global_batch_size.bit_length() - 1)
+        batch = batch // 2 if batch == self.global_batch_size else batch
+        while batch >= workers:
+            if steps_per_epoch(train_rows, batch, workers) * epochs >= FEW_STEPS:
+                return batch
+            batch //= 2
+        return None
+
+    def _epochs_fix(self, train_rows: int, per_epoch: int) -> str:
+        """Raising train.epochs to reach `FEW_STEPS`, and train.max_images too when its cap would hold the epochs back."""
+        epochs = math.ceil(FEW_STEPS / per_epoch)
+        if self.max_images == 0 or math.ceil(self.max_images / max(train_rows, 1)) >= epochs:
+            return f"raise train.epochs (e.g. {epochs} gives {epochs * per_epoch})"
+        return f"raise train.epochs and train.max_images (e.g. {epochs} and {epochs * train_rows} give {epochs * per_epoch})"

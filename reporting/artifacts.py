@@ -247,9 +247,15 @@ def publish_training_report(trained, workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish the training curves of a ``TrainedModel``; returns the artifact ids."""
     from prefect.artifacts import create_markdown_artifact
 
-    best = f"Best validation accuracy {trained.best_val_accuracy:.4f}."
-    markdown = image_markdown("Training curves", training_curves_png(trained.history), best)
+    markdown = training_markdown(trained)
     return [create_markdown_artifact(markdown, key=artifact_keys(workload)["curves"], description="Loss and accuracy per epoch")]
+
+
+def training_markdown(trained) -> str:
+    """The training report of a ``TrainedModel``: its curves, best validation accuracy, and what the run was warned of."""
+    best = f"Best validation accuracy {trained.best_val_accuracy:.4f}."
+    warned = "".join(f"\n\n**Warning:** {warning}" for warning in getattr(trained, "warnings", []))
+    return image_markdown("Training curves", training_curves_png(trained.history), best + warned)
 
 
 @_best_effort

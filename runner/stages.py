@@ -14,7 +14,7 @@ from typing import Any
 from prefect import Task
 from prefect_ray.context import remote_options
 
-from pipeline_config import PipelineConfig
+from pipeline_config import PipelineConfig, TrainConfig
 from runner import console, stopping
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
@@ -58,6 +58,7 @@ class StageRecorder:
         self.stages: dict[str, StageRecord] = {}
         self.outputs: dict[str, Any] = {}
         self.stopped: StopRecord | None = None  # how an interrupted or cancelled run stopped
+        self.warnings: list[str] = []  # said before training, kept in summary.json
         self.last_summary: RunSummary | None = None  # the latest one built, written or not
 
     def __call__(self, stage: Task, **parameters: Any) -> Any:
@@ -65,6 +66,8 @@ class StageRecorder:
         number = f"[{list(self.plan).index(name) + 1}/{len(self.plan)}] {name}"
         record = self.stages[name] = StageRecord()
         console.say("%s ...%s", number, _stage_start(name, self))
+        if name == "train":
+            self.warn_few_steps(parameters.get("cfg", self.config.train))
         start = time.perf_counter()
         # Training says one line per epoch, read from the run's history on storage by this driver.
         history = join(self.layout.run_dir, HISTORY_FILE)
@@ -106,6 +109,14 @@ class StageRecorder:
         if "train" not in self.plan:  # a search without training the best config (trials: tuning)
             return None
         return self.config.train.epochs_for(dataset.rows["train"]) if dataset else None
+
+    def warn_few_steps(self, cfg: TrainConfig) -> None:
+        """One warning line when training ``cfg`` on the converted data makes too few optimizer steps to learn."""
+        dataset = self.outputs.get("to-parquet")
+        warning = cfg.few_steps_warning(dataset.rows["train"]) if dataset else None
+        if warning and warning not in self.warnings:
+            self.warnings.append(warning)
+            console.run_logger().warning("%s", warning)
 
     def record_stop(self, status: str, stage: str, reason: str) -> None:
         """Remember that the run stopped on request in ``stage``, and the checkpoint it keeps."""
@@ -154,6 +165,7 @@ class StageRecorder:
             promotion=metrics.get("promotion"),
             evaluation=metrics,
             tuning=tuned.summary() if tuned else None,
+            warnings=list(self.warnings),
             config=self.config.model_dump(mode="json"),
             environment=self.env,
         )

@@ -69,6 +69,7 @@ class RunSummary(BaseModel):
     evaluation: dict[str, Any] = {}  # evaluation/metrics.json
     tuning: dict[str, Any] | None = None  # a search's (`training.tuning`)
     tracking: dict[str, Any] | None = None  # the MLflow run (`runner.tracking`); None: tracking is off
+    warnings: list[str] = []  # what the run was warned of before training (too few optimizer steps)
     config: dict[str, Any] = {}
     environment: dict[str, Any] = {}
 

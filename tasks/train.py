@@ -77,4 +77,5 @@ def train(
     if len(trained.attempts) > 1:
         logger.info("Training took %d attempts, starting at epochs %s", len(trained.attempts), [a["start_epoch"] for a in trained.attempts])
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)
-    return trained
+    few_steps = cfg.few_steps_warning(spec.dataset.rows["train"])  # the flow said it before training; the report shows it
+    return trained.model_copy(update={"warnings": [few_steps]}) if few_steps else trained

@@ -75,6 +75,7 @@ class TrainedModel(BaseModel):
     score: str = "val_accuracy"
     attempts: list[dict] = []  # one per attempt: start_epoch, world_size (train_attempts.jsonl)
     resumed_from_epoch: int | None = None  # the first attempt's start epoch when it resumed an earlier run
+    warnings: list[str] = []  # what the run was warned of before training (`TrainConfig.few_steps_warning`)
 
     def terminal_detail(self) -> str:
         """What the training stage's closing terminal line adds after its name and seconds."""
