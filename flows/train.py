@@ -72,7 +72,8 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
     workload = config.workload  # names the artifact keys and the registry's model
     raw = stage(download, cfg=config.download, layout=layout)
     dataset = stage(
-        to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload
+        to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload,
+        max_image_pixels=config.download.max_image_pixels,
     )
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
     model_trust.try_on_dataset(config, dataset)  # an s3:// folder's shape is known only now: the model runs on it

@@ -70,7 +70,8 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
     workload = config.workload
     raw = stage(download, cfg=config.download, layout=layout)
     dataset = stage(
-        to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload
+        to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload,
+        max_image_pixels=config.download.max_image_pixels,
     )
     lease_uses(layout, raw.directory, dataset.directory)
     artifacts.publish_dataset_report(dataset, workload)
