@@ -42,6 +42,35 @@ class ModelConfig(_Section):
         ),
     )
 
+    weights: str | None = Field(
+        None,
+        description=(
+            "Start training from weights you have instead of random ones (a fresh start only; a resumed run goes on "
+            "from its checkpoint): a state dict file, local or s3:// (torchvision's .pth files as they come, or a "
+            "run's model.pt or its folder), or another workload's champion by its registry name (e.g. "
+            "shapes-resnet18). Tensors whose shape does not fit the data (the first layer for other channels, the "
+            "head for other classes) start fresh; the log names them. Loaded with weights_only=True."
+        ),
+        max_length=1024,
+    )
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        _no_control_characters(value, "model.weights")
+        value = value.strip()
+        scheme, found, rest = value.partition("://")
+        if found and scheme != "s3":
+            raise ValueError(f"model.weights {scheme}://...: give a local path, an s3:// URI or a registry model's name")
+        if found and ("@" in rest.split("/", 1)[0] or "?" in rest or "#" in rest):
+            raise ValueError(
+                "model.weights holds credentials (user:password@) or a ?query/#fragment: give s3://bucket/key alone "
+                "(S3 credentials come from the AWS_* environment variables, never from here)"
+            )
+        return value or None
+
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:

@@ -161,6 +161,7 @@ class StageRecorder:
             best_val_accuracy=trained.best_val_accuracy if trained else None,
             training_attempts=trained.attempts if trained else None,
             resumed_from_epoch=trained.resumed_from_epoch if trained else None,
+            weights=trained.weights if trained else None,
             test_accuracy=metrics.get("accuracy"),
             promotion=metrics.get("promotion"),
             evaluation=metrics,

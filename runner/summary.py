@@ -64,6 +64,7 @@ class RunSummary(BaseModel):
     best_val_accuracy: float | None = None
     training_attempts: list[dict[str, Any]] | None = None  # one per attempt: start_epoch, world_size
     resumed_from_epoch: int | None = None
+    weights: dict[str, str] | None = None  # model.weights training started from: source, file, sha256 (`training.weights`)
     test_accuracy: float | None = None
     promotion: dict[str, Any] | None = None  # `training.registry.Promotion` as metrics.json holds it
     evaluation: dict[str, Any] = {}  # evaluation/metrics.json

@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 RUN_TAG = "pipeline_run"  # the pipeline run's name: how a retry or resume finds its MLflow run
 TRIAL_TAG = "tune_trial"  # a nested run's Ray Tune trial id
 VERSION_TAG = "registry_version"  # our registry's version number of an MLflow model version
+WEIGHTS_TAG = "model.weights_sha256"  # the sha256 of the model.weights file training started from
 ALIAS = "champion"
 EPOCH_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_ce", "val_accuracy", "images_per_s", "lr", "epoch_seconds")
 TEST_METRICS = ("accuracy", "accuracy_without_tta")
@@ -147,6 +148,8 @@ class Tracker:
                                   *(["the registered model version"] if promotion.get("promoted") else [])]
             return
         self._do("epoch metrics", self._log_epochs)
+        if summary.weights:  # model.weights: the source is a param (the config), its checksum a tag
+            self._once("the weights' sha256", lambda: self.client().set_tag(self.run_id, WEIGHTS_TAG, summary.weights["sha256"]))
         if evaluated:
             self._do("test metrics", lambda: self._log_test(summary.evaluation))
             self._once("artifacts", lambda: self._log_artifacts(summary))

@@ -144,6 +144,7 @@ def make_candidate(
         },
         config=run_config,
         model=trained.model.model_dump(),
+        weights=trained.weights,
         code_version=environment.git_commit(),
         data_spec=data_spec(spec),
     )

@@ -38,6 +38,7 @@ from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig
 from reporting.logs import stage_logger
 from reporting.training_progress import training_progress_callbacks
 from storage_io import StorageLayout
+from training import weights
 from training.models import ModelSpec
 from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, plan_resources, torch_trainer
 
@@ -62,18 +63,24 @@ def train(
     logger = stage_logger(__name__)
     network = ModelSpec.for_data((model or ModelConfig()).name, spec.dataset)
     logger.info("Model %s for %d-channel images and %d classes", network.name, network.in_channels, network.num_classes)
+    start, said = weights.for_training((model or ModelConfig()).weights, layout.root, network)  # WeightsError naming it
+    if start:
+        logger.info("%s", said)
+    loaded = start.model_dump() if start else None  # what every worker loads for a fresh start
     resources = ray.cluster_resources()
     if cfg.mode == "single":
         threads = max(1, int(resources.get("CPU", 1)))
         logger.info("Training in one process without Ray Train (train.mode=single), %d torch threads", threads)
-        trained = fit_in_process(spec, cfg, network, layout.run_dir, threads)
+        trained = fit_in_process(spec, cfg, network, layout.run_dir, threads, loaded)
     else:
         use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
         logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
         # Live progress in the Prefect UI: the callback runs in the Train controller process.
         callbacks = training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name, workload)
-        trainer = torch_trainer(spec, cfg, network, layout.run_dir, use_gpu, cpus, threads, callbacks)
+        trainer = torch_trainer(spec, cfg, network, layout.run_dir, use_gpu, cpus, threads, callbacks, loaded)
         trained = fit(trainer, cfg, layout.run_dir, cpus)
+    if start:
+        trained = trained.model_copy(update={"weights": start.record()})
     if len(trained.attempts) > 1:
         logger.info("Training took %d attempts, starting at epochs %s", len(trained.attempts), [a["start_epoch"] for a in trained.attempts])
     logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)

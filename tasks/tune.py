@@ -23,6 +23,7 @@ from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, Train
 from reporting.artifacts import publish_tuning_report
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
+from training import weights
 from training.models import ModelSpec
 from training.trainer import is_infrastructure_failure
 from training.tuning import (
@@ -58,9 +59,14 @@ def tune_search(
     logger = stage_logger(__name__)
     resources = ray.cluster_resources()
     plan = plan_trials(train_cfg, tune_cfg, resources.get("CPU", 0), resources.get("GPU", 0))
-    network = ModelSpec.for_data((model or ModelConfig()).name, spec.dataset)
+    model = model or ModelConfig()
+    network = ModelSpec.for_data(model.name, spec.dataset)
+    start, said = weights.for_training(model.weights, layout.root, network)  # every trial's fresh start; WeightsError
+    if start:
+        logger.info("%s", said)
     context = TrialContext(
-        spec=spec, train=train_cfg, model=network, epochs=tune_cfg.epochs, trials_dir=trials_dir(layout.run_dir), plan=plan,
+        spec=spec, train=train_cfg, model=network, weights=start.model_dump() if start else None, epochs=tune_cfg.epochs,
+        trials_dir=trials_dir(layout.run_dir), plan=plan,
     )
     search, restored = tuner(context, tune_cfg, layout.run_dir)
     logger.info(
@@ -76,6 +82,8 @@ def tune_search(
     # An image folder's search: the best config names the folder, so the winner trains on the same images.
     data = {"source": "folder", "path": download.path} if download is not None and download.source == "folder" else None
     values = best_config_values(train_cfg, transform, best.config, network.name, other, data)
+    if model.weights:  # the winner trains again from the weights its trials started from
+        values["model"] = {**values.get("model", {}), "weights": model.weights}
     path = join(layout.run_dir, BEST_CONFIG_FILE)
     module = "flows.train" if other else "flows.mnist"
     with storage_writes("tune", path):

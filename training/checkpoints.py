@@ -31,6 +31,7 @@ from training.model import (
     unwrap,
 )
 from training.recipe import inference_model
+from training.weights import StartWeights
 
 logger = logging.getLogger(__name__)
 
@@ -99,10 +100,13 @@ def checkpoint_extra(
     metrics: dict, model, epoch: int, ema: AveragedModel | None, position: dict | None = None, model_spec: dict | None = None,
 ) -> dict[str, Any]:
     """``extra_state.pt``: the seeds' ``epoch`` (last completed), metrics, what an exact resume needs, and
-    ``model``: the `training.models.ModelSpec` the weights belong to (``model_spec``)."""
+    ``model``: the `training.models.ModelSpec` the weights belong to (``model_spec``); ``weights``: what a fresh
+    start loaded (``model_spec``'s ``weights``, `training.weights.StartWeights.record`: source, file, sha256)."""
     extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
     if model_spec is not None:
-        extra["model"] = dict(model_spec)
+        extra["model"] = {key: value for key, value in model_spec.items() if key != "weights"}
+        if model_spec.get("weights"):
+            extra["weights"] = StartWeights.model_validate(model_spec["weights"]).record()
     if position is not None:
         extra["position"] = position
     if ema is not None:

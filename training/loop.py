@@ -36,6 +36,7 @@ from training.models import ModelSpec, configure_cpu
 from training.recipe import inference_model, make_ema, make_optimizer, one_cycle_lr
 from training.records import RowLog, record_attempt, record_epoch
 from training.sharding import EpochShards, gather_rows
+from training.weights import start_from
 
 
 class LoopConfig(BaseModel):
@@ -94,6 +95,7 @@ class Attempt:
 
 def start_attempt(
     cfg: LoopConfig, world_size: int, device: torch.device, prepare: Callable[[torch.nn.Module], torch.nn.Module],
+    fresh: bool = True,
 ) -> Attempt:
     """Seed, threads, the model (``prepare`` wraps or moves it), the recipe's optimizer, loss and weight average.
 
@@ -103,7 +105,10 @@ def start_attempt(
     torch.manual_seed(cfg.seed)
     configure_cpu(cfg.torch_threads)
     batch_size = max(1, cfg.global_batch_size // world_size)
-    model = prepare(ModelSpec.model_validate(cfg.model).build())
+    model = ModelSpec.model_validate(cfg.model).build()
+    if fresh:  # model.weights (training.weights): loaded for a fresh start only; a resume loads its checkpoint
+        start_from(model, cfg.model.get("weights"))
+    model = prepare(model)
     return Attempt(
         cfg=cfg,
         model=model,
@@ -241,6 +246,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     attempt = start_attempt(
         cfg, world_size, ray.train.torch.get_device(),
         prepare=lambda model: ray.train.torch.prepare_model(model, parallel_strategy=cfg.strategy),
+        fresh=ray.train.get_checkpoint() is None,
     )
     start = restore(attempt.model, attempt.optimizer, attempt.ema)
     if rank == 0 and cfg.attempts_log:

@@ -26,6 +26,7 @@ from dataset.idx import IMAGE_SHAPE
 from dataset.parquet import MNIST_CLASSES
 from pipeline_config import PipelineConfig
 from storage_io import is_remote
+from training import weights
 from training.models import ModelNameError, build_model, check_name, said
 
 MODULES_ENV = "PIPELINE_MODEL_MODULES"
@@ -85,11 +86,14 @@ def data_for_trial(config: PipelineConfig, layout: folder.FolderLayout | None) -
 
 def check_model(config: PipelineConfig, layout: folder.FolderLayout | None) -> None:
     """Before any work: ``model.name`` resolves (imports what it names) and, when the data's shape is known,
-    builds and runs (`try_model`); ValueError naming model.name."""
+    builds and runs (`try_model`); ValueError naming model.name. ``model.weights``: found, read and loaded
+    into that model (`training.weights.check`); ValueError naming model.weights."""
     check_name(config.model.name)
     data = data_for_trial(config, layout)
     if data is not None:
         try_model(config.model.name, *data)
+    if config.model.weights:  # an s3:// folder's shape comes with its conversion: any channels fit the names
+        weights.check(config.model.weights, config.storage_root, config.model.name, *(data or ((3, 32, 32), 2)))
 
 
 @functools.lru_cache(maxsize=16)

@@ -103,6 +103,7 @@ class Candidate(BaseModel):
     metrics: dict[str, Any] = {}
     config: dict[str, Any] = {}
     model: dict[str, Any] = {}  # the training.models.ModelSpec that was trained (the card's architecture)
+    weights: dict[str, str] | None = None  # model.weights its training started from: source, file, sha256 (None: random)
     code_version: str | None = None
     # The images' shape, class names and normalization (tasks.evaluate.data_spec): what predict needs.
     data_spec: dict[str, Any] = {}
@@ -268,6 +269,7 @@ def _publish_version(
             "previous_champion": {"version": before, "test_accuracy_on_this_data": champion_accuracy, "rescored": rescored},
             "config": candidate.config,
             "architecture": candidate.model or SEEDS_MODEL.model_dump(),  # what load_model builds for model.pt
+            "weights": candidate.weights,  # what training started from (training.weights); null: random weights
             "files": sorted([MODEL_FILE, CHECKSUMS_FILE, *files]),
         }
         (staging / CARD_FILE).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")

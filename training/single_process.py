@@ -58,8 +58,9 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     folder.mkdir(parents=True, exist_ok=True)
     cfg = LoopConfig.model_validate(config)
     device = torch.device("cpu")
-    attempt = start_attempt(cfg, 1, device, prepare=lambda model: model.to(device))  # the Ray Train ranks' setup
     existing = epoch_checkpoints(folder)
+    # The Ray Train ranks' setup; model.weights loaded only when there is no checkpoint to resume from.
+    attempt = start_attempt(cfg, 1, device, prepare=lambda model: model.to(device), fresh=not existing)
     start = load_checkpoint(existing[-1], attempt.model, attempt.optimizer, attempt.ema) if existing else Position()
     if cfg.attempts_log:
         record_attempt(cfg.attempts_log, start, world_size=1)

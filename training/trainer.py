@@ -75,6 +75,7 @@ class TrainedModel(BaseModel):
     score: str = "val_accuracy"
     attempts: list[dict] = []  # one per attempt: start_epoch, world_size (train_attempts.jsonl)
     resumed_from_epoch: int | None = None  # the first attempt's start epoch when it resumed an earlier run
+    weights: dict[str, str] | None = None  # model.weights a fresh start loaded: source, file, sha256 (tasks.train)
     warnings: list[str] = []  # what the run was warned of before training (`TrainConfig.few_steps_warning`)
 
     def terminal_detail(self) -> str:
@@ -114,12 +115,12 @@ def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
 
 def loop_config(
     cfg: TrainConfig, train_rows: int, torch_threads: int, model: ModelSpec, fault_dir: str | None = None,
-    spec: TransformSpec | None = None,
+    spec: TransformSpec | None = None, weights: dict | None = None,
 ) -> dict:
     """The `training.loop.LoopConfig` every rank runs, as the plain dict Ray Train hands over (``train_loop_config``)."""
     run_dir = parent(fault_dir) if fault_dir else None
-    return LoopConfig(
-        model=model.model_dump(),
+    return LoopConfig(  # model.weights (a `training.weights.StartWeights`) rides in model: checkpoints record it
+        model=model.model_dump() | ({"weights": dict(weights)} if weights else {}),
         epochs=cfg.epochs_for(train_rows),
         global_batch_size=cfg.global_batch_size,
         learning_rate=cfg.learning_rate,
@@ -316,19 +317,20 @@ def read_attempts(path: str) -> list[dict]:
 
 
 def torch_trainer(
-    spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, use_gpu: bool, cpus: float, threads: int, callbacks: list
+    spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, use_gpu: bool, cpus: float, threads: int, callbacks: list,
+    weights: dict | None = None,
 ) -> TorchTrainer:
     """A TorchTrainer running `train_loop_per_worker` as ``cfg`` says, in the folder ``run_dir``.
 
     Ray Train's run is named by the folder (``RunConfig(storage_path=<its parent>, name=<its name>)``),
     so a trainer built again for the same folder resumes from its latest checkpoint. Ray Train
     writes checkpoints through a pyarrow filesystem: the local one, or S3 for an ``s3://`` folder.
-    ``callbacks``: Ray Train callbacks (they run in the Train controller).
+    ``callbacks``: Ray Train callbacks (they run in the Train controller). ``weights``: model.weights (`loop_config`).
     """
     storage_fs, storage_path = filesystem(parent(run_dir))
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec),
+        train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec, weights),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
         torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(
@@ -371,9 +373,9 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, run_dir: str, cpus: float) -> T
     return trained.model_copy(update={"attempts": attempts, "resumed_from_epoch": resumed})
 
 
-def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, threads: int) -> TrainedModel:
+def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, threads: int, weights=None) -> TrainedModel:
     """``train.mode: single``: the same loop in this process with ``threads`` torch threads (`fit_single`)."""
-    config = loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec)
+    config = loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec, weights)
     found, history = fit_single(config, spec, run_dir, cfg.num_to_keep, cfg.checkpoint_score)
     kept = [
         CheckpointInfo(path=str(path), epoch=int(m["epoch"]), val_accuracy=float(m["val_accuracy"]), val_loss=float(m["val_loss"]))

@@ -183,6 +183,7 @@ class TrialContext(BaseModel):
     spec: TransformSpec
     train: TrainConfig
     model: ModelSpec
+    weights: dict[str, str] | None = None  # model.weights for every trial's fresh start (training.weights.StartWeights)
     epochs: int
     trials_dir: str
     plan: TrialPlan
@@ -200,7 +201,7 @@ def run_trial(config: dict[str, Any], context: TrialContext) -> None:
         plan.use_gpu,
         plan.cpus_per_worker,
         plan.torch_threads,
-        [TrialReport()],
+        [TrialReport()], context.weights,
     )
     trainer.fit()  # a failure Ray Train gave up on fails the trial (TrainingFailedError)
 
