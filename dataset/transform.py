@@ -1,7 +1,9 @@
 """The Ray Data transform from Parquet rows to normalized (channels, height, width) float32 tensors.
 
 The shape is the dataset's (`ParquetDataset.image_shape`, from its manifest; MNIST: 1x28x28);
-``transform.mean``/``std`` normalize every channel alike.
+``transform.mean``/``std`` normalize each channel (resolved by the transform stage: an image folder's
+own per-channel statistics unless set, `dataset.normalization`); ``transform.augment`` picks the
+training augmentation (`dataset.augment`).
 
 The transform is vectorized (one numpy expression per batch, no per-row PIL), and lazy: the
 training stage builds the same pipeline (`build_split`) so it streams into Ray Train, with each
@@ -35,11 +37,10 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray.data
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel
 from ray.data import RandomSeedConfig
 
+from dataset.augment import augment as augment_images, augmentation, random_affine  # noqa: F401 (random_affine: callers' import)
 from dataset.parquet import ParquetDataset, images_from_column
 from pipeline_config import TransformConfig
 from storage_io import filesystem, join, read_json
@@ -109,8 +110,11 @@ def to_chw(images: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
     return images.reshape(-1, height, width, channels).transpose(0, 3, 1, 2)
 
 
-def normalize(images: np.ndarray, mean: float, std: float, shape: tuple[int, int, int] = MNIST_SHAPE) -> np.ndarray:
-    """Pixels -> float32 (N, C, H, W), ``(x - mean) / std`` on the 0..1 scale.
+def normalize(
+    images: np.ndarray, mean: float | list[float], std: float | list[float], shape: tuple[int, int, int] = MNIST_SHAPE
+) -> np.ndarray:
+    """Pixels -> float32 (N, C, H, W), ``(x - mean) / std`` on the 0..1 scale; ``mean`` and ``std``: one
+    number for every channel or one per channel.
 
     uint8 input (N, H*W*C) or (N, C, H, W) is scaled by 1/255 first (the seeds' ToTensor);
     float input is taken as already on the 0..1 scale. ``shape``: (C, H, W).
@@ -118,35 +122,8 @@ def normalize(images: np.ndarray, mean: float, std: float, shape: tuple[int, int
     scaled = images.reshape(-1, *shape).astype(np.float32)
     if images.dtype == np.uint8:
         scaled /= np.float32(255.0)
-    return (scaled - np.float32(mean)) / np.float32(std)
-
-
-def random_affine(images: np.ndarray, shift_px: int, rotate_deg: float, scale: float, draws: np.ndarray) -> np.ndarray:
-    """Shift, rotate and scale each (N, H, W) or (N, C, H, W) uint8 image; returns float32 on the 0..1 scale, same shape.
-
-    ``draws``: (N, 4) uniform numbers in [0, 1) per image (angle, zoom, shift y, shift x), e.g.
-    `row_draws` (the same for a row wherever its batch falls) or ``rng.random((n, 4))``.
-    One batched ``affine_grid`` + ``grid_sample`` (bilinear, zero fill) for the whole batch.
-    """
-    n = len(images)
-    torch.set_num_threads(1)  # a data task owns a fraction of a CPU; the cores belong to training
-    gray = images.ndim == 3  # (N, H, W): one channel
-    pixels = torch.from_numpy(np.ascontiguousarray(images, dtype=np.uint8)).float().div_(255.0)
-    pixels = pixels.unsqueeze(1) if gray else pixels
-    if n == 0 or (shift_px == 0 and rotate_deg == 0 and scale == 0):
-        return (pixels.squeeze(1) if gray else pixels).numpy()
-    height, width = pixels.shape[-2:]
-    angle = np.deg2rad(rotate_deg * (2 * draws[:, 0] - 1))
-    zoom = 1 + scale * (2 * draws[:, 1] - 1)
-    # Whole-pixel shifts in [-shift_px, shift_px]; affine_grid maps output to input coordinates in
-    # [-1, 1], so one pixel is 2/width across and 2/height down (2/28 for MNIST).
-    steps = np.floor(draws[:, 2:4] * (2 * shift_px + 1)) - shift_px
-    shift = np.stack([steps[:, 0] * (2.0 / width), steps[:, 1] * (2.0 / height)], 1)
-    cos, sin = np.cos(angle) / zoom, np.sin(angle) / zoom
-    theta = np.stack([np.stack([cos, -sin, shift[:, 0]], 1), np.stack([sin, cos, shift[:, 1]], 1)], 1)
-    grid = F.affine_grid(torch.from_numpy(theta).float(), list(pixels.shape), align_corners=False)
-    out = F.grid_sample(pixels, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-    return (out.squeeze(1) if gray else out).numpy()
+    per_channel = (-1, 1, 1)  # (C, 1, 1): broadcast over rows, height and width
+    return (scaled - np.asarray(mean, np.float32).reshape(per_channel)) / np.asarray(std, np.float32).reshape(per_channel)
 
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -189,7 +166,7 @@ def prepare_batch(
 ) -> dict[str, np.ndarray]:
     """Parquet batch -> {"image": float32 (N,C,H,W), "label": int64 (N,), "row_id": int64 (N,)}.
 
-    ``augment`` (training only): keyword arguments of `random_affine` (shift_px, rotate_deg,
+    ``augment`` (training only): keyword arguments of `dataset.augment.augment` (shift_px, rotate_deg,
     scale); each row's transform is drawn from (seed, epoch, row_id), not from its batch.
     ``shape``: the dataset's (C, H, W).
     """
@@ -198,18 +175,12 @@ def prepare_batch(
     if shape[0] == 1:
         images = images[:, 0]  # (N, H, W), as the seeds' digits always were
     if augment:
-        images = random_affine(images, draws=row_draws(row_ids, seed, epoch), **augment)
+        images = augment_images(images, row_draws(row_ids, seed, epoch), **augment)
     return {
         "image": normalize(images, mean, std, shape),
         "label": batch.column("label").to_numpy().astype(np.int64),
         "row_id": row_ids.astype(np.int64),
     }
-
-
-def augmentation(cfg: TransformConfig) -> dict[str, float] | None:
-    """The `random_affine` arguments for training, or None when every augmentation is off."""
-    params = {"shift_px": cfg.shift_px, "rotate_deg": cfg.rotate_deg, "scale": cfg.scale}
-    return params if any(params.values()) else None
 
 
 def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
@@ -327,7 +298,8 @@ def build_split(
         batch_format="pyarrow",
         batch_size=cfg.batch_rows,
         fn_kwargs={
-            "mean": cfg.mean, "std": cfg.std, "augment": augmentation(cfg) if augment else None, "seed": seed, "epoch": epoch,
+            **dict(zip(("mean", "std"), cfg.per_channel(spec.dataset.image_shape[0]))),
+            "augment": augmentation(cfg, spec.dataset.source) if augment else None, "seed": seed, "epoch": epoch,
             "shape": tuple(spec.dataset.image_shape),
         },
         **task_args,
@@ -409,3 +381,4 @@ def check_split(
         stds = np.sqrt(np.maximum(total_sq / per_channel - means**2, 0)) if rows else np.zeros(channels)
         out |= {"channel_mean": [round(float(m), 5) for m in means], "channel_std": [round(float(v), 5) for v in stds]}
     return out
+

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
@@ -163,16 +164,36 @@ class ParquetConfig(_Section):
 class TransformConfig(_Section):
     """The Ray Data transform that feeds training and evaluation."""
 
-    mean: float = Field(0.5, description="Normalization mean on the 0..1 scale (the seeds' Normalize((0.5,), (0.5,))).")
-    std: float = Field(0.5, gt=0, description="Normalization standard deviation on the 0..1 scale.")
+    mean: float | list[float] | None = Field(
+        None,
+        description=(
+            "Normalization mean on the 0..1 scale: one number for every channel, or one per channel. Unset: an image "
+            "folder's training split's own per-channel mean (the transform stage measures it); MNIST's IDX sources keep "
+            "the seeds' 0.5. The value used is recorded in the model card, so predict normalizes the same way."
+        ),
+    )
+    std: float | list[float] | None = Field(
+        None,
+        description="Normalization standard deviation on the 0..1 scale, like mean (unset: measured, or the seeds' 0.5).",
+    )
+    augment: Literal["auto", "none", "shifts", "crops", "flips", "affine"] = Field(
+        "auto",
+        description=(
+            "Training-time augmentation. none; shifts: moved by up to shift_px pixels; crops: zoomed in by up to scale "
+            "and moved; flips: shifts plus a mirror image half the time (not for data whose left and right differ); "
+            "affine: shifts, rotation by up to rotate_deg and zoom by up to scale (MNIST's). auto: affine for MNIST's "
+            "IDX sources, shifts for an image folder. A folder's uncovered edges repeat the edge pixels; MNIST's are black."
+        ),
+    )
     shift_px: int = Field(
-        2, ge=0, le=8, description="Training-time augmentation: random shift of up to this many pixels (0 disables)."
+        2, ge=0, le=8, description="Augmentation (shifts, crops, flips, affine): random shift of up to this many pixels."
     )
     rotate_deg: float = Field(
-        10.0, ge=0, le=45, description="Training-time augmentation: random rotation of up to this many degrees (0 disables)."
+        10.0, ge=0, le=45, description="Augmentation (affine): random rotation of up to this many degrees."
     )
     scale: float = Field(
-        0.1, ge=0, le=0.5, description="Training-time augmentation: random zoom by a factor in [1 - scale, 1 + scale]."
+        0.1, ge=0, le=0.5,
+        description="Augmentation: random zoom by a factor in [1 - scale, 1 + scale] (affine) or [1, 1 + scale] (crops).",
     )
     image_size: int | None = Field(
         None,
@@ -203,3 +224,30 @@ class TransformConfig(_Section):
             "(see train.data_cpus), or the data pipeline starves while training waits for it."
         ),
     )
+
+    @field_validator("mean", "std")
+    @classmethod
+    def _check_normalization(cls, value, info):
+        if value is None:
+            return value
+        values = value if isinstance(value, list) else [value]
+        if not 1 <= len(values) <= 64:
+            raise ValueError(f"transform.{info.field_name}: give one number, or one per channel (at most 64)")
+        if not all(math.isfinite(v) and -10 <= v <= 10 for v in values):
+            raise ValueError(f"transform.{info.field_name}: {value!r} must be finite numbers on the 0..1 scale")
+        if info.field_name == "std" and min(values) <= 0:
+            raise ValueError(f"transform.std: {value!r} must be above 0")
+        return value
+
+    def per_channel(self, channels: int) -> tuple[list[float], list[float]]:
+        """(mean, std), one number per channel: the config's (a single number repeated), or the seeds' 0.5 when unset."""
+
+        def spread(value, name: str) -> list[float]:
+            values = [0.5] if value is None else value if isinstance(value, list) else [value]
+            if len(values) == 1:
+                return [float(values[0])] * channels
+            if len(values) != channels:
+                raise ValueError(f"transform.{name} has {len(values)} values; the images have {channels} channels")
+            return [float(v) for v in values]
+
+        return spread(self.mean, "mean"), spread(self.std, "std")

@@ -75,7 +75,8 @@ def to_parquet(
     skipped = found.skipped_note() if found else None
     if skipped:
         logger.warning("Image folder: %s", skipped)
-    return dataset.model_copy(update={"notes": [*dataset.notes, *([skipped] if skipped else [])]})
+    notes = [*dataset.notes, *([skipped] if skipped else [])]
+    return dataset.model_copy(update={"notes": notes, "source": "folder" if found is not None else "idx"})
 
 
 def _build_or_reuse(

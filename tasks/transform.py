@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from prefect import task
 
+from dataset import normalization
 from dataset.parquet import ParquetDataset
 from dataset.transform import (
     TransformSpec,
@@ -36,6 +37,8 @@ SPLITS = ("train", "val", "test")
 def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayout) -> TransformSpec:
     """Run the Ray Data transform over every split once, check its output and record it."""
     logger = stage_logger(__name__)
+    cfg = normalization.resolve(cfg, dataset)  # mean, std and augment for this data: what training and the model card use
+    logger.info("Normalization (per channel): mean %s, std %s; augmentation: %s", cfg.mean, cfg.std, cfg.augment)
     spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"))
     checks = recorded_checks(spec, SPLITS)
     reused = checks is not None

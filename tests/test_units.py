@@ -78,16 +78,18 @@ def test_checkpoint_files_load_into_a_plain_seed_style_resnet(tmp_path):
     np.testing.assert_array_equal(out["pred"], expected)
 
 
-def test_shifted_moves_content_and_fills_the_edge_with_background():
+def test_shifted_moves_content_and_repeats_the_edge_pixels():
     image = torch.full((1, 1, 28, 28), -1.0)
     image[0, 0, 10, 20] = 1.0
-    down = shifted(image, 1, 0, -1.0)
+    down = shifted(image, 1, 0)
     assert down[0, 0, 11, 20] == 1.0 and down[0, 0, 10, 20] == -1.0
-    left = shifted(image, 0, -1, -1.0)
+    left = shifted(image, 0, -1)
     assert left[0, 0, 10, 19] == 1.0 and left.shape == image.shape
-    edge = torch.zeros((1, 1, 28, 28))
-    assert (shifted(edge, 0, 1, -1.0)[0, 0, :, 0] == -1.0).all()  # the uncovered column is background
-    assert (shifted(edge, 0, 1, -1.0)[0, 0, :, 1:] == 0.0).all()
+    edge = torch.zeros((1, 3, 28, 28))
+    edge[:, :, :, 0] = torch.tensor([0.2, 0.4, 0.6]).view(1, 3, 1)  # a coloured left edge, per channel
+    moved = shifted(edge, 0, 1)
+    assert torch.equal(moved[0, :, :, 0], edge[0, :, :, 0]) and torch.equal(moved[0, :, :, 1], edge[0, :, :, 0])
+    assert (moved[0, :, :, 2:] == 0.0).all()
 
 
 def test_predictor_averages_softmax_over_shifts_and_reports_the_plain_prediction(tmp_path):
@@ -97,11 +99,11 @@ def test_predictor_averages_softmax_over_shifts_and_reports_the_plain_prediction
     batch = {"image": x, "label": np.zeros(6, dtype=np.int64), "row_id": np.arange(6)}
     plain = Predictor(str(tmp_path))(batch)
     np.testing.assert_array_equal(plain["pred"], plain["pred_plain"])
-    tta = Predictor(str(tmp_path), tta=True, background=-1.0)(batch)
+    tta = Predictor(str(tmp_path), tta=True)(batch)
     model = Predictor(str(tmp_path)).model
     with torch.no_grad():
         images = torch.from_numpy(x)
-        probs = sum(model(shifted(images, dy, dx, -1.0)).softmax(1) for dy, dx in TTA_SHIFTS) / len(TTA_SHIFTS)
+        probs = sum(model(shifted(images, dy, dx)).softmax(1) for dy, dx in TTA_SHIFTS) / len(TTA_SHIFTS)
     np.testing.assert_array_equal(tta["pred"], probs.argmax(1).numpy())
     np.testing.assert_array_equal(tta["pred_plain"], plain["pred_plain"])
 

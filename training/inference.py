@@ -24,12 +24,13 @@ from training.models import ModelSpec, configure_cpu
 TTA_SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))
 
 
-def shifted(images: torch.Tensor, dy: int, dx: int, fill: float) -> torch.Tensor:
-    """(N, C, H, W) images moved by (dy, dx) pixels; uncovered pixels become ``fill`` (background)."""
+def shifted(images: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
+    """(N, C, H, W) images moved by (dy, dx) pixels; the uncovered edge repeats the nearest edge pixels
+    (black for MNIST's digits, whose edges are black; a picture's own background for an image folder)."""
     if dy == 0 and dx == 0:
         return images
     h, w = images.shape[-2:]
-    padded = F.pad(images, (1, 1, 1, 1), value=fill)
+    padded = F.pad(images, (1, 1, 1, 1), mode="replicate")
     return padded[..., 1 - dy : 1 - dy + h, 1 - dx : 1 - dx + w]
 
 
@@ -37,17 +38,17 @@ class Predictor:
     """Ray Data actor: loads the checkpoint once, then predicts batch after batch.
 
     ``pred`` is the class with the highest softmax averaged over the image and its four one-pixel
-    shifts when ``tta`` is on (``background`` fills the uncovered edge), else the plain argmax;
+    shifts when ``tta`` is on (`shifted`), else the plain argmax;
     ``pred_plain`` is always the plain argmax, so both accuracies are reported.
     """
 
     def __init__(
-        self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, background: float = -1.0, model: dict | None = None,
+        self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, model: dict | None = None,
     ):
         configure_cpu(torch_threads)
         # A folder or an s3:// URI; ``model`` (a ModelSpec's fields) says what to build, else the checkpoint's record.
         self.model = load_model(checkpoint_dir, ModelSpec.model_validate(model) if model else None)
-        self.tta, self.background = tta, background
+        self.tta = tta
 
     @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -55,7 +56,7 @@ class Predictor:
         plain = self.model(images).softmax(1)
         averaged = plain
         if self.tta:
-            views = [shifted(images, dy, dx, self.background) for dy, dx in TTA_SHIFTS[1:]]
+            views = [shifted(images, dy, dx) for dy, dx in TTA_SHIFTS[1:]]
             averaged = (plain + self.model(torch.cat(views)).softmax(1).view(len(views), len(images), -1).sum(0)) / len(TTA_SHIFTS)
         return {
             "row_id": batch["row_id"],
@@ -136,7 +137,6 @@ def score(
             "checkpoint_dir": checkpoint,
             "torch_threads": threads,
             "tta": cfg.tta,
-            "background": (0.0 - transform.mean) / transform.std,  # a black pixel, normalized
             "model": model.model_dump() if model is not None else None,
         },
         batch_size=cfg.batch_rows,

@@ -33,7 +33,7 @@ from training.checkpoints import Position, report, report_mid_epoch, restore
 from training.guard import StepGuard
 from training.model import unwrap
 from training.models import ModelSpec, configure_cpu
-from training.recipe import inference_model, make_ema, make_optimizer, one_cycle_lr
+from training.recipe import Plan, inference_model, make_ema, make_optimizer, plan_for
 from training.records import RowLog, record_attempt, record_epoch
 from training.sharding import EpochShards, gather_rows
 from training.weights import start_from
@@ -82,6 +82,7 @@ class Attempt:
     device: torch.device
     batch_size: int  # this rank's share of the global batch
     steps_per_epoch: int
+    plan: Plan  # the learning-rate schedule and the weight average's decay, sized by the run's steps
     checkpoint_every: int = 0  # mid-epoch reports every this many steps (0: never; Ray Train only)
     preemption_check: int = 0  # ray.train.get_preemption_info every this many steps (0: never; Ray Train only)
     saved_for_preemption: bool = False  # the just-in-time checkpoint of this attempt is written
@@ -109,15 +110,18 @@ def start_attempt(
     if fresh:  # model.weights (training.weights): loaded for a fresh start only; a resume loads its checkpoint
         start_from(model, cfg.model.get("weights"))
     model = prepare(model)
+    steps_per_epoch = max(1, math.ceil(cfg.train_rows / world_size / batch_size))
+    plan = plan_for(cfg, steps_per_epoch * cfg.epochs)  # schedule and weight average sized by the run's steps
     return Attempt(
         cfg=cfg,
         model=model,
         optimizer=make_optimizer(model, cfg.learning_rate, cfg.weight_decay),
         criterion=torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing),
-        ema=make_ema(model, cfg.ema_decay),
+        ema=make_ema(model, plan.ema_decay),
         device=device,
         batch_size=batch_size,
-        steps_per_epoch=max(1, math.ceil(cfg.train_rows / world_size / batch_size)),
+        steps_per_epoch=steps_per_epoch,
+        plan=plan,
     )
 
 
@@ -137,21 +141,21 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     the data position: the steps done and every row_id they consumed (into the run folder, see `report`).
     """
     cfg, model, optimizer, ema, guard, row_log = attempt.cfg, attempt.model, attempt.optimizer, attempt.ema, attempt.guard, attempt.row_log
-    epochs, peak_lr, steps_per_epoch = cfg.epochs, cfg.learning_rate, attempt.steps_per_epoch
+    steps_per_epoch = attempt.steps_per_epoch
     model.train()
     first_step = start.step if start is not None else 0
     earlier = [start.consumed] if start is not None and start.consumed is not None else []
     consumed: list[torch.Tensor] = []
     loss_sum, correct, seen, start_time = 0.0, 0.0, 0.0, time.perf_counter()
     data_wait, mark, first_step_at = 0.0, start_time, None
-    lr = one_cycle_lr(epoch / epochs, peak_lr)
+    lr = attempt.plan.lr(epoch * steps_per_epoch)
     for step, batch in enumerate(shard.iter_torch_batches(batch_size=attempt.batch_size, device=attempt.device), start=first_step):
         data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
         if first_step_at is None:
             first_step_at = time.time()  # wall clock: the fixed overhead ends here (benchmarks/deployment_overhead.py)
         if guard is not None:
             guard.before_step(epoch, step)
-        lr = one_cycle_lr((epoch + min(step / steps_per_epoch, 1.0)) / epochs, peak_lr)
+        lr = attempt.plan.lr(epoch * steps_per_epoch + min(step, steps_per_epoch))
         batch_loss, batch_correct = _train_step(attempt, batch["image"], batch["label"], lr)
         loss_sum += batch_loss
         correct += batch_correct

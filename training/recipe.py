@@ -8,6 +8,7 @@ The weights that are validated and saved as ``model.pt`` are the moving average'
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch.optim.swa_utils import AveragedModel
@@ -65,3 +66,40 @@ def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel | None:
 def inference_model(model: torch.nn.Module, ema: AveragedModel | None) -> torch.nn.Module:
     """The weights to validate and ship: the EMA when there is one, else the model itself."""
     return ema.module if ema is not None else unwrap(model)
+
+
+
+# Sized in optimizer steps, not only in fractions of the run, so a short run is not starved
+# (the recipe benchmark, docs/performance.md): the warm-up is a fifth of the run but at most
+# WARMUP_MAX_STEPS; the weight average spans at most a tenth of the run (EMA_RUN_SHARE), so at
+# 150 steps it does not still remember the first third of training.
+WARMUP_SHARE = 0.2
+WARMUP_MAX_STEPS = 200
+EMA_RUN_SHARE = 0.1
+LR_FLOOR = 0.1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The learning-rate schedule and the weight average of one run, sized by its optimizer steps (`plan_for`)."""
+
+    peak: float
+    total_steps: int
+    warmup_steps: int
+    ema_decay: float
+    floor: float = LR_FLOOR
+
+    def lr(self, step: float) -> float:
+        """Learning rate at optimizer step ``step`` (0-based; fractions allowed): warm-up, then cosine."""
+        return one_cycle_lr(step / self.total_steps, self.peak, warmup=self.warmup_steps / self.total_steps, floor=self.floor)
+
+
+def plan_for(cfg, total_steps: int) -> Plan:
+    """``cfg`` (a TrainConfig)'s plan for a run of ``total_steps`` optimizer steps in all.
+
+    The decay of the weight average is ``train.ema_decay`` or less: at most ``1 - 1 / (EMA_RUN_SHARE * steps)``,
+    an average over about a tenth of the run (0.99 needs 1,000 steps; 0.93 at 150)."""
+    total = max(1, int(total_steps))
+    warmup = min(round(WARMUP_SHARE * total), WARMUP_MAX_STEPS)
+    decay = cfg.ema_decay if cfg.ema_decay <= 0 else min(cfg.ema_decay, max(0.0, 1.0 - 1.0 / (EMA_RUN_SHARE * total)))
+    return Plan(peak=cfg.learning_rate, total_steps=total, warmup_steps=warmup, ema_decay=round(decay, 6), floor=LR_FLOOR)
