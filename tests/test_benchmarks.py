@@ -113,3 +113,25 @@ def test_step_parts_times_every_part_of_a_step_both_ways(monkeypatch):
     old = row["forward_backward_ms"] + row["adamw_default_ms"] + row["ema_per_tensor_ms"]
     new = row["forward_backward_ms"] + row["adamw_fused_ms"] + row["ema_grouped_ms"]
     assert row["step_ratio"] == pytest.approx(old / new, abs=0.001)
+
+
+def test_quick_recipe_benchmark_trains_both_sides_of_every_cell(tmp_path):
+    """`python -m benchmarks.recipe --quick`: each of the four generated workloads, both sides trained and
+    scored on its test images (accuracy a fraction of them), the table made from the rows, the machine named."""
+    from benchmarks import recipe
+
+    out = tmp_path / "recipe.json"
+    assert recipe.main(["--quick", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [row["workload"] for row in rows] == ["shapes", "glyphs", "textures", "dots"]
+    for row in rows:
+        assert row["budget"] == "quick" and row["model"] == "training.models:small_cnn" and row["steps"] >= 12
+        # Accuracy is a count of the workload's test images (10 a class in quick mode), rounded to 4 places.
+        for side in ("plain", "ours"):
+            correct = row[side] * row["test_images"]
+            assert 0 <= row[side] <= 1 and abs(correct - round(correct)) < 0.01
+        assert row["test_images"] == 10 * row["classes"] and row["gap_points"] == round(100 * (row["ours"] - row["plain"]), 1)
+    assert result["environment"] and result["long_budget_mean_gap_points"] is None  # quick: no long budget
+    table = recipe.format_table(rows)
+    assert table.count("\n") == 1 + len(rows) and "| shapes: 3 classes, 3 ch" in table
