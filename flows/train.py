@@ -43,7 +43,7 @@ from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training import model_trust
 from training import registry_files
-from training.trainer import plan_resources
+from training.resources import plan_cluster
 
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
@@ -94,8 +94,9 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
 
 
 def check_cluster_fits(config: PipelineConfig) -> None:
-    """Refuse training workers the cluster cannot hold, or a champion this run's model could never be
-    compared with (ValueError naming the field), before any work starts; say how the workload was named."""
+    """Refuse training workers the cluster cannot hold (`DoesNotFit`: the CLI exits 2), or a champion this run's
+    model could never be compared with (ValueError naming the field), before any work starts; say how the
+    workload was named, and how training departs from train.num_workers when train.use_gpu=auto has to."""
     import ray
 
     if config.download.source == "folder":
@@ -104,7 +105,9 @@ def check_cluster_fits(config: PipelineConfig) -> None:
     if config.train.mode == "single":
         return
     resources = ray.cluster_resources()
-    plan_resources(config.train, resources.get("CPU", 0), resources.get("GPU", 0))
+    plan = plan_cluster(config.train, resources.get("CPU", 0), resources.get("GPU", 0))
+    if plan.note:
+        console.say(plan.note)
 
 
 def workload_line(config: PipelineConfig) -> str:

@@ -146,7 +146,19 @@ class TrainConfig(_Section):
     seed: int = Field(0, ge=0, description="Seed for weights, shuffling and augmentation.")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Data-parallel strategy passed to prepare_model.")
     use_gpu: Literal["auto", "never", "always"] = Field(
-        "auto", description="auto: use GPUs when the Ray cluster has them; never / always force it."
+        "auto",
+        description=(
+            "auto: use GPUs when the Ray cluster has them, one worker a GPU (fewer GPUs than num_workers: as many "
+            "workers as GPUs, said in one line); never: CPUs only; always: GPUs or the run is refused."
+        ),
+    )
+    precision: Literal["auto", "bf16", "fp16", "fp32"] = Field(
+        "auto",
+        description=(
+            "Arithmetic of the training step: bf16 or fp16 autocast (fp16 with a gradient scaler) or plain fp32. "
+            "auto: bf16 on a GPU that supports it, else fp32 (so CPU runs stay fp32 unless asked). The weights "
+            "stay fp32 either way; the precision used is recorded in the checkpoint, the model card and summary.json."
+        ),
     )
     data_cpus: float = Field(
         1.0,

@@ -30,6 +30,7 @@ from runner.summary import RunSummary, attach, outcome_of
 from runner.tracking import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, redact_text, run_lease
 from training import model_trust
+from training.resources import DoesNotFit
 
 
 def default_run_name(prefix: str = DEFAULT_WORKLOAD) -> str:
@@ -191,12 +192,16 @@ def close_cli(
     """The CLI's end: the summary where ``--summary-out``/``--json`` ask for it, the closing lines, the exit code.
 
     ``summary`` is None when the run never got to its stages (a refused lease, a setup error):
-    then the lines name the run and its storage root from ``config``.
+    then the lines name the run and its storage root from ``config``. A cluster that cannot hold what
+    the configuration asks (`DoesNotFit`, found once Ray is up) is refused like a bad value: exit 2.
     """
     if summary is not None and settings.summary_out:
         atomic_write_json(Path(settings.summary_out), summary.to_json(config=False))
     if summary is not None and settings.print_json:
         print(json.dumps(summary.to_json(config=False), indent=2))
+    if summary is None and isinstance(failed, DoesNotFit):  # refused before any work: nothing to resume
+        print(f"invalid configuration:\n{redact_text(str(failed))}", file=sys.stderr)
+        return 2
     shown = summary or RunSummary(run_name=config.run_name, storage_root=config.storage_root, module=module)
     if stop.requested and shown.status != "completed":
         lines = console.stopped_lines(shown, stop.reason, wall_s, argv)

@@ -168,7 +168,8 @@ class StageRecorder:
             tuning=tuned.summary() if tuned else None,
             warnings=list(self.warnings),
             config=self.config.model_dump(mode="json"),
-            environment=self.env,
+            # what the training step ran on, as its last attempt recorded it: {"device": "cuda", "precision": "bf16"}
+            environment=self.env | ({"training": trained.compute()} if trained and trained.compute() else {}),
         )
 
     def write_summary(self) -> RunSummary:

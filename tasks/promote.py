@@ -145,6 +145,7 @@ def make_candidate(
         config=run_config,
         model=trained.model.model_dump(),
         weights=trained.weights,
+        training=trained.compute(),  # device and precision of the training step
         code_version=environment.git_commit(),
         data_spec=data_spec(spec),
     )

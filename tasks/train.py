@@ -40,7 +40,8 @@ from reporting.training_progress import training_progress_callbacks
 from storage_io import StorageLayout
 from training import weights
 from training.models import ModelSpec
-from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, plan_resources, torch_trainer
+from training.resources import plan_cluster
+from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, torch_trainer
 
 
 def retry_infrastructure_failures(task, task_run, state) -> bool:
@@ -73,16 +74,21 @@ def train(
         logger.info("Training in one process without Ray Train (train.mode=single), %d torch threads", threads)
         trained = fit_in_process(spec, cfg, network, layout.run_dir, threads, loaded)
     else:
-        use_gpu, cpus, threads = plan_resources(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
-        logger.info("Training with %d workers x %.3g CPUs (gpu=%s), %g CPUs left to Ray Data", cfg.num_workers, cpus, use_gpu, cfg.data_cpus)
+        plan = plan_cluster(cfg, resources.get("CPU", 0), resources.get("GPU", 0))
+        # plan.note (use_gpu=auto, fewer GPUs than workers) was said once, by the flow's check before any stage.
+        cfg, cpus = plan.config_for(cfg), plan.cpus_per_worker
+        left = resources.get("CPU", 0) - cfg.num_workers * cpus
+        logger.info("Training with %d workers x %.3g CPUs (gpu=%s, %d torch threads each), %.3g CPUs left to Ray Data",
+                    cfg.num_workers, cpus, plan.use_gpu, plan.threads, left)
         # Live progress in the Prefect UI: the callback runs in the Train controller process.
         callbacks = training_progress_callbacks(cfg.epochs_for(spec.dataset.rows["train"]), layout.run_name, workload)
-        trainer = torch_trainer(spec, cfg, network, layout.run_dir, use_gpu, cpus, threads, callbacks, loaded)
+        trainer = torch_trainer(spec, cfg, network, layout.run_dir, plan.use_gpu, cpus, plan.threads, callbacks, loaded)
         trained = fit(trainer, cfg, layout.run_dir, cpus)
     if start:
         trained = trained.model_copy(update={"weights": start.record()})
     if len(trained.attempts) > 1:
         logger.info("Training took %d attempts, starting at epochs %s", len(trained.attempts), [a["start_epoch"] for a in trained.attempts])
-    logger.info("Best checkpoint %s (val accuracy %.4f)", trained.best_checkpoint, trained.best_val_accuracy)
+    logger.info("Best checkpoint %s (val accuracy %.4f)%s", trained.best_checkpoint, trained.best_val_accuracy,
+                "".join(f", {key} {value}" for key, value in trained.compute().items()))
     few_steps = cfg.few_steps_warning(spec.dataset.rows["train"])  # the flow said it before training; the report shows it
     return trained.model_copy(update={"warnings": [few_steps]}) if few_steps else trained

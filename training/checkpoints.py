@@ -98,11 +98,15 @@ def load_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: tor
 
 def checkpoint_extra(
     metrics: dict, model, epoch: int, ema: AveragedModel | None, position: dict | None = None, model_spec: dict | None = None,
+    precision: str | None = None,
 ) -> dict[str, Any]:
     """``extra_state.pt``: the seeds' ``epoch`` (last completed), metrics, what an exact resume needs, and
     ``model``: the `training.models.ModelSpec` the weights belong to (``model_spec``); ``weights``: what a fresh
-    start loaded (``model_spec``'s ``weights``, `training.weights.StartWeights.record`: source, file, sha256)."""
+    start loaded (``model_spec``'s ``weights``, `training.weights.StartWeights.record`: source, file, sha256);
+    ``precision``: the training step's (bf16, fp16, fp32; `training.device.resolve_precision`)."""
     extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
+    if precision is not None:
+        extra["precision"] = precision
     if model_spec is not None:
         extra["model"] = {key: value for key, value in model_spec.items() if key != "weights"}
         if model_spec.get("weights"):
@@ -184,7 +188,7 @@ def discard_failed_upload(path: str) -> None:
 
 def report(
     metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None,
-    run_dir: str | None = None, model_spec: dict | None = None,
+    run_dir: str | None = None, model_spec: dict | None = None, precision: str | None = None,
 ) -> None:
     """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state).
 
@@ -207,7 +211,7 @@ def report(
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, name, target = None, None, None
         if ray.train.get_context().get_world_rank() == 0:
-            extra = checkpoint_extra(metrics, model, epoch, ema, position, model_spec)
+            extra = checkpoint_extra(metrics, model, epoch, ema, position, model_spec, precision)
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
             if run_dir is not None:  # only rank 0's name counts: Ray Train broadcasts it to the others
@@ -227,7 +231,8 @@ def report(
 
 def report_mid_epoch(
     position: dict, model, optimizer, ema: AveragedModel | None, run_dir: str | None = None, model_spec: dict | None = None,
+    precision: str | None = None,
 ) -> None:
     """Report a mid-epoch checkpoint carrying the data position (see `report`)."""
     metrics = {"epoch": position["epoch"], "step": position["step"], "mid_epoch": 1, **MID_EPOCH_SCORES}
-    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir, model_spec)
+    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir, model_spec, precision)

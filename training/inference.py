@@ -3,10 +3,13 @@
 The seeds' ``ModelWorker`` idea, batched: Ray Data streams normalized batches through
 ``num_actors`` actors that each load the checkpoint once (`Predictor`), optionally averaging
 over one-pixel shifts (test-time augmentation). The evaluation stage (`tasks.evaluate`) scores
-the test split with it.
+the test split with it, ``flows.predict`` a folder of images. On a cluster with GPUs every actor
+holds a share of one (`actor_gpus`) and scores on it.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import pyarrow as pa
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from dataset.transform import TransformSpec, blocks, build_datasets, prepare_batch
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
+from training.device import pick_device, visible_gpus
 from training.models import ModelSpec, configure_cpu
 
 
@@ -43,16 +47,18 @@ class Predictor:
     """
 
     def __init__(
-        self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, model: dict | None = None,
+        self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, model: dict | None = None, use_gpu: bool = False,
     ):
         configure_cpu(torch_threads)
         # A folder or an s3:// URI; ``model`` (a ModelSpec's fields) says what to build, else the checkpoint's record.
         self.model = load_model(checkpoint_dir, ModelSpec.model_validate(model) if model else None)
+        self.device = pick_device("auto" if use_gpu else "never", visible_gpus())  # the GPU Ray gave this actor
+        self.model.to(self.device)
         self.tta = tta
 
     @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images = torch.from_numpy(batch["image"])
+        images = torch.from_numpy(batch["image"]).to(self.device)
         plain = self.model(images).softmax(1)
         averaged = plain
         if self.tta:
@@ -61,8 +67,8 @@ class Predictor:
         return {
             "row_id": batch["row_id"],
             "label": batch["label"],
-            "pred": averaged.argmax(1).numpy(),
-            "pred_plain": plain.argmax(1).numpy(),
+            "pred": averaged.argmax(1).cpu().numpy(),
+            "pred_plain": plain.argmax(1).cpu().numpy(),
         }
 
 
@@ -101,6 +107,13 @@ def actor_resources(cluster_cpus: float, num_actors: int, data_cpus: float = 1.0
     return logical, max(1, int(cluster_cpus // num_actors))
 
 
+def actor_gpus(cluster_gpus: float, num_actors: int) -> float:
+    """The share of a GPU each of ``num_actors`` model actors holds: 0 without GPUs, else up to a whole one
+    (2 actors on 1 GPU: half each, both on it; scoring needs a fraction of a GPU's memory)."""
+    gpus = int(cluster_gpus)
+    return 0.0 if gpus < 1 else min(1.0, math.floor(gpus / num_actors * 1000) / 1000)
+
+
 def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: ModelSpec | None = None) -> dict[str, np.ndarray]:
     """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays.
 
@@ -130,7 +143,9 @@ def score(
     images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig, model: ModelSpec | None = None,
 ) -> dict[str, np.ndarray]:
     """The actor pool over normalized batches (image, label, row_id): row_id, label, pred and pred_plain, by row_id."""
-    actor_cpus, threads = actor_resources(float(ray.cluster_resources().get("CPU", 1)), cfg.num_actors)
+    cluster = ray.cluster_resources()
+    actor_cpus, threads = actor_resources(float(cluster.get("CPU", 1)), cfg.num_actors)
+    gpus = actor_gpus(cluster.get("GPU", 0), cfg.num_actors)  # on a GPU machine the actors score on the GPUs
     predictions = images.map_batches(
         Predictor,
         fn_constructor_kwargs={
@@ -138,11 +153,13 @@ def score(
             "torch_threads": threads,
             "tta": cfg.tta,
             "model": model.model_dump() if model is not None else None,
+            "use_gpu": gpus > 0,
         },
         batch_size=cfg.batch_rows,
         batch_format="numpy",
         compute=ray.data.ActorPoolStrategy(size=cfg.num_actors),
         num_cpus=actor_cpus,
+        **({"num_gpus": gpus} if gpus else {}),
     )
     rows = predictions.to_arrow_refs()
     table = pa.concat_tables(ray.get(rows)).sort_by("row_id")

@@ -30,6 +30,7 @@ from torch.optim.swa_utils import AveragedModel
 from dataset.transform import TransformSpec, build_split
 from storage_io import storage_writes
 from training.checkpoints import Position, report, report_mid_epoch, restore
+from training.device import autocast, grad_scaler, images_for, prepare_for, resolve_precision
 from training.guard import StepGuard
 from training.model import unwrap
 from training.models import ModelSpec, configure_cpu
@@ -68,6 +69,8 @@ class LoopConfig(BaseModel):
     preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
     transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
     row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
+    precision: str = "auto"  # train.precision, resolved per device (`training.device.resolve_precision`)
+    use_gpu: str = "auto"  # train.use_gpu: single mode's device (Ray Train's workers get theirs from Ray Train)
 
 
 @dataclass
@@ -88,6 +91,8 @@ class Attempt:
     saved_for_preemption: bool = False  # the just-in-time checkpoint of this attempt is written
     guard: StepGuard | None = None
     row_log: RowLog | None = None
+    precision: str = "fp32"  # the step's arithmetic: bf16 / fp16 autocast or fp32 (`training.device`)
+    scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler
 
     def weights(self) -> torch.nn.Module:
         """The weights validated and shipped: the moving average's, else the model's own."""
@@ -109,7 +114,8 @@ def start_attempt(
     model = ModelSpec.model_validate(cfg.model).build()
     if fresh:  # model.weights (training.weights): loaded for a fresh start only; a resume loads its checkpoint
         start_from(model, cfg.model.get("weights"))
-    model = prepare(model)
+    model = prepare(prepare_for(model, device))  # on a GPU: channels-last weights, cuDNN's autotuner
+    precision = resolve_precision(cfg.precision, device)
     steps_per_epoch = max(1, math.ceil(cfg.train_rows / world_size / batch_size))
     plan = plan_for(cfg, steps_per_epoch * cfg.epochs)  # schedule and weight average sized by the run's steps
     return Attempt(
@@ -122,14 +128,22 @@ def start_attempt(
         batch_size=batch_size,
         steps_per_epoch=steps_per_epoch,
         plan=plan,
+        precision=precision,
+        scaler=grad_scaler(precision, device),
     )
 
 
-def _all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+def _all_reduce_sum(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
+    """The sums across ranks of ``values`` (device tensors or numbers): the one read from the device they need."""
+    tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor.tolist()
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    """A running total kept on ``device``: added to every step, read once an epoch (`_all_reduce_sum`)."""
+    return torch.zeros((), dtype=torch.float64, device=device)
 
 
 def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = None) -> dict:
@@ -145,11 +159,11 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     model.train()
     first_step = start.step if start is not None else 0
     earlier = [start.consumed] if start is not None and start.consumed is not None else []
-    consumed: list[torch.Tensor] = []
-    loss_sum, correct, seen, start_time = 0.0, 0.0, 0.0, time.perf_counter()
+    consumed: list[torch.Tensor] = []  # row_ids as they came (on the device on a GPU): copied to the host at a checkpoint
+    loss_sum, correct, seen, start_time = _zero(attempt.device), _zero(attempt.device), 0, time.perf_counter()
     data_wait, mark, first_step_at = 0.0, start_time, None
     lr = attempt.plan.lr(epoch * steps_per_epoch)
-    for step, batch in enumerate(shard.iter_torch_batches(batch_size=attempt.batch_size, device=attempt.device), start=first_step):
+    for step, batch in enumerate(_batches(attempt, shard), start=first_step):
         data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
         if first_step_at is None:
             first_step_at = time.time()  # wall clock: the fixed overhead ends here (benchmarks/deployment_overhead.py)
@@ -160,15 +174,14 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         loss_sum += batch_loss
         correct += batch_correct
         seen += len(batch["label"])
-        row_ids = batch["row_id"].cpu()
-        consumed.append(row_ids)
-        if row_log is not None:
-            row_log.write(epoch, step, row_ids)
+        consumed.append(batch["row_id"])
+        if row_log is not None:  # test-only
+            row_log.write(epoch, step, batch["row_id"].cpu())
         periodic = attempt.checkpoint_every and (step + 1) % attempt.checkpoint_every == 0
         if periodic or preempted(attempt, step):
-            rows = gather_rows(consumed)
+            rows = gather_rows([torch.cat(consumed).cpu()])
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
-            report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model)
+            report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model, attempt.precision)
         mark = time.perf_counter()
     elapsed = time.perf_counter() - start_time
     loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], attempt.device)
@@ -183,22 +196,35 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     } | ({"first_step_at": first_step_at} if first_step_at is not None else {})  # no step: a resumed epoch already done
 
 
-def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr: float) -> tuple[float, int]:
-    """One optimizer step on a batch at learning rate ``lr``, then the weight average's update.
+def _batches(attempt: Attempt, shard):
+    """The shard's batches on the attempt's device; on a GPU from pinned host memory (copies that need not wait)."""
+    return shard.iter_torch_batches(batch_size=attempt.batch_size, device=attempt.device, pin_memory=attempt.device.type == "cuda")
+
+
+def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on a batch at learning rate ``lr`` in the attempt's precision, then the weight average's update.
+
+    Nothing here reads a value back from the device, so on a GPU the host queues the next step at once.
 
     Returns:
-        (the batch's summed loss, its count of correct predictions), for the epoch's totals.
+        (the batch's summed loss, its count of correct predictions) as device tensors, for the epoch's totals.
     """
     for group in attempt.optimizer.param_groups:
         group["lr"] = lr
-    logits = attempt.model(images)
-    loss = attempt.criterion(logits, labels)
+    with autocast(attempt.precision, attempt.device):
+        logits = attempt.model(images_for(images, attempt.device))
+        loss = attempt.criterion(logits, labels)
     attempt.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    attempt.optimizer.step()
+    if attempt.scaler is not None:  # fp16: scaled gradients, the fused AdamW skips a step with inf in it
+        attempt.scaler.scale(loss).backward()
+        attempt.scaler.step(attempt.optimizer)
+        attempt.scaler.update()
+    else:
+        loss.backward()
+        attempt.optimizer.step()
     if attempt.ema is not None:
         attempt.ema.update_parameters(unwrap(attempt.model))
-    return loss.item() * len(labels), (logits.argmax(1) == labels).sum().item()
+    return loss.detach().double() * len(labels), (logits.argmax(1) == labels).sum()
 
 
 def preempted(attempt: Attempt, step: int) -> bool:
@@ -231,12 +257,12 @@ def validate(attempt: Attempt, shard) -> dict:
     """
     model, criterion, device = attempt.weights(), attempt.criterion, attempt.device
     model.eval()
-    loss_sum, ce_sum, correct, seen = 0.0, 0.0, 0.0, 0.0
-    for batch in shard.iter_torch_batches(batch_size=attempt.batch_size, device=device):
-        logits = model(batch["image"])
-        loss_sum += criterion(logits, batch["label"]).item() * len(batch["label"])
-        ce_sum += torch.nn.functional.cross_entropy(logits, batch["label"], reduction="sum").item()
-        correct += (logits.argmax(1) == batch["label"]).sum().item()
+    loss_sum, ce_sum, correct, seen = _zero(device), _zero(device), _zero(device), 0
+    for batch in _batches(attempt, shard):
+        logits = model(images_for(batch["image"], device))
+        loss_sum += criterion(logits, batch["label"]).double() * len(batch["label"])
+        ce_sum += torch.nn.functional.cross_entropy(logits, batch["label"], reduction="sum").double()
+        correct += (logits.argmax(1) == batch["label"]).sum()
         seen += len(batch["label"])
     loss_sum, ce_sum, correct, seen = _all_reduce_sum([loss_sum, ce_sum, correct, seen], device)
     return {"val_loss": loss_sum / max(seen, 1), "val_ce": ce_sum / max(seen, 1), "val_accuracy": correct / max(seen, 1)}
@@ -255,7 +281,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     start = restore(attempt.model, attempt.optimizer, attempt.ema)
     if rank == 0 and cfg.attempts_log:
         with storage_writes("train", cfg.attempts_log):
-            record_attempt(cfg.attempts_log, start, world_size, local_world_size=context.get_local_world_size())
+            record_attempt(cfg.attempts_log, start, world_size, local_world_size=context.get_local_world_size(),
+                           device=attempt.device.type, precision=attempt.precision)
     attempt.checkpoint_every = cfg.checkpoint_every_steps
     attempt.preemption_check = cfg.preemption_check_steps
     attempt.guard = StepGuard(rank, world_size, cfg.hang_timeout_s, cfg.fault_dir)
@@ -277,4 +304,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if rank == 0 and cfg.history_path:
             with storage_writes("train", cfg.history_path):
                 record_epoch(cfg.history_path, metrics)
-        report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir, model_spec=cfg.model)
+        report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir, model_spec=cfg.model,
+               precision=attempt.precision)

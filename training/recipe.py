@@ -7,12 +7,14 @@ The weights that are validated and saved as ``model.pt`` are the moving average'
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 from torch.optim.swa_utils import AveragedModel
 
+from training.averaging import WeightAverage
 from training.model import unwrap
 
 
@@ -45,22 +47,13 @@ def ema_decay_at(decay: float, updates: int) -> float:
 def make_ema(model: torch.nn.Module, decay: float) -> AveragedModel | None:
     """An EMA copy of the unwrapped model (buffers included), or None when ``decay`` is 0.
 
-    Averaged a dtype group at a time (``multi_avg_fn``, one ``_foreach_lerp_`` for the float
-    weights), not a tensor at a time: per tensor it cost about as much as the default AdamW step.
+    A `training.averaging.WeightAverage`: averaged a dtype group at a time (one ``_foreach_lerp_`` for
+    the float weights; per tensor it cost about as much as the default AdamW step), its update count
+    kept in Python so no step waits for the device to read it.
     """
     if decay <= 0:
         return None
-
-    @torch.no_grad()
-    def average(averaged: list[torch.Tensor], current: list[torch.Tensor], updates: torch.Tensor) -> None:
-        d = ema_decay_at(decay, int(updates))
-        if torch.is_floating_point(averaged[0]):
-            torch._foreach_lerp_(averaged, current, 1.0 - d)
-        else:  # BatchNorm's num_batches_tracked
-            for a, c in zip(averaged, current, strict=True):
-                a.copy_(a * d + c * (1.0 - d))
-
-    return AveragedModel(unwrap(model), multi_avg_fn=average, use_buffers=True)
+    return WeightAverage(unwrap(model), decay_at=functools.partial(ema_decay_at, decay))
 
 
 def inference_model(model: torch.nn.Module, ema: AveragedModel | None) -> torch.nn.Module:

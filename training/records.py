@@ -46,15 +46,17 @@ def process_start_time() -> float | None:
     return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
-def record_attempt(path: str, start: Position, world_size: int, local_world_size: int | None = None) -> None:
+def record_attempt(path: str, start: Position, world_size: int, local_world_size: int | None = None, **details: str) -> None:
     """Append one line per training attempt (Ray Train restart or Prefect retry) to ``train_attempts.jsonl``.
 
     ``time`` is when the attempt's model is ready; ``process_started_at`` when its (rank 0) worker
     process started, which splits a worker group's start (benchmarks/deployment_overhead.py).
     ``local_world_size``: the workers on rank 0's node (1 of 2: the group spans two nodes).
+    ``details``: what else the attempt says of itself (``device``, ``precision``).
     """
     append_line(path, {"start_epoch": start.epoch, "start_step": start.step, "world_size": world_size, "time": time.time(),
-                       "process_started_at": process_start_time(), **({"local_world_size": local_world_size} if local_world_size is not None else {})})
+                       "process_started_at": process_start_time(), **({"local_world_size": local_world_size} if local_world_size is not None else {}),
+                       **details})
 
 
 class RowLog:

@@ -104,6 +104,7 @@ class Candidate(BaseModel):
     config: dict[str, Any] = {}
     model: dict[str, Any] = {}  # the training.models.ModelSpec that was trained (the card's architecture)
     weights: dict[str, str] | None = None  # model.weights its training started from: source, file, sha256 (None: random)
+    training: dict[str, str] = {}  # where and in what precision it trained: device (cpu, cuda), precision (bf16, fp16, fp32)
     code_version: str | None = None
     # The images' shape, class names and normalization (tasks.evaluate.data_spec): what predict needs.
     data_spec: dict[str, Any] = {}
@@ -270,6 +271,7 @@ def _publish_version(
             "config": candidate.config,
             "architecture": candidate.model or SEEDS_MODEL.model_dump(),  # what load_model builds for model.pt
             "weights": candidate.weights,  # what training started from (training.weights); null: random weights
+            "training": candidate.training or None,  # device and precision of the training step; null: not recorded
             "files": sorted([MODEL_FILE, CHECKSUMS_FILE, *files]),
         }
         (staging / CARD_FILE).write_text(json.dumps(card, indent=2, sort_keys=True) + "\n")

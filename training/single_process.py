@@ -5,7 +5,8 @@ can be compared on one machine (``benchmarks/``, or a run with ``--train.mode si
 is left between them is the price of distribution (worker-group start, DDP all-reduce, per-rank
 data shards, reporting). Without Ray Train nothing restarts a failed process: a failure fails
 the stage, and running it again (Prefect's retry or the same ``--run-name``) resumes from the
-latest epoch checkpoint in ``<run>/single/``.
+latest epoch checkpoint in ``<run>/single/``. It trains on the first GPU when the process sees one
+(``train.use_gpu``: auto; never keeps it on CPUs).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dataset.transform import build_split
 from storage_io import building, publish_dir
 from training.checkpoints import Position, checkpoint_extra, load_checkpoint
+from training.device import pick_device, visible_gpus
 from training.loop import LoopConfig, start_attempt, train_epoch, validate
 from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
 from training.records import HISTORY_FILE, read_history, record_attempt, record_epoch
@@ -57,13 +57,13 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     folder = Path(run_dir) / SINGLE_DIR
     folder.mkdir(parents=True, exist_ok=True)
     cfg = LoopConfig.model_validate(config)
-    device = torch.device("cpu")
+    device = pick_device(cfg.use_gpu, visible_gpus())  # the first GPU when there is one (train.use_gpu: auto)
     existing = epoch_checkpoints(folder)
     # The Ray Train ranks' setup; model.weights loaded only when there is no checkpoint to resume from.
     attempt = start_attempt(cfg, 1, device, prepare=lambda model: model.to(device), fresh=not existing)
     start = load_checkpoint(existing[-1], attempt.model, attempt.optimizer, attempt.ema) if existing else Position()
     if cfg.attempts_log:
-        record_attempt(cfg.attempts_log, start, world_size=1)
+        record_attempt(cfg.attempts_log, start, world_size=1, device=device.type, precision=attempt.precision)
     history_path = folder / HISTORY_FILE
     history = [row for row in read_history(history_path) if row["epoch"] < start.epoch]  # later epochs were rolled back
     for epoch in range(start.epoch, cfg.epochs):
@@ -71,7 +71,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
         metrics |= train_epoch(attempt, build_split(spec, "train", cfg.seed, epoch), epoch)
         metrics |= validate(attempt, build_split(spec, "val", cfg.seed))
         metrics["finished_at"] = time.time()
-        extra = checkpoint_extra(metrics, attempt.model, epoch, attempt.ema, model_spec=cfg.model)
+        extra = checkpoint_extra(metrics, attempt.model, epoch, attempt.ema, model_spec=cfg.model, precision=attempt.precision)
         with building(folder / f"checkpoint_epoch_{epoch:04d}") as staging:
             save_checkpoint_files(staging, attempt.weights(), attempt.optimizer, extra)
             publish_dir(staging, folder / f"checkpoint_epoch_{epoch:04d}")

@@ -1,7 +1,7 @@
 """Ray Train for the training loop: resources, the TorchTrainer, its result, which failures to retry.
 
 The training stage (`tasks.train`) and any other flow that trains call these: `plan_resources`
-splits the cluster between training workers and Ray Data, `torch_trainer` builds the trainer
+(`training.resources`) splits the cluster between training workers and Ray Data, `torch_trainer` builds the trainer
 for a run folder (the same run name resumes from its latest checkpoint), `fit` runs it and
 returns a `TrainedModel`, `is_infrastructure_failure` says whether a failed run is worth another
 attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray Train.
@@ -10,7 +10,6 @@ attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray T
 from __future__ import annotations
 
 import json
-import math
 import os
 
 from pydantic import BaseModel
@@ -36,6 +35,7 @@ from training.faults import ROW_LOG_ENV
 from training.loop import LoopConfig, train_loop_per_worker
 from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
+from training.resources import plan_resources  # noqa: F401 - where the stages and tests have always found it
 from training.single_process import fit_single
 
 # One JSON line per training attempt in the run folder: the epoch it started from and its world size.
@@ -77,33 +77,16 @@ class TrainedModel(BaseModel):
     resumed_from_epoch: int | None = None  # the first attempt's start epoch when it resumed an earlier run
     weights: dict[str, str] | None = None  # model.weights a fresh start loaded: source, file, sha256 (tasks.train)
     warnings: list[str] = []  # what the run was warned of before training (`TrainConfig.few_steps_warning`)
+    device: str | None = None  # where the last attempt trained: cpu or cuda (train_attempts.jsonl)
+    precision: str | None = None  # its step's arithmetic: bf16, fp16 or fp32 (`training.device.resolve_precision`)
+
+    def compute(self) -> dict[str, str]:
+        """``{"device": ..., "precision": ...}`` as far as known: what the model card and summary.json record."""
+        return {key: value for key, value in (("device", self.device), ("precision", self.precision)) if value}
 
     def terminal_detail(self) -> str:
         """What the training stage's closing terminal line adds after its name and seconds."""
         return f": best validation accuracy {self.best_val_accuracy:.2%}"
-
-
-def plan_resources(cfg: TrainConfig, cluster_cpus: float, cluster_gpus: float) -> tuple[bool, float, int]:
-    """Decide (use_gpu, CPUs per worker, torch threads per worker) for this cluster.
-
-    Workers share the cluster's CPUs minus ``cfg.data_cpus``, which stay free for Ray Data:
-    with 2 CPUs, 2 workers and 1 kept free each worker reserves 0.5 CPU, and the data
-    pipeline's tasks (fractional reads and maps, a whole-CPU file listing) always find room.
-    Logical CPUs are only bookkeeping; torch threads follow the physical split.
-    """
-    use_gpu = cfg.use_gpu == "always" or (cfg.use_gpu == "auto" and cluster_gpus > 0)
-    if cfg.strategy == "fsdp" and not use_gpu:
-        raise ValueError("train.strategy=fsdp needs GPUs (PyTorch FSDP does not run on CPU); use train.strategy=ddp")
-    if use_gpu and cluster_gpus < cfg.num_workers:
-        raise ValueError(f"train.num_workers={cfg.num_workers} needs {cfg.num_workers} GPUs; the cluster has {cluster_gpus:g}")
-    cpus = round((cluster_cpus - cfg.data_cpus) / cfg.num_workers, 3)
-    if cpus < 0.01:
-        raise ValueError(
-            f"the cluster has {cluster_cpus:g} CPUs: too few for train.num_workers={cfg.num_workers} "
-            f"plus train.data_cpus={cfg.data_cpus:g}; lower either"
-        )
-    threads = max(1, math.floor(cluster_cpus / cfg.num_workers))
-    return use_gpu, cpus, threads
 
 
 def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
@@ -142,6 +125,8 @@ def loop_config(
         transform=spec.model_dump(mode="json") if spec is not None else None,
         # Test-only: every rank logs the row_ids it trains on (training.faults.ROW_LOG_ENV).
         row_log_dir=join(run_dir, "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
+        precision=cfg.precision,
+        use_gpu=cfg.use_gpu,
     ).model_dump()
 
 
@@ -370,7 +355,13 @@ def fit(trainer: TorchTrainer, cfg: TrainConfig, run_dir: str, cpus: float) -> T
     trained = summarize_result(result, run_dir, cfg.num_workers, cpus, model, cfg.checkpoint_score)
     attempts = read_attempts(join(run_dir, ATTEMPTS_LOG))
     resumed = next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None)
-    return trained.model_copy(update={"attempts": attempts, "resumed_from_epoch": resumed})
+    return trained.model_copy(update={"attempts": attempts, "resumed_from_epoch": resumed, **last_compute(attempts)})
+
+
+def last_compute(attempts: list[dict]) -> dict[str, str]:
+    """The device and precision the last attempt recorded (none for attempts recorded before they were)."""
+    last = attempts[-1] if attempts else {}
+    return {key: last[key] for key in ("device", "precision") if last.get(key)}
 
 
 def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, threads: int, weights=None) -> TrainedModel:
@@ -395,4 +386,5 @@ def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_
         score=cfg.checkpoint_score,
         attempts=attempts,
         resumed_from_epoch=next((a["start_epoch"] for a in attempts if a["start_epoch"] > 0), None),
+        **last_compute(attempts),
     )

@@ -35,7 +35,8 @@ from pipeline_config import TrainConfig, TransformConfig, TuneConfig
 from storage_io import basename, filesystem, is_remote, join
 from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
-from training.trainer import plan_resources, torch_trainer
+from training.resources import GPU_WORKER_CPUS, DoesNotFit, plan_cluster
+from training.trainer import torch_trainer
 
 TUNE_DIR = "tune"  # Tune's experiment folder in the run folder
 TRIALS_DIR = "trials"  # one Ray Train run per trial: <run>/trials/<trial_id>
@@ -55,36 +56,35 @@ class TrialPlan(BaseModel):
 
 
 def plan_trials(train: TrainConfig, tune_cfg: TuneConfig, cluster_cpus: float, cluster_gpus: float) -> TrialPlan:
-    """Trials at once and each worker's CPUs, from the cluster; ValueError naming the field when it does not fit.
+    """Trials at once and each worker's CPUs, from the cluster; `DoesNotFit` naming the field when it does not fit.
 
     ``train.data_cpus`` are kept for Ray Data. Of the rest, every training worker of every running
-    trial gets an equal share; with ``tune.max_concurrent_trials: 0`` as many trials run as give
-    each worker one whole CPU (at least one trial). On 2 CPUs with one worker per trial: one trial
-    at a time, its worker on 0.99 CPU and Ray Data on the other, the main flow's split.
-    """
+    trial gets an equal share (a GPU worker at most `GPU_WORKER_CPUS`); with ``tune.max_concurrent_trials: 0``
+    as many trials run as give each worker one whole CPU (and a GPU, on GPUs). On 2 CPUs with one worker
+    per trial: one trial at a time, its worker on 0.99 CPU and Ray Data on the other, the main flow's split."""
     usable = cluster_cpus - train.data_cpus  # for the trials: their drivers and workers
     # Trials that give each worker a whole CPU; at least one, its workers sharing what there is.
     fits = max(1, math.floor(usable / (train.num_workers + TRIAL_DRIVER_CPUS))) if usable > 2 * TRIAL_DRIVER_CPUS else 0
-    concurrent = tune_cfg.max_concurrent_trials or fits
+    use_gpu = plan_cluster(train, cluster_cpus, cluster_gpus).use_gpu  # DoesNotFit: FSDP on CPUs; on GPUs, trials they hold:
+    concurrent = tune_cfg.max_concurrent_trials or (min(fits, max(1, int(cluster_gpus) // train.num_workers)) if use_gpu else fits)
     if concurrent > fits:
-        raise ValueError(
+        raise DoesNotFit(
             f"tune.max_concurrent_trials={concurrent}: the cluster's {cluster_cpus:g} CPUs hold {fits} trial(s) of "
             f"train.num_workers={train.num_workers} beside train.data_cpus={train.data_cpus:g}; lower it or set 0 (auto)"
         )
     if fits == 0:
-        raise ValueError(
+        raise DoesNotFit(
             f"the cluster has {cluster_cpus:g} CPUs: too few for a trial of train.num_workers={train.num_workers} "
             f"plus train.data_cpus={train.data_cpus:g}; lower either"
         )
-    use_gpu, _, _ = plan_resources(train, cluster_cpus, cluster_gpus)
     if use_gpu and cluster_gpus < concurrent * train.num_workers:
-        raise ValueError(
+        raise DoesNotFit(
             f"{concurrent} trial(s) of train.num_workers={train.num_workers} need {concurrent * train.num_workers} GPUs; "
-            f"the cluster has {cluster_gpus:g}; lower tune.max_concurrent_trials"
+            f"the cluster has {cluster_gpus:g}; lower tune.max_concurrent_trials or train.num_workers, or set train.use_gpu=never"
         )
-    workers = concurrent * train.num_workers
-    cpus = math.floor((usable - concurrent * TRIAL_DRIVER_CPUS) / workers * 1000) / 1000  # rounded down: all must fit
-    threads = max(1, math.floor(cluster_cpus / workers))
+    workers, most = concurrent * train.num_workers, GPU_WORKER_CPUS if use_gpu else math.inf  # a GPU worker: a few CPUs
+    cpus = min(most, math.floor((usable - concurrent * TRIAL_DRIVER_CPUS) / workers * 1000) / 1000)  # rounded down
+    threads = min(most, max(1, math.floor(cluster_cpus / workers)))
     return TrialPlan(concurrent=concurrent, use_gpu=use_gpu, cpus_per_worker=cpus, torch_threads=threads)
 
 
