@@ -85,3 +85,18 @@ def test_per_channel_mean_and_std_are_checked():
         TransformConfig(mean=[0.1, 0.2]).per_channel(3)
     with pytest.raises(ValueError, match="transform.std"):
         TransformConfig(std=[0.5, 0.0])
+
+
+def test_the_cli_refuses_a_mean_with_the_wrong_number_of_channels_before_any_work(tmp_path, capsys):
+    """MNIST's digits have one channel: three means cannot fit them, said before Ray starts or anything is written."""
+    import ray
+
+    from flows import mnist
+
+    storage = tmp_path / "storage"
+    code = mnist.main(["--storage-root", str(storage), "--model.name", "training.models:small_cnn",
+                       "--transform.mean", "[0.1, 0.2, 0.3]"])
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert "transform.mean has 3 values; the images have 1 channels" in stderr
+    assert not ray.is_initialized() and not storage.exists()

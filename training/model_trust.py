@@ -91,6 +91,7 @@ def check_model(config: PipelineConfig, layout: folder.FolderLayout | None) -> N
     check_name(config.model.name)
     data = data_for_trial(config, layout)
     if data is not None:
+        config.transform.per_channel(data[0][0])  # a per-channel mean or std must have one value per channel
         try_model(config.model.name, *data)
     if config.model.weights:  # an s3:// folder's shape comes with its conversion: any channels fit the names
         weights.check(config.model.weights, config.storage_root, config.model.name, *(data or ((3, 32, 32), 2)))
