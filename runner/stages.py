@@ -15,7 +15,7 @@ from prefect import Task
 from prefect_ray.context import remote_options
 
 from pipeline_config import PipelineConfig, TrainConfig
-from runner import console, stopping
+from runner import console, stopping, watchers
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
 from storage_io import StorageLayout, atomic_write_json, join, read_json, storage_writes
@@ -72,10 +72,10 @@ class StageRecorder:
         # Training says one line per epoch, read from the run's history on storage by this driver.
         history = join(self.layout.run_dir, HISTORY_FILE)
         live = self.tracker.sync_epochs if self.tracker.enabled else None  # each epoch into MLflow as it finishes
-        watch = console.EpochWatcher(history, self.epochs(), on_epoch=live) if name == "train" else nullcontext()
+        watch = watchers.EpochWatcher(history, self.epochs(), on_epoch=live) if name == "train" else nullcontext()
         tune_cfg = getattr(self.config, "tune", None)
         if name == "tune" and tune_cfg is not None:  # one line per trial epoch, from the trials' histories
-            watch = console.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
+            watch = watchers.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
         try:
             with remote_options(**stage_options(self.plan[name])):
                 future = self.runner.submit(stage, parameters=parameters)

@@ -169,7 +169,7 @@ class Tracker:
                 self._recorded.add(what)
 
     def sync_epochs(self) -> None:
-        """Only the new epochs (while training runs: `runner.console.EpochWatcher` calls it)."""
+        """Only the new epochs (while training runs: `runner.watchers.EpochWatcher` calls it)."""
         if self.run_id is None:
             self._do("the MLflow run", self._open)
         if self.run_id is not None:

@@ -11,7 +11,7 @@ import pytest
 from prefect.logging.handlers import PrefectConsoleHandler
 
 from pipeline_config import TrainConfig
-from runner import console
+from runner import console, watchers
 from runner.summary import RunSummary
 from training.records import record_epoch
 
@@ -24,9 +24,9 @@ def test_duration_reads_like_a_clock():
 
 def test_epoch_line_has_progress_loss_accuracy_speed_and_time_left():
     row = {"epoch": 2, "train_loss": 0.41234, "val_accuracy": 0.985, "images_per_s": 511.7}
-    line = console.epoch_line(row, 30, elapsed_s=130, seconds_per_epoch=40)
+    line = watchers.epoch_line(row, 30, elapsed_s=130, seconds_per_epoch=40)
     assert line == "epoch 3/30  loss 0.412  val acc 98.50%  512 img/s  2m10s elapsed, ~18m00s left"
-    last = console.epoch_line(row | {"epoch": 29}, 30, elapsed_s=1200, seconds_per_epoch=40)
+    last = watchers.epoch_line(row | {"epoch": 29}, 30, elapsed_s=1200, seconds_per_epoch=40)
     assert last.endswith("20m00s elapsed")  # nothing left to estimate
 
 
@@ -45,7 +45,7 @@ def test_epoch_watcher_says_each_new_epoch_once_and_skips_a_resumed_runs_earlier
     collected = _Records()
     logging.getLogger("runner.console").addHandler(collected)  # the watcher's logger outside a Prefect run
     try:
-        with console.EpochWatcher(history, epochs=4, poll_s=0.05):
+        with watchers.EpochWatcher(history, epochs=4, poll_s=0.05):
             for epoch in (1, 2, 3):
                 time.sleep(0.2)
                 record_epoch(history, {"epoch": epoch, "train_loss": 0.5, "val_accuracy": 0.9, "images_per_s": 200.0})
@@ -64,7 +64,7 @@ def test_trial_watcher_says_each_trial_epoch_once_and_skips_a_restored_searchs_e
     collected = _Records()
     logging.getLogger("runner.console").addHandler(collected)
     try:
-        with console.TrialWatcher(str(trials), epochs=2, metric="val_ce", poll_s=0.05):
+        with watchers.TrialWatcher(str(trials), epochs=2, metric="val_ce", poll_s=0.05):
             time.sleep(0.2)
             record_epoch(str(trials / "t_00000" / "history.jsonl"), {"epoch": 1, "val_ce": 0.5, "val_accuracy": 0.8})
             record_epoch(str(trials / "t_00001" / "history.jsonl"), {"epoch": 0, "val_ce": 1.5, "val_accuracy": 0.4})
