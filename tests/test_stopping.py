@@ -90,8 +90,8 @@ def test_a_failure_between_stages_is_not_reported_as_before_any_stage():
 def test_too_many_workers_are_refused_before_anything_is_created(tmp_path):
     run = CliRun(tmp_path, "too-many", "--train.num-workers", "128", "--train.global-batch-size", "256")
     code, _ = run.finish(180)
-    assert code == 1, run.output()
-    assert "train.num_workers=128" in run.output()
+    assert code == 2, run.output()  # a configuration the cluster cannot hold: exit 2, like any bad value (issue 46)
+    assert "train.num_workers=128" in run.output() and "to resume" not in run.output()  # nothing started: no resume line
     assert not run.root.exists() or not any(run.root.iterdir()), sorted(p.name for p in run.root.iterdir())
 
 
