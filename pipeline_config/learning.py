@@ -141,7 +141,10 @@ class TrainConfig(_Section):
         0.99,
         ge=0,
         lt=1,
-        description="Decay of the exponential moving average of the weights that is validated and saved (0 disables).",
+        description=(
+            "Upper bound of the decay of the moving average of the weights that is validated and saved (0 disables); "
+            "a short run gets less, so the average spans at most a tenth of its optimizer steps (training.recipe.plan_for)."
+        ),
     )
     seed: int = Field(0, ge=0, description="Seed for weights, shuffling and augmentation.")
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="Data-parallel strategy passed to prepare_model.")

@@ -61,7 +61,6 @@ def inference_model(model: torch.nn.Module, ema: AveragedModel | None) -> torch.
     return ema.module if ema is not None else unwrap(model)
 
 
-
 # Sized in optimizer steps, not only in fractions of the run, so a short run is not starved
 # (the recipe benchmark, docs/performance.md): the warm-up is a fifth of the run but at most
 # WARMUP_MAX_STEPS; the weight average spans at most a tenth of the run (EMA_RUN_SHARE), so at
