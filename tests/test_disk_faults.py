@@ -308,14 +308,17 @@ def checkpoint_folders(run_dir: Path) -> list[str]:
 
 @pytest.mark.slow
 def test_a_root_that_fills_during_training_fails_naming_the_checkpoint_and_the_same_run_resumes(tmp_path, local_ray):
-    """Real training on a 300 MB root: epoch 0's checkpoint (about 180 MB) fits, epoch 1's does not.
+    """Real training on a 200 MB root: epoch 0's checkpoint (about 135 MB) fits, epoch 1's does not.
+
+    A run this short (a few optimizer steps) has no weight average (`training.recipe.plan_for`), so a checkpoint
+    is ResNet-18's weights and AdamW's two moments: three copies of about 45 MB.
 
     Ray Train's restart (max_failures=1) resumes from epoch 0 and fails the same way; the stage's
     error names the checkpoint folder; no partial folder is left; the same run on the root grown
     to 1 GB resumes from epoch 1 and completes.
     """
     mount_point = tmp_path / "fs"
-    mount_tmpfs(mount_point, "300m")
+    mount_tmpfs(mount_point, "200m")
     try:
         layout = StorageLayout.create(str(mount_point / "storage"), "fills-up")
         raw = RawData(**write_raw(tmp_path / "raw", n_train=100, n_test=20))
@@ -334,7 +337,7 @@ def test_a_root_that_fills_during_training_fails_naming_the_checkpoint_and_the_s
         assert checkpoint_folders(run_dir) == ["checkpoint_epoch-0000"]  # no partial epoch 1
         assert checkpoint_problem(run_dir / "checkpoint_epoch-0000") is None
         assert incomplete_checkpoints(layout.run_dir) == {}
-        assert shutil.disk_usage(mount_point).used < 200 << 20  # epoch 1's partial copy gave its space back
+        assert shutil.disk_usage(mount_point).used < 150 << 20  # epoch 1's partial copy gave its space back
 
         subprocess.run(["mount", "-o", "remount,size=1g", str(mount_point)], check=True)
         trained = train.fn(spec, cfg, layout)  # the same run name: resumes
