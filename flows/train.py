@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sys
 
-from prefect import Task, flow
+from prefect import Task, flow, get_run_logger
 
 from dataset import folder
 from dataset.idx import IMAGE_SHAPE
@@ -28,21 +28,22 @@ from dataset.parquet import MNIST_CLASSES
 from pipeline_config import PipelineConfig
 from pipeline_config.model import folder_workload
 from pipeline_config.settings import TrainSettings
-from reporting import artifacts
+from dataset.parquet import manifest_problem
+from reporting import artifacts, events
 from runner import console, hooks
-from runner.harness import flow_run_name, run_cli, run_flow
+from runner.harness import ended_before_training, flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
 from runner.summary import RunSummary
-from storage_io import StorageLayout, is_remote, lease_uses
+from storage_io import StorageLayout, exists, is_remote, lease_uses, redact_url
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
 from tasks.promote import promote
-from tasks.to_parquet import to_parquet
+from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training import model_trust
-from training import registry_files
+from training import registry_files, unchanged
 from training.resources import plan_cluster
 
 
@@ -64,7 +65,7 @@ def train_with_retries(cfg) -> Task:
 @flow(name="train", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
 def train_pipeline(config: PipelineConfig = PipelineConfig()) -> RunSummary:
     """Any workload: download, convert to Parquet, transform with Ray Data, train model.name with Ray Train, evaluate, promote, clean up."""
-    return run_flow(config, "flows.train", check_cluster_fits, STAGE_CPUS, run_stages)
+    return run_flow(config, "flows.train", check_cluster_fits, STAGE_CPUS, run_stages, nothing_new)
 
 
 def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConfig) -> None:
@@ -76,6 +77,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
         max_image_pixels=config.download.max_image_pixels,
     )
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
+    announce_data(config, layout, dataset.directory, verified=True)
     model_trust.try_on_dataset(config, dataset)  # an s3:// folder's shape is known only now: the model runs on it
     artifacts.publish_dataset_report(dataset, workload)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
@@ -86,11 +88,61 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
     # Evaluation publishes its reports (confusion matrix, predictions, metrics) and the gate's verdict;
     # promotion records the run, makes a better model the champion, and fails a run below the gate.
     evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout, workload=workload)
-    stage(
+    if not evaluation.passed_gate:
+        announce(config, events.GATE_FAILED, run=layout.run_name, test_accuracy=evaluation.accuracy, min_accuracy=evaluation.min_accuracy)
+    outcome = stage(
         promote, evaluation=evaluation, trained=trained, spec=spec, cfg=config.promote, evaluate_cfg=config.evaluate,
         layout=layout, run_config=config.model_dump(mode="json"), raw_dir=raw.directory, workload=workload,
     )
+    if outcome.promotion is not None and outcome.promotion.promoted:
+        announce_promotion(config, layout, outcome.promotion, evaluation.accuracy)
     stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+
+
+def nothing_new(config: PipelineConfig, layout: StorageLayout, module: str) -> RunSummary | None:
+    """With ``promote.skip_unchanged``, before Ray starts: the summary of a run whose data, model and recipe
+    are its champion's (`training.unchanged`), which then ends as "nothing new to train on"; else None.
+
+    The data is listed and fingerprinted as the download and conversion stages would (an unchanged image
+    folder's checksums come from its listing cache); the dataset of that fingerprint must still verify.
+    """
+    if not (config.promote.enabled and config.promote.skip_unchanged):
+        return None
+    raw = download.fn(config.download, layout)
+    fingerprint = dataset_fingerprint(raw, config.parquet, config.transform.image_size)
+    dataset_dir = layout.dataset_dir(fingerprint, config.workload)
+    verified = exists(dataset_dir) and manifest_problem(dataset_dir, fingerprint) is None
+    verdict = announce_data(config, layout, dataset_dir, verified)
+    if not verdict.unchanged:
+        console.say(f"promote.skip_unchanged: training, {verdict.reason}")
+        return None
+    get_run_logger().info("Nothing new to train on: %s. Set promote.skip_unchanged=false to train anyway.", verdict.reason)
+    announce(config, events.NOTHING_NEW, run=layout.run_name, **verdict.payload())
+    return ended_before_training(
+        config, layout, module, verdict.reason, raw.source, raw_dir=raw.directory, download_skipped=raw.skipped,
+        dataset_dir=dataset_dir, conversion_skipped=True,
+    )
+
+
+def announce_data(config: PipelineConfig, layout: StorageLayout, dataset_dir: str, verified: bool) -> unchanged.Verdict:
+    """The data's verdict against the champion's (`training.unchanged`), sent as the data-checked event."""
+    verdict = unchanged.compare(layout.root, config.registry_name, dataset_dir, verified, config.model_dump(mode="json"))
+    announce(config, events.DATA_CHECKED, run=layout.run_name, **verdict.payload())
+    return verdict
+
+
+def announce_promotion(config: PipelineConfig, layout: StorageLayout, promotion, accuracy: float) -> None:
+    """The promotion event: the new champion, its accuracy and run, and the champion it replaced."""
+    announce(
+        config, events.PROMOTED, model=promotion.model, version=promotion.version, test_accuracy=accuracy,
+        run=layout.run_name, replaced_version=promotion.champion_before, replaced_accuracy=promotion.champion_accuracy,
+        storage_root=redact_url(layout.root),
+    )
+
+
+def announce(config: PipelineConfig, name: str, **payload) -> None:
+    """Send one domain event about the run's model (`reporting.events`)."""
+    events.emit(name, events.model_resource(config.registry_name, config.workload, config.model.name), payload)
 
 
 def check_cluster_fits(config: PipelineConfig) -> None:

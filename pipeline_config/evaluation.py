@@ -60,6 +60,13 @@ class PromoteConfig(_Section):
         ),
     )
     recent_runs: int = Field(20, ge=1, le=1000, description="Runs listed in the run-comparison table and picture.")
+    skip_unchanged: bool = Field(
+        False,
+        description=(
+            "End the run before training, as 'nothing new to train on', when its data, model and recipe are those of "
+            "the champion's run (the nightly preset sets it; set it false to train anyway)."
+        ),
+    )
 
     @field_validator("model_name")
     @classmethod

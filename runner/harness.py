@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from prefect.states import Cancelled
+from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
 from dataset import folder
@@ -28,7 +28,7 @@ from runner.runtime import cli_runtime, ray_task_runner
 from runner.stages import StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
 from runner.tracking import tracking_uri
-from storage_io import StorageLayout, atomic_write_json, redact_text, run_lease
+from storage_io import StorageLayout, atomic_write_json, redact_text, run_lease, storage_writes
 from training import model_trust
 from training.resources import DoesNotFit
 
@@ -63,7 +63,9 @@ def flow_run_name() -> str:
     return config.run_name or default_run_name(run_name_prefix(config))
 
 
-def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[str, float], stages: Any) -> RunSummary | Cancelled:
+def run_flow(
+    config: PipelineConfig, module: str, check_fits: Any, plan: dict[str, float], stages: Any, nothing_new: Any = None,
+) -> RunSummary | Cancelled | Completed:
     """What every flow does around its stage list ``stages(stage, layout, config)``.
 
     The run folder (when ``run_name`` is unset, the flow run's name: `flow_run_name`), the Ray task
@@ -71,14 +73,19 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
     ends. The run's `RunSummary` is the flow's return value; on a stop request (Ctrl-C, SIGTERM) the
     summary says interrupted and the flow run ends Cancelled with it as data; a failed run's
     exception carries it (`runner.summary.attach`). ``module``: the flow's CLI module, what the
-    summary's resume command runs.
+    summary's resume command runs. ``nothing_new(config, layout, module)``: before Ray starts, the summary of
+    a run with nothing new to train on (`ended_before_training`), which then ends Completed with
+    that reason as its message; None goes on.
     """
     model_trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
-    source = folder.check_source(config.download, config.transform.image_size)  # source=folder: a bad layout or image, named
+    source = folder.check_source(config.download, config.transform.image_size, config.storage_root)  # source=folder: a bad layout or image, named
     tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
     model_trust.check_model(config, source)  # ValueError naming model.name: it does not import, build or run on this data
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
+    ended = nothing_new(config, layout, module) if nothing_new is not None else None
+    if ended is not None:
+        return Completed(message=f"nothing new to train on: {ended.nothing_new}", data=ended)
     stage = None
     try:
         with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
@@ -102,6 +109,28 @@ def run_flow(config: PipelineConfig, module: str, check_fits: Any, plan: dict[st
                 return stage.write_summary()
     finally:
         stopping.flow_body_done(stage.last_summary if stage else None)
+
+
+def ended_before_training(
+    config: PipelineConfig, layout: StorageLayout, module: str, reason: str, source: str, **data: Any
+) -> RunSummary:
+    """The summary of a run that ends before any stage, with nothing new to train on; written as summary.json.
+
+    ``source``: where its data came from (``RawData.source``); ``data``: `runner.summary.DataRecord`
+    fields (where the raw data and the dataset are).
+    """
+    from prefect.runtime import flow_run
+
+    from runner.summary import DataRecord
+
+    summary = RunSummary(
+        run_name=layout.run_name, module=module, workload=config.workload, flow_run_id=str(flow_run.id) if flow_run.id else None,
+        storage_root=layout.root, run_dir=layout.run_dir, data_source=source, data=DataRecord(**data),
+        status="completed", nothing_new=reason, config=config.model_dump(mode="json"),
+    )
+    with storage_writes("summary", layout.run_dir):
+        atomic_write_json(layout.summary_path, summary.to_json())
+    return summary
 
 
 def started_by_deployment() -> bool:
@@ -153,7 +182,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose
     # (the Prefect UI gets every log line either way).
     with stopping.signals_stop_the_run() as stop:
-        with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray) as runtime:
+        with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray, ray_now=not skips_when_unchanged(config)) as runtime:
             if runtime.dashboard_url:
                 dashboard = f"dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)"
                 print(f"Ray: local cluster, {dashboard}", flush=True)
@@ -170,12 +199,18 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
         return close_cli(summary, failed, config, settings, runtime, stop, wall, argv, module)
 
 
+def skips_when_unchanged(config: PipelineConfig) -> bool:
+    """Whether the run may end before training (``promote.skip_unchanged``): its CLI then starts Ray only if it trains."""
+    promote = getattr(config, "promote", None)
+    return bool(promote and promote.enabled and promote.skip_unchanged and getattr(config, "tune", None) is None)
+
+
 def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, PipelineConfig, StorageLayout]:
     """(settings, config with its run name, the run's layout) from ``argv`` and the environment;
     ValidationError or ValueError naming the field when something cannot work, before any work starts."""
     settings = parse_cli(argv, settings_class)
     config = settings.pipeline_config()
-    source = folder.check_source(config.download, config.transform.image_size)
+    source = folder.check_source(config.download, config.transform.image_size, config.storage_root)
     tracking_uri(config)  # MLFLOW_TRACKING_URI the tracker cannot use, or with credentials: refused, naming it
     model_trust.check_model(config, source)  # the command line's user may import any module
     if config.run_name is None:

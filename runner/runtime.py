@@ -129,7 +129,7 @@ class Runtime(NamedTuple):
 
 
 @contextmanager
-def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
+def cli_runtime(cfg: RayConfig, ray_now: bool = True) -> Iterator[Runtime]:
     """The Prefect API and, for a local Ray, Ray itself, for a run of ``python -m flows.mnist``.
 
     With no ``ray.address`` the local Ray is started here, with the API's URL in the workers'
@@ -140,9 +140,12 @@ def cli_runtime(cfg: RayConfig) -> Iterator[Runtime]:
 
     If either does not start, the CLI prints what failed, where its log is and what to do, and
     exits with ``START_FAILED_EXIT_CODE`` (``StartFailed``) instead of a traceback.
+
+    ``ray_now=False`` (a run that may end before training, ``promote.skip_unchanged``): only the API;
+    the flow's RayTaskRunner starts the local Ray if the run goes on to its stages.
     """
     temporary = current_api_url() is None
-    if cfg.address is not None:
+    if cfg.address is not None or not ray_now:
         with ExitStack() as stack:
             url = _started(lambda: stack.enter_context(prefect_api()))
             yield Runtime(url, temporary, None)

@@ -71,6 +71,7 @@ class RunSummary(BaseModel):
     tuning: dict[str, Any] | None = None  # a search's (`training.tuning`)
     tracking: dict[str, Any] | None = None  # the MLflow run (`runner.tracking`); None: tracking is off
     warnings: list[str] = []  # what the run was warned of before training (too few optimizer steps)
+    nothing_new: str | None = None  # why the run ended before training: its data, model and recipe are the champion's
     config: dict[str, Any] = {}
     environment: dict[str, Any] = {}
 
