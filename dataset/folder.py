@@ -12,8 +12,10 @@ names the path that is wrong. The folder is only read: never copied, modified or
 
 A local folder's images are decoded in full before any work (`check_source`): a file that stops
 short, or one of more than ``download.max_image_pixels`` pixels (from its header), is refused by
-name. Files that are not images, hidden files and links to missing files are passed over and
-counted (`FolderLayout.skipped`; the conversion's terminal line names the first few).
+name. With a storage root, what earlier runs learned (each file's sha256, and that it decoded in
+full) is kept in a `dataset.listing.ListingCache` and reused while a file keeps its size and mtime.
+Files that are not images, hidden files and links to missing files are passed over and counted
+(`FolderLayout.skipped`; the conversion's terminal line names the first few).
 
 The conversion (`convert_folder`) reads the files with Ray Data (``ray.data.read_binary_files``,
 one split at a time, in file order) and decodes them in Ray Data tasks as `dataset.images` does
@@ -33,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dataset import images
+from dataset.listing import ListingCache
 from dataset.parquet import SPLITS, _SplitWriter, schema_for, to_table
 from pipeline_config import ParquetConfig
 from storage_io import StorageLayout, filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
@@ -175,7 +178,7 @@ def _check_reachable(path: str, field: str) -> None:
         raise FolderError(str(exc).replace(f"storage_root {path.rstrip('/')}", f"{field} {path}", 1)) from None
 
 
-def check_source(cfg, image_size: int | None = None) -> FolderLayout | None:
+def check_source(cfg, image_size: int | None = None, storage_root: str | None = None) -> FolderLayout | None:
     """Before any work: the layout of ``download.path`` when ``download.source=folder``, else None.
 
     FolderError naming the path: an ``s3://`` folder whose endpoint or bucket does not answer (the
@@ -183,7 +186,9 @@ def check_source(cfg, image_size: int | None = None) -> FolderLayout | None:
     local folder every image decoded in full (`scan_images`): a file that is not a readable image or
     stops short, one of more than ``download.max_image_pixels`` pixels, sizes that differ without
     ``transform.image_size``. An ``s3://`` folder's images are opened by the conversion stage only:
-    reading every image over the network before any work is too much to spend."""
+    reading every image over the network before any work is too much to spend. ``storage_root``: where
+    the listing cache lives (`listing_cache`); an image it says decoded in full at this limit or a
+    stricter one, and unchanged since (size, mtime), has its header read only."""
     if cfg.source != "folder" or not cfg.path:
         return None
     remote = is_remote(cfg.path)
@@ -194,13 +199,29 @@ def check_source(cfg, image_size: int | None = None) -> FolderLayout | None:
     except OSError as exc:  # the listing failed half-way (network, permissions)
         raise FolderError(f"download.path {cfg.path}: cannot list it ({type(exc).__name__}: {exc})") from None
     if not remote:
-        scan_images(layout, image_size, cfg.max_image_pixels, decode=True)
+        cache = listing_cache(layout, storage_root)
+        scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
+        cache.save()  # only once every image passed: a refused run writes nothing
     return layout
 
 
-def folder_files(layout: FolderLayout) -> dict[str, str]:
-    """Relative path -> sha256 of every image the layout names: what the dataset's fingerprint is made of."""
-    return {rel: sha256_file(join(layout.path, rel)) for split in ("train", "val", "test") for rel, _ in layout.files.get(split, [])}
+def image_paths(layout: FolderLayout) -> list[str]:
+    """The relative path of every image the layout names: train/, val/, test/, each in file order."""
+    return [rel for split in ("train", "val", "test") for rel, _ in layout.files.get(split, [])]
+
+
+def listing_cache(layout: FolderLayout, storage_root: str | None) -> ListingCache:
+    """The layout's images as listed now (size, mtime) with what earlier runs learned about them, kept on
+    ``storage_root`` (None: nothing kept)."""
+    return ListingCache(layout.path, image_paths(layout), storage_root)
+
+
+def folder_files(layout: FolderLayout, cache: ListingCache | None = None) -> dict[str, str]:
+    """Relative path -> sha256 of every image the layout names: what the dataset's fingerprint is made of.
+    ``cache``: an unchanged file's sha256 is the cached one (the caller saves the cache)."""
+    if cache is None:
+        return {rel: sha256_file(join(layout.path, rel)) for rel in image_paths(layout)}
+    return {rel: cache.sha256(rel) for rel in image_paths(layout)}
 
 
 def stratified_split(labels: list[int], every: int, seed: int) -> np.ndarray:
@@ -230,21 +251,26 @@ def _read_image(path: str, max_pixels: int | None, decode: bool) -> tuple[str, t
 
 
 def scan_images(
-    layout: FolderLayout, image_size: int | None, max_pixels: int | None = None, decode: bool = False
+    layout: FolderLayout, image_size: int | None, max_pixels: int | None = None, decode: bool = False,
+    cache: ListingCache | None = None,
 ) -> tuple[int, int, int]:
     """(channels, height, width) the converted images will have; FolderError naming a file that cannot be read,
     one of more than ``max_pixels`` pixels (None: no limit), one whose size differs from the first one's when
-    ``image_size`` is unset, and (``decode``) one that cannot be decoded in full."""
+    ``image_size`` is unset, and (``decode``) one that cannot be decoded in full. ``cache``: a file it says
+    was decoded already is not decoded again (its header is read), and each one decoded is recorded there."""
     channels, first = 1, None
     for split in ("train", "val", "test"):
         for rel, _ in layout.files.get(split, []):
             path = join(layout.path, rel)
+            full = decode and not (cache is not None and cache.checked(rel, max_pixels))
             try:
-                mode, size = _read_image(path, max_pixels, decode)
+                mode, size = _read_image(path, max_pixels, full)
             except images.ImageError as exc:
                 raise FolderError(str(exc)) from None
             except OSError as exc:  # gone since the listing, unreadable
                 raise FolderError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
+            if full and cache is not None:
+                cache.mark_checked(rel, max_pixels)
             if mode not in GRAY_MODES:
                 channels = 3
             if first is None:

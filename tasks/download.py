@@ -26,7 +26,7 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
     """Fetch and verify the four MNIST IDX files (official, mirror or bundled sample)."""
     log = stage_logger(__name__)
     if cfg.source == "folder":
-        return list_folder(cfg, log)
+        return list_folder(cfg, log, layout)
     plan = resolve_source(cfg, layout)
     if plan.fell_back:
         log.warning(
@@ -46,12 +46,18 @@ def download(cfg: DownloadConfig, layout: StorageLayout) -> RawData:
     return RawData(source=plan.source, url=plan.base_url, directory=directory, files=files, skipped=skipped)
 
 
-def list_folder(cfg: DownloadConfig, log) -> RawData:
+def list_folder(cfg: DownloadConfig, log, layout: StorageLayout | None = None) -> RawData:
     """source=folder: check the layout and record every image's sha256 (the dataset's fingerprint
-    changes when the data does). Nothing is copied: the folder is read where it is, and never deleted."""
+    changes when the data does). Nothing is copied: the folder is read where it is, and never deleted.
+
+    ``layout``: its storage root keeps the listing cache (`dataset.listing`): an image whose size and
+    mtime are unchanged since an earlier run reuses its sha256, so an unchanged folder is listed, not
+    read. An edit that keeps both size and mtime is not noticed. None: every image is hashed."""
     assert cfg.path is not None  # DownloadConfig refuses source=folder without a path
     found = folder.check_folder(cfg.path)
-    files = folder.folder_files(found)
+    cache = folder.listing_cache(found, layout.root if layout is not None else None)
+    files = folder.folder_files(found, cache)
+    cache.save()
     counts = {split: len(rows) for split, rows in found.files.items()}
     log.info("Image folder %s: %d classes (%s), images %s", cfg.path, len(found.classes), ", ".join(found.classes), counts)
     return RawData(source="folder", url=cfg.path, directory=cfg.path, files=files, skipped=False)

@@ -1,0 +1,146 @@
+"""A cheap listing of an image folder's files, and what earlier runs learned about each of them.
+
+Checking a labelled image folder before a run decodes every image in full, and the download stage
+hashes every image (sha256) for the dataset's fingerprint: many seconds for tens of thousands of
+images. `ListingCache` keeps, on the storage root (never in the user's folder, which may be
+read-only), one entry a file::
+
+    <storage_root>/listings/<12 hex of sha256(folder path)>.json
+    {"version": 1, "folder": "<path>", "files": {"train/cat/1.png": [size, mtime_ns, sha256, checked_max_pixels]}}
+
+A file whose size and modification time (``mtime_ns``; an ``s3://`` object's LastModified) are the
+cached ones reuses its sha256 and counts as decoded already; any other file is hashed and decoded
+again, and a file no longer in the folder loses its entry.
+
+What counts as a change: a different size or modification time. An edit that keeps both (a tool
+that writes the same number of bytes and then restores the old mtime) is NOT noticed: the run
+reuses the old sha256 and the old check. Touch the file, or delete the cache file, to have it read
+again. A damaged or foreign cache file is ignored (treated as empty), never an error; one that
+cannot be read or written only costs the work it would have saved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import posixpath
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import pyarrow.fs as pafs
+
+from storage_io import StorageWriteError, atomic_write_json, filesystem, is_remote, join, read_json, sha256_file
+
+VERSION = 1
+FOLDER = "listings"
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+# checked_max_pixels of a file decoded in full with no pixel limit (None), stored as 0 in the cache.
+NO_LIMIT = 0
+
+
+def folder_key(path: str) -> str:
+    """The folder as the cache names it: an ``s3://`` URI as given (no trailing '/'), a local path absolute."""
+    return path.rstrip("/") if is_remote(path) else str(Path(path).expanduser().absolute())
+
+
+def cache_path(storage_root: str, path: str) -> str:
+    """``<storage_root>/listings/<12 hex of sha256(folder path)>.json``."""
+    return join(storage_root, FOLDER, hashlib.sha256(folder_key(path).encode()).hexdigest()[:12] + ".json")
+
+
+def stat_files(path: str, rels: Iterable[str]) -> dict[str, tuple[int, int]]:
+    """Relative path -> (size, mtime_ns) of each of ``rels`` under the folder ``path``; a file that is gone
+    (or an object without a modification time) is left out, so it is read again, and fails there by name."""
+    rels = list(rels)
+    if is_remote(path):
+        fs, where = filesystem(path)
+        infos = fs.get_file_info(pafs.FileSelector(where, recursive=True, allow_not_found=True))
+        found = {posixpath.relpath(i.path, where): (i.size, i.mtime_ns) for i in infos if i.type == pafs.FileType.File}
+        return {rel: found[rel] for rel in rels if rel in found and found[rel][1] is not None}
+    base, stats = folder_key(path), {}
+    for rel in rels:
+        try:
+            st = os.stat(os.path.join(base, rel))
+        except OSError:
+            continue
+        stats[rel] = (st.st_size, st.st_mtime_ns)
+    return stats
+
+
+def _valid_entry(entry) -> bool:
+    if not isinstance(entry, list) or len(entry) != 4:
+        return False
+    size, mtime_ns, digest, checked = entry
+    return (
+        all(isinstance(n, int) and not isinstance(n, bool) for n in (size, mtime_ns))
+        and (digest is None or (isinstance(digest, str) and _SHA256.fullmatch(digest) is not None))
+        and (checked is None or (isinstance(checked, int) and not isinstance(checked, bool) and checked >= 0))
+    )
+
+
+def read_entries(where: str, key: str) -> dict[str, list]:
+    """The entries of the cache file ``where`` for the folder ``key``; empty when it is missing, damaged,
+    of another version or of another folder."""
+    try:
+        data = read_json(where)
+    except Exception:  # an unreachable root: the cache only saves work
+        return {}
+    if not isinstance(data, dict) or data.get("version") != VERSION or data.get("folder") != key:
+        return {}
+    files = data.get("files")
+    if not isinstance(files, dict) or not all(isinstance(rel, str) and _valid_entry(e) for rel, e in files.items()):
+        return {}
+    return files
+
+
+class ListingCache:
+    """What earlier runs learned about the images ``rels`` of the folder ``path`` (see the module's docstring).
+
+    ``storage_root`` None: nothing is read or written; every file is hashed and decoded as without a cache."""
+
+    def __init__(self, path: str, rels: Iterable[str], storage_root: str | None = None):
+        self.path, self.key = path, folder_key(path)
+        self.where = cache_path(storage_root, path) if storage_root else None
+        self.stats = stat_files(path, rels)
+        old = read_entries(self.where, self.key) if self.where else {}
+        self.entries: dict[str, list] = {}
+        for rel, stat in self.stats.items():
+            entry = old.get(rel)
+            same = entry is not None and (entry[0], entry[1]) == stat
+            self.entries[rel] = list(entry) if same else [stat[0], stat[1], None, None]
+        self.changed = self.entries != old
+
+    def sha256(self, rel: str) -> str:
+        """The file's sha256: the cached one when the file is unchanged, else read and hashed (and kept)."""
+        entry = self.entries.get(rel)
+        if entry is not None and entry[2] is not None:
+            return entry[2]
+        digest = sha256_file(join(self.path, rel))
+        if entry is not None:
+            entry[2], self.changed = digest, True
+        return digest
+
+    def checked(self, rel: str, max_pixels: int | None) -> bool:
+        """Whether the unchanged file was decoded in full without error at ``max_pixels`` or a stricter limit."""
+        entry = self.entries.get(rel)
+        done = entry[3] if entry is not None else None
+        if done is None:
+            return False
+        return max_pixels is None or (done != NO_LIMIT and done <= max_pixels)
+
+    def mark_checked(self, rel: str, max_pixels: int | None) -> None:
+        """Record that the file was decoded in full without error at ``max_pixels`` (None: no limit)."""
+        entry = self.entries.get(rel)
+        if entry is not None:
+            entry[3], self.changed = NO_LIMIT if max_pixels is None else max_pixels, True
+
+    def save(self) -> None:
+        """Write the entries (only when something changed); a root that cannot be written is passed over."""
+        if self.where is None or not self.changed:
+            return
+        try:
+            atomic_write_json(self.where, {"version": VERSION, "folder": self.key, "files": self.entries})
+        except (OSError, StorageWriteError):  # a full or read-only root: the next run redoes the work
+            return
+        self.changed = False
