@@ -23,6 +23,13 @@ of this process, with its environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBH
 ``PIPELINE_MODEL_MODULES``: the modules a run's ``model.name`` may import) and working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
+With ``--watch CONFIG`` (a workload's config file, like docs/extending.md's ``shapes.yaml``) and
+``--score FOLDER``, training reacts (`deployments.reacting`): this process looks at the config's
+image folder every ``--watch-every`` seconds, ``train/on-data`` trains when it changed, and
+``score/on-promotion`` scores FOLDER with each new champion.
+
+    python -m deployments.serve --watch shapes.yaml --score my-images/test
+
 ``deployments/prefect.yaml`` declares the same four deployments for ``prefect deploy`` and a
 ``process`` work pool, when runs should be executed by a separate worker.
 """
@@ -31,8 +38,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from deployments import reacting
 from pipeline_config import PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
 from training import model_trust
@@ -45,6 +54,14 @@ NIGHTLY_TIMEZONE = "UTC"
 NIGHTLY_PRESET = "nightly"
 TAGS = ["mnist", "resnet18", "ray"]
 TRAIN_TAGS = ["ray", "workload"]  # the generic flow's: its runs' workload is a parameter
+
+
+def common_options() -> dict[str, Any]:
+    """What every served deployment shares: a module-path entrypoint (runs load `flows.*` from the installed
+    project, whatever the working directory of this process) and run parameters checked against the flow's."""
+    from prefect.deployments.runner import EntrypointType
+
+    return {"entrypoint_type": EntrypointType.MODULE_PATH, "enforce_parameter_schema": True}
 
 
 def preset_parameters(preset: str) -> dict[str, Any]:
@@ -90,13 +107,10 @@ def build_deployments(
         ``[nightly, manual, tune, train]`` (``tune`` is ``mnist-resnet18-tune/manual``, ``train`` is ``train/manual``).
     """
     from prefect.client.schemas.schedules import CronSchedule
-    from prefect.deployments.runner import EntrypointType
 
     from flows.mnist import mnist_pipeline
 
-    # Module-path entrypoints: runs load `flows.mnist` / `flows.tune` / `flows.train` from the installed project,
-    # whatever the working directory of this process.
-    common = {"entrypoint_type": EntrypointType.MODULE_PATH, "enforce_parameter_schema": True}
+    common = common_options()
     nightly = mnist_pipeline.to_deployment(
         name="nightly",
         schedule=CronSchedule(cron=cron, timezone=timezone),
@@ -159,6 +173,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tune-preset", default="default", choices=PRESETS, help="tune preset the search's run form starts from"
     )
     parser.add_argument("--limit", type=int, default=1, help="flow runs executed at the same time (default: 1)")
+    parser.add_argument(
+        "--watch", type=Path, metavar="CONFIG",
+        help="a workload's config file: watch its download.path, train it (train/on-data) when its images change",
+    )
+    parser.add_argument("--watch-every", type=float, default=reacting.WATCH_EVERY_S, metavar="S",
+                        help=f"seconds between looks at the watched folder (default: {reacting.WATCH_EVERY_S:g})")
+    parser.add_argument("--debounce", type=float, default=reacting.DEBOUNCE_S, metavar="S",
+                        help=f"changes within this many seconds start one training run, when they end (default: {reacting.DEBOUNCE_S:g})")
+    parser.add_argument("--score", metavar="FOLDER", help="score this image folder with each new champion (score/on-promotion)")
     return parser.parse_args(argv)
 
 
@@ -172,8 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
+    try:
+        more = reacting.build(args.watch, args.score, common_options(), args.watch_every, args.debounce)
+        folder_watcher = reacting.watcher(args.watch, args.watch_every)
+    except ValueError as exc:
+        print(f"invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
     print(f"model.name functions these deployments' runs may import: modules under {', '.join(allowed)} ({model_trust.MODULES_ENV})")
-    serve(*build_deployments(args.cron, args.timezone, args.manual_preset, args.tune_preset), limit=args.limit)
+    if folder_watcher is not None:
+        print(f"watching {folder_watcher.config.download.path} every {args.watch_every:g}s ({folder_watcher.config.workload})")
+        folder_watcher.start()
+    serve(*build_deployments(args.cron, args.timezone, args.manual_preset, args.tune_preset), *more, limit=args.limit)
     return 0
 
 

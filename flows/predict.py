@@ -161,7 +161,7 @@ def default_output(root: str, model: str, version: int) -> str:
     return output
 
 
-class _CardScoring(NamedTuple):
+class CardScoring(NamedTuple):
     """How a model card says its model scores images, as `training.inference.predict_table` takes it."""
 
     transform: TransformConfig  # the run's, normalized with the card's mean and std
@@ -170,7 +170,7 @@ class _CardScoring(NamedTuple):
     data: dict[str, Any]  # `training.registry_files.card_data`: shape, classes, mean, std, image_size
 
 
-def _card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int) -> _CardScoring:
+def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int) -> CardScoring:
     """The card's scoring configuration; RegistryDamaged naming the card in ``folder`` when it does not validate."""
     run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
     try:
@@ -183,10 +183,10 @@ def _card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int) -> 
         transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
     except (ValidationError, KeyError, TypeError, ValueError) as exc:
         raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
-    return _CardScoring(transform, evaluate, model_spec, data)
+    return CardScoring(transform, evaluate, model_spec, data)
 
 
-def _score(table: pa.Table, folder: str, scoring: _CardScoring, ray_cfg: RayConfig) -> dict[str, np.ndarray]:
+def score_table(table: pa.Table, folder: str, scoring: CardScoring, ray_cfg: RayConfig) -> dict[str, np.ndarray]:
     """`predict_table` over ``table`` with the model in ``folder``, on a Ray started (or joined) for this call only."""
     # Imported only now, after the input checked out: torch and Ray Data take seconds to import,
     # and a bad --input must be refused within seconds (docs/architecture.md).
@@ -211,7 +211,7 @@ def _score(table: pa.Table, folder: str, scoring: _CardScoring, ray_cfg: RayConf
         ray.shutdown()
 
 
-def _predictions_parquet(out: dict[str, np.ndarray], names: list[str], model: str, version: int) -> bytes:
+def predictions_parquet(out: dict[str, np.ndarray], names: list[str], model: str, version: int) -> bytes:
     """The predictions as a Parquet file's bytes: row_id, label, pred and the class name ``pred_class``,
     with the model, its version and its folder in the schema's metadata."""
     result = pa.table({
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         check_model(layout.root, model, which)
         # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
         version, folder, card = registry_files.resolve(layout.root, model, settings.version)
-        scoring = _card_scoring(card, folder, settings.num_actors, settings.batch_rows)
+        scoring = card_scoring(card, folder, settings.num_actors, settings.batch_rows)
         data = scoring.data
         table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
         output = settings.output or default_output(layout.root, model, version)
@@ -277,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
     print(f"Scoring {len(table):,} {noun} from {settings.input} with {model} v{version} (run {card.get('run_name')})", flush=True)
-    out = _score(table, folder, scoring, ray_cfg)
-    parquet = _predictions_parquet(out, data["classes"], model, version)
+    out = score_table(table, folder, scoring, ray_cfg)
+    parquet = predictions_parquet(out, data["classes"], model, version)
     if settings.output is None and exists(output):  # another command took the default name meanwhile
         output = default_output(layout.root, model, version)
     elif not settings.overwrite and exists(output):  # appeared while scoring

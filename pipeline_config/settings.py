@@ -104,6 +104,11 @@ def load_preset(name: str, flow: str = "mnist") -> dict[str, Any]:
     return values
 
 
+def preset_with_file(preset: str, path: Path) -> dict[str, Any]:
+    """The field values of ``preset`` with a YAML config file over them, as ``--preset P --config-file F`` layer them."""
+    return _deep_merge(load_preset(preset), _read_yaml(Path(path)))
+
+
 _SETTINGS = {
     "env_prefix": "MNIST_",
     "env_nested_delimiter": "__",

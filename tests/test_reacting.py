@@ -10,14 +10,23 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
-from pipeline_config import DownloadConfig, ParquetConfig, PipelineConfig, load_preset
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pipeline_config import PipelineConfig, load_preset, registry_model_name
+from dataset import watching
+from flows.watch import look
 from reporting import events
 from storage_io import StorageLayout
 from tasks.download import download
 from tasks.to_parquet import to_parquet
 from tests.support.cli import ROOT
-from tests.support.prefect_server import api_env, wait_for
+from tests.support.images import write_image_folder
+from tests.support.models import SMALL_MODEL
+from tests.support.prefect_server import TRAIN_FLOW, api_env, far_cron, log_tail, serve_deployments, stop_group, wait_for
 from tests.support.registry import candidate
 from training import registry, unchanged
 
@@ -129,3 +138,132 @@ def test_only_the_nightly_preset_skips_by_default_and_the_flag_is_in_the_help():
     assert done.returncode == 0 and "--promote.skip-unchanged, --no-promote.skip-unchanged" in done.stdout
     assert load_preset("nightly")["promote"]["skip_unchanged"] is True
     assert not any(load_preset(name).get("promote", {}).get("skip_unchanged") for name in ("default", "smoke"))
+
+
+def test_a_look_at_a_folder_reports_added_removed_and_changed_images_once(tmp_path):
+    folder = write_image_folder(tmp_path / "shapes", {"train": 3, "test": 2})
+    root = str(tmp_path / "root")
+    first = watching.look(root, str(folder))
+    assert (first.files, first.added, first.removed, first.modified) == (15, 15, 0, 0) and first.any
+    assert not watching.look(root, str(folder)).any  # nothing changed since the last look
+    (folder / "train" / "notes.txt").write_text("not an image")
+    (folder / "train" / "red_square" / ".hidden.png").write_bytes(b"x")
+    assert not watching.look(root, str(folder)).any  # neither counts
+    gone = next((folder / "test" / "red_square").iterdir())
+    gone.unlink()
+    grown = next((folder / "train" / "green_disc").iterdir())
+    grown.write_bytes(grown.read_bytes() + b"\0")
+    added = add_images(folder, 1, seed=3)
+    change = watching.look(root, str(folder))
+    assert (change.files, change.added, change.removed, change.modified) == (17, 3, 1, 1)
+    assert set(change.examples) >= {str(p.relative_to(folder)) for p in added}
+    assert not watching.look(root, str(folder)).any
+    Path(watching.state_path(root, str(folder))).write_text("{damaged")
+    assert watching.look(root, str(folder)).added == 17  # a kept listing that cannot be read: all is new again
+
+
+def test_the_watch_command_needs_the_servers_api_and_a_folder(tmp_path):
+    env = {k: v for k, v in api_env("http://127.0.0.1:9/api").items() if k != "PREFECT_API_URL"}
+    done = subprocess.run([sys.executable, "-m", "flows.watch", "--path", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "PREFECT_API_URL is not set" in done.stderr
+    with pytest.raises(ValueError, match=f"path {tmp_path / 'missing'}: no such folder"):
+        look(str(tmp_path / "missing"), "shapes", str(tmp_path / "root"))
+
+
+def test_serve_refuses_a_watch_config_without_a_folder_naming_the_file(tmp_path):
+    config = tmp_path / "mnist.yaml"
+    config.write_text("train:\n  epochs: 2\n")
+    done = subprocess.run([sys.executable, "-m", "deployments.serve", "--watch", str(config)], cwd=ROOT,
+                          env=api_env("http://127.0.0.1:9/api"), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"--watch {config}: set download.source: folder and download.path, the folder to watch" in done.stderr
+
+
+# --- the loop runs itself: a watched folder, a training run, a promotion, a scoring run --------------------
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("reacting")
+
+
+def add_images(folder: Path, count: int, seed: int) -> list[Path]:
+    """``count`` more training images per class, drawn as the folder's own were."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.support.images import draw
+
+    rng, added = np.random.default_rng(seed), []
+    for class_dir in sorted(p for p in (folder / "train").iterdir() if p.is_dir()):
+        for n in range(count):
+            path = class_dir / f"new-{seed}-{n:03d}.png"
+            Image.fromarray(draw(class_dir.name, rng)).save(path)
+            added.append(path)
+    return added
+
+
+def flow_runs_of(server, deployment: dict) -> list[dict]:
+    return server.post("/flow_runs/filter", {"flow_runs": {"deployment_id": {"any_": [deployment["id"]]}}, "sort": "START_TIME_ASC"})
+
+
+@pytest.mark.slow
+def test_new_images_are_trained_promoted_and_scored_with_no_manual_step(server, work):
+    """`deployments.serve --watch --score` against ``prefect server start`` (its event, trigger and action
+    services on): the watcher's data event, one training run for a burst of two changes, the promotion
+    event, and a scoring run whose predictions name the new champion's version."""
+    folder = write_image_folder(work / "shapes", {"train": 24, "test": 10})
+    config = work / "shapes.yaml"
+    config.write_text(yaml.safe_dump({
+        "workload": "shapes", "storage_root": str(work / "storage"),
+        "download": {"source": "folder", "path": str(folder)}, "model": {"name": SMALL_MODEL},
+        "train": {"num_workers": 1, "epochs": 2, "global_batch_size": 16}, "evaluate": {"min_accuracy": 0.0, "tta": False},
+    }))
+    debounce_s = 40
+    proc = serve_deployments(server, work, "--cron", far_cron(), "--watch", str(config), "--watch-every", "4",
+                             "--debounce", str(debounce_s), "--score", str(folder / "test"))
+    try:
+        on_data = wait_for(lambda: server.deployment("on-data", TRAIN_FLOW), 60, "train/on-data")
+        scoring = wait_for(lambda: server.deployment("on-promotion", "score"), 60, "score/on-promotion")
+        first = wait_for(lambda: landed(server), 120, f"the first {events.DATA_LANDED}\n{log_tail(work / 'serve.log')}")[0]
+        assert first["payload"]["added"] == 3 * 34 and first["resource"]["prefect.resource.id"] == f"pipeline.folder.{folder}"
+        add_images(folder, 2, seed=7)  # a second change within the trigger's window
+        second = wait_for(lambda: landed(server)[1:], 60, f"the second {events.DATA_LANDED}")[0]
+        assert second["payload"]["added"] == 6 and second["payload"]["files"] == 3 * 36
+        assert _at(second) - _at(first) < debounce_s
+
+        promoted = wait_for(lambda: server_events(server, events.PROMOTED), 600, f"{events.PROMOTED}\n{log_tail(work / 'serve.log')}")
+        model = registry_model_name("shapes", SMALL_MODEL)
+        assert promoted[0]["payload"]["model"] == model and promoted[0]["payload"]["version"] == 1
+        written = wait_for(lambda: server_events(server, events.PREDICTIONS_WRITTEN), 300, f"{events.PREDICTIONS_WRITTEN}\n{log_tail(work / 'serve.log')}")
+        runs = flow_runs_of(server, on_data)
+        assert len(runs) == 1, [run["name"] for run in runs]  # the burst started one training run
+        training = server.flow_run(runs[0]["id"])
+        assert training["state_type"] == "COMPLETED"
+        assert _at(first) < _time(training["start_time"]) < _at(promoted[0]) < _at(written[0])
+        summary = json.loads((work / "storage" / "runs" / training["name"] / "summary.json").read_text())
+        assert summary["data"]["rows"]["train"] + summary["data"]["rows"]["val"] == 3 * (24 + 2)  # it saw both changes
+        score_runs = flow_runs_of(server, scoring)
+        assert len(score_runs) == 1 and score_runs[0]["parameters"]["version"] == 1
+
+        latest = json.loads((work / "storage" / "predictions" / model / "latest.json").read_text())
+        assert latest["version"] == 1 and latest["path"] == f"predictions/{model}/v1/test.parquet" and latest["rows"] == 30
+        table = pq.read_table(work / "storage" / latest["path"])
+        assert table.schema.metadata[b"version"] == b"1" and table.num_rows == 30
+    finally:
+        stop_group(proc)
+
+
+def landed(server) -> list[dict]:
+    return server_events(server, events.DATA_LANDED)
+
+
+def _time(text: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _at(event: dict) -> float:
+    return _time(event["occurred"])

@@ -1,0 +1,84 @@
+"""What changed in an image folder since it was last looked at: a listing of names, sizes and times.
+
+The listing is one recursive directory walk (local) or one paginated LIST (``s3://``): no image is
+opened, so it costs about the same at ten thousand images as the folder's metadata does. A file
+counts as changed when it was added, removed, or its size or modification time differs; an edit
+that keeps both is not seen (as with ``make`` and ``rsync``'s default check). The last listing is
+kept on the storage root, ``<root>/watch/<12 hex of sha256(folder)>.json``, never in the folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+from storage_io import atomic_write_json, filesystem, join, read_json, sha256_json
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+WATCH_DIR = "watch"
+
+
+def listing(path: str) -> dict[str, list[int]]:
+    """Relative path -> [size, mtime_ns] of every image under ``path`` (hidden files and other suffixes left out)."""
+    fs, where = filesystem(path)
+    infos = fs.get_file_info(pafs.FileSelector(where, recursive=True, allow_not_found=True))
+    base = where.rstrip("/") + "/"
+    found: dict[str, list[int]] = {}
+    for info in infos:
+        rel = info.path[len(base):] if info.path.startswith(base) else info.path
+        if info.type != pafs.FileType.File or not rel.lower().endswith(IMAGE_SUFFIXES):
+            continue
+        if any(part.startswith(".") for part in rel.split("/")):
+            continue
+        found[rel] = [int(info.size or 0), int(info.mtime_ns or 0)]
+    return found
+
+
+@dataclass(frozen=True)
+class Change:
+    """How a folder's listing differs from the last one: counts, a few names, and the new listing's digest."""
+
+    files: int
+    added: int
+    removed: int
+    modified: int
+    digest: str
+    examples: tuple[str, ...] = ()
+
+    @property
+    def any(self) -> bool:
+        return bool(self.added or self.removed or self.modified)
+
+    def describe(self) -> str:
+        return f"{self.added} added, {self.removed} removed, {self.modified} changed of {self.files} images"
+
+
+def diff(old: dict[str, list[int]], new: dict[str, list[int]]) -> Change:
+    """The change from listing ``old`` to listing ``new``."""
+    added = sorted(set(new) - set(old))
+    removed = sorted(set(old) - set(new))
+    modified = sorted(rel for rel in set(new) & set(old) if list(new[rel]) != list(old[rel]))
+    examples = tuple((added + modified + removed)[:5])
+    return Change(len(new), len(added), len(removed), len(modified), sha256_json(new)[:16], examples)
+
+
+def state_path(storage_root: str, folder: str) -> str:
+    """Where the folder's last listing is kept on the storage root."""
+    return join(storage_root, WATCH_DIR, hashlib.sha256(folder.encode()).hexdigest()[:12] + ".json")
+
+
+def look(storage_root: str, folder: str) -> Change:
+    """List ``folder``, compare with the listing kept from the last look, and keep the new one.
+
+    The first look at a folder compares with an empty listing: everything in it is new.
+    A kept listing that cannot be read counts as empty (the next look rebuilds it).
+    """
+    kept = read_json(state_path(storage_root, folder))
+    old = kept.get("files") if isinstance(kept, dict) and kept.get("folder") == folder else None
+    new = listing(folder)
+    change = diff(old if isinstance(old, dict) else {}, new)
+    if change.any or not isinstance(old, dict):
+        atomic_write_json(state_path(storage_root, folder), {"folder": folder, "digest": change.digest, "files": new})
+    return change
