@@ -77,7 +77,8 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
         max_image_pixels=config.download.max_image_pixels,
     )
     lease_uses(layout, raw.directory, dataset.directory)  # other runs' cleanup leaves them alone
-    announce_data(config, layout, dataset.directory, verified=True)
+    if not config.promote.skip_unchanged:  # else `nothing_new` sent it before Ray started
+        announce_data(config, layout, dataset.directory, verified=True)
     model_trust.try_on_dataset(config, dataset)  # an s3:// folder's shape is known only now: the model runs on it
     artifacts.publish_dataset_report(dataset, workload)
     spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)

@@ -106,7 +106,12 @@ def load_preset(name: str, flow: str = "mnist") -> dict[str, Any]:
 
 def preset_with_file(preset: str, path: Path) -> dict[str, Any]:
     """The field values of ``preset`` with a YAML config file over them, as ``--preset P --config-file F`` layer them."""
-    return _deep_merge(load_preset(preset), _read_yaml(Path(path)))
+    return preset_with(preset, _read_yaml(Path(path)))
+
+
+def preset_with(preset: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The field values of ``preset`` with ``values`` over them, section by section."""
+    return _deep_merge(load_preset(preset), values)
 
 
 _SETTINGS = {

@@ -171,6 +171,22 @@ def test_the_watch_command_needs_the_servers_api_and_a_folder(tmp_path):
         look(str(tmp_path / "missing"), "shapes", str(tmp_path / "root"))
 
 
+def test_an_upload_step_sends_the_data_event_with_one_command(tmp_path, shared_server):
+    folder = write_image_folder(tmp_path / "uploads", {"train": 2, "test": 1})
+    command = [sys.executable, "-m", "flows.watch", "--path", str(folder), "--storage-root", str(tmp_path / "root")]
+    done = subprocess.run(command, cwd=ROOT, env=api_env(shared_server.api), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{folder}: 9 added, 0 removed, 0 changed of 9 images; sent {events.DATA_LANDED}" in done.stdout + done.stderr
+
+    def arrived() -> list[dict]:
+        return [e for e in server_events(shared_server, events.DATA_LANDED) if e["payload"]["path"] == str(folder)]
+
+    (event,) = wait_for(arrived, 30, f"the {events.DATA_LANDED} event")
+    assert event["resource"]["prefect.resource.id"] == f"pipeline.folder.{folder}" and event["payload"]["workload"] == "uploads"
+    again = subprocess.run(command, cwd=ROOT, env=api_env(shared_server.api), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and f"{folder}: no change (9 images)" in again.stdout + again.stderr
+
+
 def test_serve_refuses_a_watch_config_without_a_folder_naming_the_file(tmp_path):
     config = tmp_path / "mnist.yaml"
     config.write_text("train:\n  epochs: 2\n")
