@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.update(ray_train_env())  # the training stage's fit() runs in this process here
 
-    sizes = [(4000, 2)] if args.quick else [(4000, 3), (60_000, 1)]  # (training rows, repetitions)
+    sizes = [(4000, 1)] if args.quick else [(4000, 3), (60_000, 1)]  # (training rows, repetitions)
     rss_rows = 50_000 if args.quick else 1_000_000
     mirror_rows = (2_000, 500) if args.quick else (60_000, 10_000)  # (train, test) rows of the full-size mirror
     rows_out = TimedRows()
