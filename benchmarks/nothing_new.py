@@ -126,9 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--images must be at least 50")
     rows = measure(args.images, args.repeat)
     print(f"nightly run on unchanged data, {cpu_name()}")
-    print(f"{'workload':<16} {'timed':<18} {'seconds':>8}")
+    print(f"{'workload':<16} {'timed':<24} {'seconds':>8}")
     for workload, timed, seconds in rows:
-        print(f"{workload:<16} {timed:<18} {seconds:>8.1f}")
+        print(f"{workload:<16} {timed:<24} {seconds:>8.1f}")
     return 0
 
 
