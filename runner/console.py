@@ -124,7 +124,7 @@ def summary_lines(
     if error is None and summary.nothing_new:
         lines.append(f"Run {run}: nothing new to train on, ended after {duration(wall_s)}.")
         lines.append(f"  why            {summary.nothing_new}")
-        lines.append("  to train anyway  --no-promote.skip-unchanged (promote.skip_unchanged: false in a deployment's form)")
+        lines.append("  to train anyway --no-promote.skip-unchanged (promote.skip_unchanged: false in a deployment's form)")
     elif error is None:
         lines.append(f"Run {run} completed in {duration(wall_s)}.")
     else:

@@ -108,7 +108,7 @@ def test_the_nightly_preset_ends_a_run_with_nothing_new_before_ray_starts(tmp_pa
     lines = done.stdout.splitlines()
     why = f"data, model and recipe are those of {MODEL} v1 (run champion-run)"
     assert any(line.startswith("Run night-2: nothing new to train on, ended after") for line in lines), done.stdout
-    assert f"  why            {why}" in lines and "  to train anyway  --no-promote.skip-unchanged (promote.skip_unchanged: false in a deployment's form)" in lines
+    assert f"  why            {why}" in lines and "  to train anyway --no-promote.skip-unchanged (promote.skip_unchanged: false in a deployment's form)" in lines
     assert "Ray:" not in done.stdout  # no cluster was started for it
 
     summary = json.loads(summary_out.read_text())
