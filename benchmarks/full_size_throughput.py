@@ -25,7 +25,7 @@ def measure(work: Path, download: dict, epochs: int, steps: int, batch: int = 12
     from benchmarks.throughput import plain_images_per_s, ray_train_images_per_s
 
     plains = [plain_images_per_s(steps=steps, batch=batch, threads=threads)]
-    ours = ray_train_images_per_s(work, epochs, workers=1, download=download)
+    ours = ray_train_images_per_s(work, epochs, workers=1, download=download, batch=batch)
     plains.append(plain_images_per_s(steps=steps, batch=batch, threads=threads))
     plain = statistics.median(plains)
     return {

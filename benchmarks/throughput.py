@@ -45,8 +45,9 @@ def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
 
 
 def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", workers: int = 1,
-                           download: dict | None = None) -> dict:
-    """Our training stage (Ray Train with ``workers`` workers, or ``train.mode=single``; same global batch) on ``download``.
+                           download: dict | None = None, batch: int = 128) -> dict:
+    """Our training stage (Ray Train with ``workers`` workers, or ``train.mode=single``; global batch ``batch``,
+    the plain loop's) on ``download``.
 
     ``download`` is the run's ``download`` config section (default: the bundled sample). Returns
     the median images/s of its epochs after the first (the first pays the data pipeline's cold
@@ -58,7 +59,7 @@ def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", w
     from tasks.train import train
 
     config = PipelineConfig.model_validate(
-        {"download": download or SAMPLE, "model": {"name": model_name()}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode}}
+        {"download": download or SAMPLE, "model": {"name": model_name()}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode, "global_batch_size": batch}}
     )
     spec, layout = stage_inputs(config, work, f"bench-{mode}-{workers}")
     start = time.perf_counter()

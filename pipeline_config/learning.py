@@ -132,7 +132,10 @@ class TrainConfig(_Section):
         ),
     )
     global_batch_size: int = Field(
-        128, ge=1, le=65536, description="Images per optimizer step across all workers; each worker takes global ÷ workers."
+        64, ge=1, le=65536, description=(
+            "Images per optimizer step across all workers; each worker takes global ÷ workers. 64 by default: at 128 "
+            "the bundled sample's run made half the steps and scored lower on some seeds (docs/performance.md)."
+        ),
     )
     learning_rate: float = Field(3e-3, gt=0, le=10, description="Peak learning rate of the one-cycle AdamW schedule.")
     weight_decay: float = Field(5e-4, ge=0, le=1, description="AdamW weight decay.")

@@ -54,14 +54,17 @@ def test_single_mode_counts_one_worker():
 
 
 def test_a_24_step_run_is_warned_with_its_numbers_and_the_fix():
-    assert TrainConfig().optimizer_steps(190) == 24
-    assert TrainConfig().few_steps_warning(190) == SHORT
+    assert TrainConfig(global_batch_size=128).optimizer_steps(190) == 24  # the case: the default before 64
+    assert TrainConfig(global_batch_size=128).few_steps_warning(190) == SHORT
+    assert TrainConfig().few_steps_warning(190).startswith(
+        "this run makes 36 optimizer steps (190 training images / global batch 64 = 3 steps an epoch x 12 epochs)"
+    )
 
 
 def test_the_fix_follows_the_numbers():
-    two = TrainConfig(num_workers=2).few_steps_warning(190)
+    two = TrainConfig(num_workers=2, global_batch_size=128).few_steps_warning(190)
     assert "global batch 128 over 2 workers = 2 steps an epoch x 12 epochs" in two
-    capped = TrainConfig(max_images=1000).few_steps_warning(190)  # 6 epochs: the cap holds raised epochs back
+    capped = TrainConfig(max_images=1000, global_batch_size=128).few_steps_warning(190)  # 6 epochs: the cap holds raised epochs back
     assert capped.startswith("this run makes 12 optimizer steps")
     assert "e.g. 8 gives 144" in capped and "raise train.epochs and train.max_images (e.g. 50 and 9500 give 100)" in capped
     tiny = TrainConfig(epochs=1).few_steps_warning(10)  # no batch size reaches 100 steps on 10 images in 1 epoch
@@ -69,7 +72,7 @@ def test_the_fix_follows_the_numbers():
 
 
 def test_enough_steps_say_nothing():
-    assert TrainConfig().optimizer_steps(3800) >= FEW_STEPS  # the bundled sample: 30 steps an epoch x 12
+    assert TrainConfig().optimizer_steps(3800) >= FEW_STEPS  # the bundled sample: 60 steps an epoch x 12
     assert TrainConfig().few_steps_warning(3800) is None
     assert TrainConfig(global_batch_size=16).few_steps_warning(190) is None
 
@@ -90,7 +93,7 @@ def _terminal() -> PrefectConsoleHandler:
 
 
 def test_the_warning_reaches_the_terminal_and_summary_json(tmp_path, caplog):
-    recorder = _recorder(tmp_path, PipelineConfig(), 190)
+    recorder = _recorder(tmp_path, PipelineConfig(train={"global_batch_size": 128}), 190)  # the 24-step run
     terminal, shown = _terminal(), io.StringIO()
     screen, terminal.console.file = terminal.console.file, shown
     try:
