@@ -83,7 +83,6 @@ class Watcher(threading.Thread):
                 print(f"watching {self.config.download.path}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             self.stopped.wait(self.every_s)
 
-
     def wait_for_trigger(self) -> None:
         """Until ``train/on-data``'s trigger exists on the server: an event sent before it would start nothing."""
         from prefect.client.orchestration import get_client

@@ -9,6 +9,10 @@ model (``<workload>-<model>``); its default is MNIST, whose own entry point ``fl
 this flow with MNIST's names (flow ``mnist-resnet18``, ``MNIST_*`` environment variables). An
 image folder (``download.source=folder``) without a workload of its own is named after the folder.
 
+With ``promote.skip_unchanged`` (the ``nightly`` preset), a run whose data, model and recipe are its
+champion's ends before Ray starts, as "nothing new to train on" (`nothing_new`). Every run sends
+the domain events of `reporting.events` (data checked, gate failed, promoted).
+
 Before any work (`check_registry_fits`): a champion of the run's registry name trained on other
 images or classes than this run's data is refused, naming ``--workload`` and ``promote.model_name``.
 
@@ -24,11 +28,10 @@ from prefect import Task, flow, get_run_logger
 
 from dataset import folder
 from dataset.idx import IMAGE_SHAPE
-from dataset.parquet import MNIST_CLASSES
+from dataset.parquet import MNIST_CLASSES, manifest_problem
 from pipeline_config import PipelineConfig
 from pipeline_config.model import folder_workload
 from pipeline_config.settings import TrainSettings
-from dataset.parquet import manifest_problem
 from reporting import artifacts, events
 from runner import console, hooks
 from runner.harness import ended_before_training, flow_run_name, run_cli, run_flow
@@ -44,6 +47,7 @@ from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training import model_trust
 from training import registry_files, unchanged
+from training.registry import Promotion
 from training.resources import plan_cluster
 
 
@@ -132,7 +136,7 @@ def announce_data(config: PipelineConfig, layout: StorageLayout, dataset_dir: st
     return verdict
 
 
-def announce_promotion(config: PipelineConfig, layout: StorageLayout, promotion, accuracy: float) -> None:
+def announce_promotion(config: PipelineConfig, layout: StorageLayout, promotion: Promotion, accuracy: float) -> None:
     """The promotion event: the new champion, its accuracy and run, and the champion it replaced."""
     announce(
         config, events.PROMOTED, model=promotion.model, version=promotion.version, test_accuracy=accuracy,
