@@ -88,7 +88,7 @@ class PredictSettings(BaseSettings):
         ),
     )
     version: int | None = Field(None, ge=1, description="A published version number; unset: the champion.")
-    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
+    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool. 1 on one machine without GPUs: no actor, this process scores.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
     ray_address: str | None = Field(None, description="Unset: a local Ray for this command. 'auto' or 'host:port': that cluster.")
     overwrite: bool = Field(False, description="Replace --output when that file exists already (unset: an existing file is refused).")

@@ -23,7 +23,7 @@ class EvaluateConfig(_Section):
             "98.6-99.1% on the bundled sample over five seeds; raise it for full MNIST if you want a stricter gate."
         ),
     )
-    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool.")
+    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool. 1 on one machine without GPUs: no actor, the stage's own process scores.")
     batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
     tta: bool = Field(
         True,

@@ -311,20 +311,38 @@ def _node_ip() -> str:
 
 @contextmanager
 def local_gcs_port(init_kwargs: dict) -> Iterator[None]:
-    """While a local Ray starts: its GCS on the port the workers' ``RAY_ADDRESS`` names (``RAY_GCS_SERVER_PORT``)."""
-    address = (init_kwargs.get("runtime_env") or {}).get("env_vars", {}).get("RAY_ADDRESS")
+    """While a local Ray starts: its GCS on the port the workers' ``RAY_ADDRESS`` names (``RAY_GCS_SERVER_PORT``),
+    and the workers' environment variables in this process's environment instead of a runtime env.
+
+    The raylet starts here and every worker process it spawns inherits its environment, so the
+    variables reach every worker without a runtime env; with one, each new worker process (every
+    stage's first task, Ray Train's controller and workers, every actor) first went through Ray's
+    runtime-env setup (an extra Python process): the first task took 1.6 s instead of 0.5 s on 2
+    cores. ``init_kwargs`` loses its ``runtime_env`` (it only held these variables); this process's
+    environment is restored once Ray has started. A cluster given by address keeps the runtime env.
+    """
+    runtime_env = init_kwargs.get("runtime_env") or {}
+    env_vars = dict(runtime_env.get("env_vars") or {})
+    address = env_vars.get("RAY_ADDRESS")
     if not address:
         yield
         return
-    before = os.environ.get(GCS_PORT_ENV)
-    os.environ[GCS_PORT_ENV] = address.rsplit(":", 1)[1]
+    variables = {**env_vars, GCS_PORT_ENV: address.rsplit(":", 1)[1]}
+    rest = {key: value for key, value in runtime_env.items() if key != "env_vars"}
+    if rest:
+        init_kwargs["runtime_env"] = rest
+    else:
+        init_kwargs.pop("runtime_env", None)
+    before = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(GCS_PORT_ENV, None)
-        else:
-            os.environ[GCS_PORT_ENV] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:

@@ -226,3 +226,32 @@ def test_parts_split_an_epoch_between_workers_without_a_coordinator(local_ray, s
     streamed_spec = spec.model_copy(update={"config": TransformConfig(in_memory_mb=0)})
     with pytest.raises(ValueError, match="streaming_split"):
         build_split(streamed_spec, "train", part=(0, 2))
+
+
+def test_one_actor_on_one_cpu_node_scores_here_with_the_pool_s_predictions(local_ray, spec_inputs, tmp_path):
+    """One actor on one node without GPUs: the calling process scores (no actor process to start, import
+    torch in and load the checkpoint into); the predictions are the actor pool's, row for row, TTA on and off."""
+    import ray
+    import torch
+
+    from pipeline_config import EvaluateConfig
+    from training import inference
+    from training.model import save_checkpoint_files
+    from training.models import ModelSpec
+
+    dataset, layout = spec_inputs
+    spec = transform.fn(dataset, TransformConfig(shift_px=0, rotate_deg=0, scale=0), layout)
+    small = ModelSpec.for_data("training.models:small_cnn", dataset)
+    model = small.build()
+    save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    cluster = ray.cluster_resources()
+    assert inference.scores_here(cluster, 1) and not inference.scores_here(cluster, 2)
+    assert not inference.scores_here({**cluster, "GPU": 1.0}, 1)  # a GPU: its actors score on it
+    before = torch.get_num_threads()
+    for tta in (False, True):
+        here = inference.predict(spec, str(tmp_path), EvaluateConfig(num_actors=1, batch_rows=16, tta=tta), small)
+        pool = inference.predict(spec, str(tmp_path), EvaluateConfig(num_actors=2, batch_rows=16, tta=tta), small)
+        assert len(here["row_id"]) == dataset.rows["test"] == 50
+        for name in ("row_id", "label", "pred", "pred_plain"):
+            np.testing.assert_array_equal(here[name], pool[name])
+    assert torch.get_num_threads() == before  # this process's thread count is given back

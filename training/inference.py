@@ -139,11 +139,26 @@ def predict_table(
     return score(rows, checkpoint, cfg, transform, model)
 
 
+def scores_here(cluster: dict, num_actors: int) -> bool:
+    """Whether to score in the calling process instead of a pool of model actors: one actor asked for, on
+    one node without GPUs. That actor would be a new process importing torch and loading the checkpoint
+    (4-8 s on 2 cores for the bundled sample's 1,000 test images, most of the stage); the stage's own
+    process has both already. A cluster, a GPU or ``num_actors`` > 1 keeps the pool."""
+    if num_actors != 1 or cluster.get("GPU", 0):
+        return False
+    return sum(1 for node in ray.nodes() if node.get("Alive")) == 1
+
+
 def score(
     images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, transform: TransformConfig, model: ModelSpec | None = None,
 ) -> dict[str, np.ndarray]:
-    """The actor pool over normalized batches (image, label, row_id): row_id, label, pred and pred_plain, by row_id."""
+    """The actor pool over normalized batches (image, label, row_id): row_id, label, pred and pred_plain, by row_id.
+
+    On one node without GPUs and with one actor (`scores_here`), this process scores the batches as they
+    stream in, with a torch thread per CPU, instead: same batches, same `Predictor`, same outputs."""
     cluster = ray.cluster_resources()
+    if scores_here(cluster, cfg.num_actors):
+        return _score_here(images, checkpoint, cfg, model, threads=max(1, int(cluster.get("CPU", 1))))
     actor_cpus, threads = actor_resources(float(cluster.get("CPU", 1)), cfg.num_actors)
     gpus = actor_gpus(cluster.get("GPU", 0), cfg.num_actors)  # on a GPU machine the actors score on the GPUs
     predictions = images.map_batches(
@@ -164,3 +179,22 @@ def score(
     rows = predictions.to_arrow_refs()
     table = pa.concat_tables(ray.get(rows)).sort_by("row_id")
     return {name: table.column(name).to_numpy() for name in ("row_id", "label", "pred", "pred_plain")}
+
+
+def _score_here(
+    images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, model: ModelSpec | None, threads: int,
+) -> dict[str, np.ndarray]:
+    """`score` in this process: Ray Data reads and normalizes, `Predictor` scores here, batch by batch
+    (memory stays at a few batches whatever the split's size). The torch thread count is restored after."""
+    before = torch.get_num_threads()
+    try:
+        predictor = Predictor(checkpoint, threads, cfg.tta, model.model_dump() if model is not None else None)
+        parts = [predictor(batch) for batch in images.iter_batches(batch_size=cfg.batch_rows, batch_format="numpy")]
+    finally:
+        torch.set_num_threads(before)
+    names = ("row_id", "label", "pred", "pred_plain")
+    if not parts:
+        return {name: np.zeros(0, dtype=np.int64) for name in names}
+    out = {name: np.concatenate([part[name] for part in parts]) for name in names}
+    order = np.argsort(out["row_id"], kind="stable")
+    return {name: values[order] for name, values in out.items()}
