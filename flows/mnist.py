@@ -13,7 +13,6 @@ artifact keys and champions stay valid: the flow ``mnist-resnet18``, the setting
 
 from __future__ import annotations
 
-import sys
 
 from prefect import flow
 
@@ -21,7 +20,7 @@ from flows.train import STAGE_CPUS, check_cluster_fits, nothing_new, run_stages
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
 from runner import hooks
-from runner.harness import flow_run_name, run_cli, run_flow
+from runner.harness import exit_now, flow_run_name, run_cli, run_flow
 from runner.summary import RunSummary
 
 
@@ -37,4 +36,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -22,7 +22,6 @@ stage can run on any Ray node, be retried, or be skipped when its output is alre
 
 from __future__ import annotations
 
-import sys
 
 from prefect import Task, flow, get_run_logger
 
@@ -34,7 +33,7 @@ from pipeline_config.model import folder_workload
 from pipeline_config.settings import TrainSettings
 from reporting import artifacts, events
 from runner import console, hooks
-from runner.harness import ended_before_training, flow_run_name, run_cli, run_flow
+from runner.harness import ended_before_training, exit_now, flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
 from runner.summary import RunSummary
 from storage_io import StorageLayout, exists, is_remote, lease_uses, redact_url
@@ -224,4 +223,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

@@ -14,7 +14,6 @@ trains that recipe with ``train.epochs`` and evaluates it through the normal sta
 
 from __future__ import annotations
 
-import sys
 
 from prefect import flow
 
@@ -23,7 +22,7 @@ from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
 from reporting import artifacts
 from runner import hooks
-from runner.harness import flow_run_name, run_cli, run_flow
+from runner.harness import exit_now, flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
 from runner.summary import RunSummary
 from storage_io import StorageLayout, lease_uses
@@ -110,4 +109,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

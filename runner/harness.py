@@ -247,3 +247,26 @@ def close_cli(
     lines = console.summary_lines(shown, failed, wall_s, api_url, temporary, argv)
     print("\n" + "\n".join(lines), file=sys.stderr if failed else sys.stdout)
     return 1 if failed is not None else 0
+
+
+def exit_now(code: int) -> None:
+    """End a command-line run with ``code`` once its exit handlers have run, skipping the interpreter's teardown.
+
+    After the last line is printed, tearing down torch's, Ray's and Prefect's modules took another 2-3 s
+    on 2 cores (measured: 1.4 s for ``import torch, torchvision`` alone) before the shell got its prompt
+    back. The exit handlers (``atexit``: Prefect's and Ray's shutdowns, logging's flush) still run, and
+    the standard streams are flushed; with a non-daemon thread still running, the normal exit waits for it.
+    """
+    import atexit
+    import os
+    import threading
+
+    if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe
+            pass
+    os._exit(code)
