@@ -17,12 +17,11 @@ full) is kept in a `dataset.listing.ListingCache` and reused while a file keeps 
 Files that are not images, hidden files and links to missing files are passed over and counted
 (`FolderLayout.skipped`; the conversion's terminal line names the first few).
 
-The conversion (`convert_folder`) reads the files with Ray Data (``ray.data.read_binary_files``,
-one split at a time, in file order) and decodes them in Ray Data tasks as `dataset.images` does
-(16-bit grayscale scaled to 8 bits), in grayscale when every image is grayscale and RGB
-otherwise, resized to ``transform.image_size`` when that is set, and writes the same Parquet
-layout as the IDX conversion (`dataset.parquet`): row_id, image (height x width x channels
-uint8), label.
+The conversion (`convert_folder`) reads the files with Ray Data in one pass over every split (its
+start paid once per run; each row sent to its split's writer by its path), decodes them as
+`dataset.images` does (16-bit grayscale scaled to 8 bits), in grayscale when every image is
+grayscale and RGB otherwise, resized to ``transform.image_size`` when set, and writes the IDX
+conversion's Parquet layout (`dataset.parquet`): row_id, image (H x W x C uint8), label.
 """
 
 from __future__ import annotations
@@ -312,67 +311,88 @@ def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[
     return planned
 
 
-def _decoded(
-    paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None, num_cpus: float
-):
-    """A Ray Data dataset of the files at ``paths`` (on ``fs``), decoded by `dataset.images.decode_batch` (16-bit
-    scaled, resized when ``resize``, gray or RGB), in file order: columns ``image`` (N, H, W, C) and ``path``."""
+def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None,
+             num_cpus: float):
+    """A Ray Data dataset of the files at ``paths`` (on ``fs``) in their order, each task reading and decoding its
+    own files (`dataset.images.read_decode_batch`: no per-file read tasks, no bytes through the object store):
+    columns ``image`` (N, H, W, C), ``path`` and ``error``."""
     import ray.data
 
     channels, height, width = shape
-    ds = ray.data.read_binary_files(
-        paths, filesystem=fs, include_paths=True, num_cpus=num_cpus, file_extensions=None, shuffle=None
-    )
-    rows_per_batch = max(1, min(256, (64 << 20) // (channels * height * width)))  # about 64 MB of pixels a batch
-    kwargs = {"shape": shape, "resize": resize, "max_pixels": max_pixels, "prefix": "s3://" if remote else ""}
-    ds = ds.map_batches(
-        images.decode_batch, fn_kwargs=kwargs, batch_size=rows_per_batch, batch_format="numpy", num_cpus=num_cpus
-    )
+    rows_per_batch = max(1, min(1024, (64 << 20) // (channels * height * width)))  # at most about 64 MB of pixels
+    ds = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=-(-len(paths) // rows_per_batch))
+    kwargs = {"fs": fs, "shape": shape, "resize": resize, "max_pixels": max_pixels, "prefix": "s3://" if remote else ""}
+    ds = ds.map_batches(images.read_decode_batch, fn_kwargs=kwargs, batch_size=rows_per_batch, batch_format="numpy",
+                        num_cpus=num_cpus)
     ds.context.execution_options.preserve_order = True
     return ds
 
 
-def _write_split(ds, writer: _SplitWriter, by_path: dict[str, tuple[int, int]], group: int) -> int:
-    """Write the decoded images of ``ds`` with their row ids and labels (``by_path``); the rows written.
-    FolderError naming the first file that could not be decoded or came out at another size."""
-    seen = 0
-    for batch in ds.iter_batches(batch_size=group, batch_format="numpy"):
-        failed = next((message for message in batch["error"] if message), None)
-        if failed:
-            raise FolderError(failed)
-        pixels = batch["image"]
-        ids_labels = np.array([by_path[_key(p)] for p in batch["path"]], dtype=np.int64).reshape(-1, 2)
-        writer.write(to_table(ids_labels[:, 0], pixels.reshape(len(pixels), -1), ids_labels[:, 1]))
-        seen += len(pixels)
-    return seen
+class _Router:
+    """Decoded rows of any split in; each split's rows out to its writer in ``group``-row tables, in arrival
+    order, so a split gets the row groups a pass over that split alone gave it."""
+
+    def __init__(self, writers: dict[str, _SplitWriter], by_path: dict[str, tuple[str, int, int]], group: int):
+        self.writers, self.by_path, self.group = writers, by_path, group
+        self.pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {split: [] for split in writers}
+        self.seen = dict.fromkeys(writers, 0)
+
+    def add(self, batch: dict) -> None:
+        """Route ``batch``; FolderError naming its first file that was not read, not decoded or not the size."""
+        if any(batch["error"]):
+            raise FolderError(next(message for message in batch["error"] if message))
+        planned = [self.by_path[_key(p)] for p in batch["path"]]
+        splits = np.array([split for split, _, _ in planned])
+        ids_labels = np.array([row[1:] for row in planned], dtype=np.int64).reshape(-1, 2)
+        pixels = batch["image"].reshape(len(planned), -1)
+        for split in dict.fromkeys(splits.tolist()):
+            where = np.flatnonzero(splits == split)
+            self.pending[split].append((ids_labels[where], pixels[where]))
+            self.seen[split] += len(where)
+            if sum(len(ids) for ids, _ in self.pending[split]) >= self.group:
+                self.flush(split, final=False)
+
+    def flush(self, split: str, final: bool = True) -> None:
+        """Write ``split``'s pending rows in ``group``-row tables: all of them (``final``) or whole groups only."""
+        if not self.pending[split]:
+            return
+        ids, pixels = (np.concatenate(part) for part in zip(*self.pending[split]))
+        full = len(ids) if final else len(ids) - len(ids) % self.group
+        for rows in (slice(start, min(start + self.group, full)) for start in range(0, full, self.group)):
+            self.writers[split].write(to_table(ids[rows, 0], pixels[rows], ids[rows, 1]))
+        self.pending[split] = [(ids[full:], pixels[full:])] if full < len(ids) else []
 
 
 def convert_folder(
-    layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float = 0.25,
+    layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float = 1.0,
     max_pixels: int | None = None,
 ) -> tuple[dict[str, int], tuple[int, int, int]]:
     """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W)).
 
-    ``max_pixels``: ``download.max_image_pixels`` (None: not checked again; a local folder's images were
-    checked before any work)."""
+    One Ray Data pass over every split's files (train, then val, then test, each in `plan_rows` order), each
+    row sent to its split's writer by its path with the row id and label `plan_rows` gave it. ``max_pixels``:
+    ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work)."""
     shape = scan_images(layout, image_size, max_pixels)
-    schema = schema_for(int(np.prod(shape)))
-    fs, _ = filesystem(layout.path)
-    rows: dict[str, int] = {}
-    for split, planned in plan_rows(layout, cfg).items():
-        writer = _SplitWriter(out_dir / split, cfg, schema)
-        try:
-            if planned:
-                paths = [filesystem(join(layout.path, rel))[1] for rel, _, _ in planned]
-                by_path = {_key(p): (row_id, label) for p, (_, row_id, label) in zip(paths, planned)}
-                ds = _decoded(paths, fs, is_remote(layout.path), shape, image_size is not None, max_pixels, num_cpus)
-                seen = _write_split(ds, writer, by_path, cfg.rows_per_group)
-                if seen != len(planned):
-                    raise FolderError(f"{join(layout.path, split)}: Ray Data read {seen} images, the folder lists {len(planned)}")
-        finally:
+    plan = plan_rows(layout, cfg)
+    paths = [filesystem(join(layout.path, rel))[1] for planned in plan.values() for rel, _, _ in planned]
+    routes = [(split, row_id, label) for split, planned in plan.items() for _, row_id, label in planned]
+    writers = {split: _SplitWriter(out_dir / split, cfg, schema_for(int(np.prod(shape)))) for split in plan}
+    router = _Router(writers, {_key(p): route for p, route in zip(paths, routes)}, cfg.rows_per_group)
+    try:
+        if paths:
+            fs, remote, resize = filesystem(layout.path)[0], is_remote(layout.path), image_size is not None
+            ds = _decoded(paths, fs, remote, shape, resize, max_pixels, num_cpus)
+            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                router.add(batch)
+        for split, planned in plan.items():
+            router.flush(split)
+            if router.seen[split] != len(planned):
+                raise FolderError(f"{join(layout.path, split)}: Ray Data read {router.seen[split]} images, "
+                                  f"the folder lists {len(planned)}")
+    finally:
+        for writer in writers.values():
             writer.close()
-        rows[split] = writer.rows
-    return rows, shape
+    return {split: writer.rows for split, writer in writers.items()}, shape
 
 
 def describe(path: str) -> str:

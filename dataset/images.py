@@ -127,11 +127,34 @@ def decode_batch(
     A file that cannot be decoded, or comes out at another size, is not raised here (Ray would hand the
     caller its traceback as text): its row gets zeros and the message, naming it, in ``error``, for
     the caller to raise. ``prefix`` makes the paths whole (``s3://``)."""
+    return _decode_rows(list(batch["bytes"]), batch["path"], shape, resize, max_pixels, prefix)
+
+
+def read_decode_batch(
+    batch: dict, fs, shape: tuple[int, int, int], resize: bool, max_pixels: int | None, prefix: str = ""
+) -> dict:
+    """`decode_batch` over rows of ``path`` only: each file read from ``fs`` (a pyarrow filesystem) in the
+    task that decodes it. A file that cannot be read gets its message, naming it, in ``error``."""
+    datas: list[bytes | str] = []
+    for path in batch["path"]:
+        try:
+            with fs.open_input_stream(path) as handle:
+                datas.append(handle.read())
+        except OSError as exc:  # gone since the listing, unreadable
+            datas.append(f"{prefix}{path}: cannot read it ({type(exc).__name__}: {exc})")
+    return _decode_rows(datas, batch["path"], shape, resize, max_pixels, prefix)
+
+
+def _decode_rows(datas: list, paths, shape: tuple[int, int, int], resize: bool, max_pixels: int | None, prefix: str) -> dict:
+    """``datas`` (bytes, or a message when reading failed) decoded as `decode_batch` says."""
     channels, height, width = shape
-    out = np.zeros((len(batch["path"]), height, width, channels), dtype=np.uint8)
+    out = np.zeros((len(paths), height, width, channels), dtype=np.uint8)
     errors = []
-    for i, (data, path) in enumerate(zip(batch["bytes"], batch["path"])):
+    for i, (data, path) in enumerate(zip(datas, paths)):
         name = f"{prefix}{path}"
+        if isinstance(data, str):
+            errors.append(data)
+            continue
         try:
             decoded = decode(data, name, channels, (width, height) if resize else None, max_pixels)
         except ImageError as exc:
@@ -143,4 +166,4 @@ def decode_batch(
             continue
         out[i] = decoded
         errors.append("")
-    return {"image": out, "path": np.asarray(batch["path"]), "error": np.asarray(errors, dtype=object)}
+    return {"image": out, "path": np.asarray(paths), "error": np.asarray(errors, dtype=object)}
