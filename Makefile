@@ -50,10 +50,12 @@ test-fast: install
 	$(PY) -m pytest -m "not slow" $(ARGS)
 
 # The pipeline's rows (benchmarks/results/latest.json), then the recipe's cells on data the
-# benchmark makes itself (benchmarks/results/recipe.json; RECIPE_ARGS="--seeds 0,1,2").
+# benchmark makes itself (benchmarks/results/recipe.json; RECIPE_ARGS="--seeds 0,1,2"), then image
+# folders at three sizes through flows.train (benchmarks/results/scale.json; SCALE_ARGS="--quick").
 bench: install
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.recipe $(RECIPE_ARGS)
+	$(PY) -m benchmarks.scale $(SCALE_ARGS)
 
 # The container image <project name>:<lock hash>, built offline with no registry base image
 # (debootstrap + a venv from the lock's wheels, `docker import`ed; docs/operations.md). The tag

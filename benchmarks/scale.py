@@ -1,0 +1,299 @@
+"""Scale: image folders at three sizes through ``flows.train``, per-stage seconds and the run's peak memory.
+
+    python -m benchmarks.scale            # 2,000 / 10,000 / 40,000 images (many minutes on 2 cores)
+    python -m benchmarks.scale --quick    # small sizes, about 2 minutes (what the test runs)
+
+Each size is an RGB PNG folder the benchmark makes itself (64x64, 10 classes, 80/20 train/test,
+``<folder>/train/<class>/*.png`` and ``test/``; each class a colour and a stripe direction under
+noise, so the model can learn it). Each size runs ``python -m flows.train`` on it in a fresh
+process, with its own storage root and ``HOME`` in a fresh temporary folder, 1 epoch, 1 worker,
+the small CNN, the gate off. From the run's ``summary.json``: seconds per stage. While it runs:
+the sum of PSS (``/proc/<pid>/smaps_rollup``) over the CLI process and every process below it
+(the temporary Prefect server, Ray's gcs/raylet and workers), sampled every 0.5 s, its peak, and
+the peak per process kind (driver, ``ray::IDLE``, ``ray::RayTrainWorker``, raylet, ...), so what
+grows with the data shows. In the same invocation, the plain loop: each PNG of the folder opened
+with PIL and turned into a numpy array, images/s, beside the conversion stage's images/s.
+Last, a straight-line fit of peak PSS and wall time against the number of images, at 10x and
+100x the largest size. Results go to ``benchmarks/results/scale.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from reporting import environment
+
+ROOT = Path(__file__).resolve().parent.parent
+FULL_SIZES = (2_000, 10_000, 40_000)
+QUICK_SIZES = (200, 400, 800)
+CLASSES, SIDE, TEST_SHARE = 10, 64, 0.2
+STAGES = ("download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup")
+
+
+def class_image(label: int, rng: np.random.Generator) -> np.ndarray:
+    """A 64x64 RGB image of class ``label``: its colour, stripes in its direction, noise on top."""
+    hue = np.array([(label * 37) % 256, (label * 91 + 60) % 256, (label * 153 + 120) % 256], dtype=np.float32)
+    y, x = np.mgrid[0:SIDE, 0:SIDE].astype(np.float32)
+    angle = np.pi * label / CLASSES
+    stripes = 0.5 + 0.5 * np.sin((x * np.cos(angle) + y * np.sin(angle)) * 0.4 + rng.uniform(0, 2 * np.pi))
+    image = hue * (0.5 + 0.5 * stripes[..., None]) + rng.normal(0, 24, (SIDE, SIDE, 3))
+    return np.clip(image, 0, 255).astype(np.uint8)
+
+
+def make_folder(folder: Path, n: int, seed: int = 0) -> Path:
+    """``n`` PNGs under ``folder``: train/<class>/ and test/<class>/ (80/20), classes c0..c9 in turn."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    n_test = int(round(n * TEST_SHARE))
+    for i in range(n):
+        label, split = i % CLASSES, "test" if i < n_test else "train"
+        where = folder / split / f"c{label}"
+        where.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(class_image(label, rng)).save(where / f"img{i:06d}.png")
+    return folder
+
+
+def plain_loop(folder: Path) -> dict:
+    """Every PNG under ``folder`` opened with PIL and converted to a numpy array: images/s."""
+    from PIL import Image
+
+    paths = sorted(folder.rglob("*.png"))
+    start = time.perf_counter()
+    for path in paths:
+        with Image.open(path) as image:
+            np.asarray(image.convert("RGB"))
+    seconds = time.perf_counter() - start
+    return {"images": len(paths), "seconds": round(seconds, 2), "images_per_s": round(len(paths) / seconds, 1)}
+
+
+def _children() -> dict[int, list[int]]:
+    """Parent pid -> child pids, from ``/proc/<pid>/stat``."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2 :].split()[1])
+        tree.setdefault(parent, []).append(int(entry))
+    return tree
+
+
+def pss_mb(pid: int) -> float:
+    """The proportional set size of ``pid`` in MB (0 when it is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    return 0.0
+
+
+def process_kind(pid: int, root: int) -> str:
+    """What a process of the run is, from its command line: driver, raylet, ray::IDLE, prefect server, ..."""
+    if pid == root:
+        return "driver (flows.train)"
+    try:
+        args = [a.decode(errors="replace") for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if a]
+    except OSError:
+        return "gone"
+    if not args:
+        return "unknown"
+    first, line = args[0], " ".join(args)
+    if first.startswith("ray::"):
+        return first.split(" ")[0].split(".")[0].split("(")[0]
+    for marker, kind in (("raylet", "raylet"), ("gcs_server", "ray gcs_server"), ("dashboard", "ray dashboard"),
+                         ("log_monitor", "ray log_monitor"), ("runtime_env", "ray runtime_env agent"),
+                         ("monitor.py", "ray monitor"), ("prefect", "prefect server"), ("mlflow", "mlflow")):
+        if marker in line:
+            return kind
+    return os.path.basename(first)
+
+
+class PssSampler:
+    """Every ``poll_s``: the PSS of a process and all its descendants, summed; the peak in total and per kind.
+
+    A process once seen below the root stays counted while it lives, even if it is reparented."""
+
+    def __init__(self, root: int, poll_s: float = 0.5):
+        self.root, self.poll_s = root, poll_s
+        self.seen: set[int] = {root}
+        self.peak_mb = 0.0
+        self.peak_at_s = 0.0
+        self.at_peak: dict[str, float] = {}
+        self.kinds: dict[str, dict] = {}  # kind -> peak summed MB, peak single process MB, most processes
+        self.samples = 0
+        self._start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _descendants(self) -> set[int]:
+        tree, found, todo = _children(), set(), [self.root]
+        while todo:
+            pid = todo.pop()
+            found.add(pid)
+            todo += [child for child in tree.get(pid, []) if child not in found]
+        self.seen |= found
+        self.seen = {pid for pid in self.seen if os.path.exists(f"/proc/{pid}")}
+        return self.seen
+
+    def sample(self) -> None:
+        by_kind: dict[str, list[float]] = {}
+        for pid in self._descendants():
+            kind = process_kind(pid, self.root)
+            mb = pss_mb(pid) if kind != "gone" else 0.0
+            if mb > 0:
+                by_kind.setdefault(kind, []).append(mb)
+        total = sum(sum(v) for v in by_kind.values())
+        self.samples += 1
+        for kind, values in by_kind.items():
+            peak = self.kinds.setdefault(kind, {"peak_sum_mb": 0.0, "peak_one_process_mb": 0.0, "most_processes": 0})
+            peak["peak_sum_mb"] = max(peak["peak_sum_mb"], sum(values))
+            peak["peak_one_process_mb"] = max(peak["peak_one_process_mb"], max(values))
+            peak["most_processes"] = max(peak["most_processes"], len(values))
+        if total > self.peak_mb:
+            self.peak_mb, self.peak_at_s = total, time.perf_counter() - self._start
+            self.at_peak = {kind: round(sum(v)) for kind, v in sorted(by_kind.items(), key=lambda kv: -sum(kv[1]))}
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.sample()
+
+    def __enter__(self) -> PssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def result(self) -> dict:
+        kinds = {k: {name: round(v) for name, v in d.items()} for k, d in sorted(self.kinds.items(), key=lambda kv: -kv[1]["peak_sum_mb"])}
+        return {"peak_pss_mb": round(self.peak_mb), "peak_at_s": round(self.peak_at_s, 1), "at_peak_mb": self.at_peak,
+                "per_kind": kinds, "samples": self.samples}
+
+
+def run_flow(folder: Path, work: Path, name: str) -> dict:
+    """``python -m flows.train`` on ``folder`` in a fresh process (its own HOME and storage root): seconds, memory."""
+    home, storage = work / "home", work / "storage"
+    home.mkdir(parents=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "RAY_ADDRESS"))}
+    env["HOME"] = str(home)
+    args = [sys.executable, "-m", "flows.train", "--download.source", "folder", "--download.path", str(folder),
+            "--workload", "scale", "--model.name", "training.models:small_cnn", "--train.epochs", "1",
+            "--train.num-workers", "1", "--evaluate.min-accuracy", "0", "--storage-root", str(storage), "--run-name", name]
+    start = time.perf_counter()
+    with open(work / "stdout.txt", "w+") as out, open(work / "stderr.txt", "w+") as err:
+        process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        with PssSampler(process.pid) as memory:
+            code = process.wait()
+        wall = time.perf_counter() - start
+        err.seek(0)
+        tail = err.read()[-3000:]
+    if code != 0:
+        raise RuntimeError(f"the run on {folder} failed (exit {code}):\n{tail}")
+    summary = json.loads((storage / "runs" / name / "summary.json").read_text())
+    stages = {stage: round(float(info["seconds"]), 2) for stage, info in summary["stages"].items()}
+    return {"wall_s": round(wall, 1), "stages_s": stages, "outside_stages_s": round(wall - sum(stages.values()), 1),
+            "rows": summary.get("data", {}).get("rows"), "test_accuracy": summary.get("test_accuracy"), **memory.result()}
+
+
+def measure_size(n: int, tmp: Path) -> dict:
+    """One size: the folder made, the plain loop over it, the flow run on it."""
+    folder = make_folder(tmp / f"folder-{n}", n)
+    folder_mb = sum(p.stat().st_size for p in folder.rglob("*.png")) / 1e6
+    plain = plain_loop(folder)
+    run = run_flow(folder, tmp / f"run-{n}", f"scale-{n}")
+    convert_s = run["stages_s"].get("to-parquet")
+    conversion = round(n / convert_s, 1) if convert_s else None
+    return {"images": n, "folder_mb": round(folder_mb, 1), "plain_loop": plain, "conversion_images_per_s": conversion,
+            "conversion_vs_plain_loop": round(plain["images_per_s"] / conversion, 2) if conversion else None, **run}
+
+
+def estimates(rows: list[dict]) -> dict:
+    """Peak PSS and wall time at 10x and 100x the largest size: from the largest size's figure, the slope of a
+    straight line fitted through every size (a slope below 0, which only noise gives, counts as 0)."""
+    x = np.array([r["images"] for r in rows], dtype=float)
+    out = {}
+    for factor in (10, 100):
+        n = int(x.max() * factor)
+        row = {"images": n}
+        for key in ("peak_pss_mb", "wall_s"):
+            y = np.array([r[key] for r in rows], dtype=float)
+            slope = max(0.0, float(np.polyfit(x, y, 1)[0]))
+            row[key] = round(float(y[x.argmax()] + slope * (n - x.max())), 1)
+            row[f"{key}_per_1000_images"] = round(slope * 1000, 2)
+        out[f"{factor}x"] = row
+    return out
+
+
+def conversion_line(rows: list[dict]) -> dict:
+    """The conversion stage as a straight line through the sizes: fixed seconds, and images/s past them
+    (its steady state) against the plain loop's images/s on the largest folder."""
+    x = np.array([r["images"] for r in rows], dtype=float)
+    slope, intercept = np.polyfit(x, np.array([r["stages_s"].get("to-parquet", 0.0) for r in rows]), 1)
+    plain = rows[int(x.argmax())]["plain_loop"]["images_per_s"]
+    steady = round(1 / slope, 1) if slope > 0 else None
+    return {"fixed_s": round(float(intercept), 2), "steady_images_per_s": steady, "plain_loop_images_per_s": plain,
+            "plain_loop_over_steady": round(plain / steady, 2) if steady else None}
+
+
+def format_table(result: dict) -> str:
+    cpu = result["environment"].get("cpu_model") or "?"
+    lines = [f"CPU: {cpu} ({result['environment'].get('cpu_cores')} cores){environment.cpu_suffix(result['environment'].get('cpu') or {})}",
+             "| images | folder | plain loop | conversion | " + " | ".join(STAGES[1:5]) + " | wall | peak PSS | biggest at peak |",
+             "|---" * 11 + "|"]
+    for r in result["sizes"]:
+        stages = " | ".join(f"{r['stages_s'].get(s, 0):.1f} s" for s in STAGES[1:5])
+        top = ", ".join(f"{k} {v:,}" for k, v in list(r["at_peak_mb"].items())[:3])
+        lines.append(f"| {r['images']:,} | {r['folder_mb']} MB | {r['plain_loop']['images_per_s']:,} img/s | "
+                     f"{r['conversion_images_per_s']} img/s ({r['conversion_vs_plain_loop']}x slower) | {stages} | "
+                     f"{r['wall_s']} s | {r['peak_pss_mb']:,} MB | {top} MB |")
+    if result.get("conversion"):
+        c = result["conversion"]
+        lines.append(f"conversion: {c['fixed_s']} s fixed, then {c['steady_images_per_s']} img/s; plain loop "
+                     f"{c['plain_loop_images_per_s']} img/s ({c['plain_loop_over_steady']}x)")
+    for factor, e in result["estimates"].items():
+        lines.append(f"estimate at {factor} ({e['images']:,} images): peak PSS {e['peak_pss_mb']:,.0f} MB "
+                     f"({e['peak_pss_mb_per_1000_images']} MB per 1,000), wall {e['wall_s']:,.0f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES} instead of {FULL_SIZES}")
+    parser.add_argument("--sizes", type=lambda s: tuple(int(v) for v in s.split(",")), help="comma-separated sizes")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"), help="where to write the JSON")
+    args = parser.parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="scale-bench-", dir="/tmp") as tmp:
+        rows = [measure_size(n, Path(tmp)) for n in sizes]
+    result = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "environment": environment.describe(),
+              "mode": "quick" if args.quick else "full", "sizes": rows,
+              "estimates": estimates(rows) if len(rows) > 1 else {},
+              "conversion": conversion_line(rows) if len(rows) > 1 else {}, "suite_wall_s": round(time.perf_counter() - start, 1)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(format_table(result))
+    print(f"\n{result['suite_wall_s']} s; written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
