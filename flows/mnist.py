@@ -13,7 +13,6 @@ artifact keys and champions stay valid: the flow ``mnist-resnet18``, the setting
 
 from __future__ import annotations
 
-
 from prefect import flow
 
 from flows.train import STAGE_CPUS, check_cluster_fits, nothing_new, run_stages

@@ -22,7 +22,6 @@ stage can run on any Ray node, be retried, or be skipped when its output is alre
 
 from __future__ import annotations
 
-
 from prefect import Task, flow, get_run_logger
 
 from dataset import folder

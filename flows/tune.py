@@ -14,7 +14,6 @@ trains that recipe with ``train.epochs`` and evaluates it through the normal sta
 
 from __future__ import annotations
 
-
 from prefect import flow
 
 from flows.train import STAGE_CPUS, train_with_retries
