@@ -1,7 +1,7 @@
 """Scale: image folders at three sizes through ``flows.train``, per-stage seconds and the run's peak memory.
 
     python -m benchmarks.scale            # 2,000 / 10,000 / 40,000 images (many minutes on 2 cores)
-    python -m benchmarks.scale --quick    # small sizes, about 2 minutes (what the test runs)
+    python -m benchmarks.scale --quick    # 200 / 400 / 800 images, about 3.5 minutes on 2 cores (what the test runs)
 
 Each size is an RGB PNG folder the benchmark makes itself (64x64, 10 classes, 80/20 train/test,
 ``<folder>/train/<class>/*.png`` and ``test/``; each class a colour and a stripe direction under
