@@ -1,7 +1,8 @@
 """Scale: image folders at three sizes through ``flows.train``, per-stage seconds and the run's peak memory.
 
-    python -m benchmarks.scale            # 2,000 / 10,000 / 40,000 images (many minutes on 2 cores)
-    python -m benchmarks.scale --quick    # 200 / 400 / 800 images, about 3.5 minutes on 2 cores (what the test runs)
+    python -m benchmarks.scale            # 2,000 / 10,000 / 40,000 images of 64x64 (many minutes on 2 cores)
+    python -m benchmarks.scale --quick    # 200 / 4,000 images of 128x128, the second over a 16 MB in-memory
+                                          # budget (what the test runs), about 5 minutes on 2 cores
 
 Each size is an RGB PNG folder the benchmark makes itself (64x64, 10 classes, 80/20 train/test,
 ``<folder>/train/<class>/*.png`` and ``test/``; each class a colour and a stripe direction under
@@ -35,22 +36,25 @@ from reporting import environment
 
 ROOT = Path(__file__).resolve().parent.parent
 FULL_SIZES = (2_000, 10_000, 40_000)
-QUICK_SIZES = (200, 400, 800)
+QUICK_SIZES = (200, 4_000)
+# The quick mode's images are larger (48 KB of pixels each, 4,000 of them 146 MB of training pixels) and its
+# in-memory budget small, so the larger folder streams while the smaller one is held in memory.
+QUICK_SIDE, QUICK_IN_MEMORY_MB = 128, 16
 CLASSES, SIDE, TEST_SHARE = 10, 64, 0.2
 STAGES = ("download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup")
 
 
-def class_image(label: int, rng: np.random.Generator) -> np.ndarray:
-    """A 64x64 RGB image of class ``label``: its colour, stripes in its direction, noise on top."""
+def class_image(label: int, rng: np.random.Generator, side: int = SIDE) -> np.ndarray:
+    """A ``side`` x ``side`` RGB image of class ``label``: its colour, stripes in its direction, noise on top."""
     hue = np.array([(label * 37) % 256, (label * 91 + 60) % 256, (label * 153 + 120) % 256], dtype=np.float32)
-    y, x = np.mgrid[0:SIDE, 0:SIDE].astype(np.float32)
+    y, x = np.mgrid[0:side, 0:side].astype(np.float32)
     angle = np.pi * label / CLASSES
     stripes = 0.5 + 0.5 * np.sin((x * np.cos(angle) + y * np.sin(angle)) * 0.4 + rng.uniform(0, 2 * np.pi))
-    image = hue * (0.5 + 0.5 * stripes[..., None]) + rng.normal(0, 24, (SIDE, SIDE, 3))
+    image = hue * (0.5 + 0.5 * stripes[..., None]) + rng.normal(0, 24, (side, side, 3))
     return np.clip(image, 0, 255).astype(np.uint8)
 
 
-def make_folder(folder: Path, n: int, seed: int = 0) -> Path:
+def make_folder(folder: Path, n: int, seed: int = 0, side: int = SIDE) -> Path:
     """``n`` PNGs under ``folder``: train/<class>/ and test/<class>/ (80/20), classes c0..c9 in turn."""
     from PIL import Image
 
@@ -60,7 +64,7 @@ def make_folder(folder: Path, n: int, seed: int = 0) -> Path:
         label, split = i % CLASSES, "test" if i < n_test else "train"
         where = folder / split / f"c{label}"
         where.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(class_image(label, rng)).save(where / f"img{i:06d}.png")
+        Image.fromarray(class_image(label, rng, side)).save(where / f"img{i:06d}.png")
     return folder
 
 
@@ -92,15 +96,28 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
-def pss_mb(pid: int) -> float:
-    """The proportional set size of ``pid`` in MB (0 when it is gone)."""
+PSS_PARTS = {"Pss_Anon:": "anon", "Pss_Shmem:": "shmem", "Pss_File:": "file"}
+
+
+def pss_parts(pid: int) -> dict[str, float]:
+    """The proportional set size of ``pid`` in MB, total and split: ``anon`` (heaps), ``shmem`` (Ray's object
+    store pages this process maps), ``file`` (libraries); empty when it is gone."""
+    out: dict[str, float] = {}
     try:
         for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) / 1024
+            name = line.split(" ", 1)[0]
+            if name == "Pss:":
+                out["total"] = int(line.split()[1]) / 1024
+            elif name in PSS_PARTS:
+                out[PSS_PARTS[name]] = int(line.split()[1]) / 1024
     except (OSError, ValueError):
-        pass
-    return 0.0
+        return {}
+    return out
+
+
+def pss_mb(pid: int) -> float:
+    """The proportional set size of ``pid`` in MB (0 when it is gone)."""
+    return pss_parts(pid).get("total", 0.0)
 
 
 def process_kind(pid: int, root: int) -> str:
@@ -135,6 +152,7 @@ class PssSampler:
         self.peak_mb = 0.0
         self.peak_at_s = 0.0
         self.at_peak: dict[str, float] = {}
+        self.at_peak_parts: dict[str, float] = {}  # anon / shmem / file MB summed over the processes at the peak
         self.kinds: dict[str, dict] = {}  # kind -> peak summed MB, peak single process MB, most processes
         self.samples = 0
         self._start = time.perf_counter()
@@ -153,11 +171,15 @@ class PssSampler:
 
     def sample(self) -> None:
         by_kind: dict[str, list[float]] = {}
+        parts = dict.fromkeys(PSS_PARTS.values(), 0.0)
         for pid in self._descendants():
             kind = process_kind(pid, self.root)
-            mb = pss_mb(pid) if kind != "gone" else 0.0
+            measured = pss_parts(pid) if kind != "gone" else {}
+            mb = measured.get("total", 0.0)
             if mb > 0:
                 by_kind.setdefault(kind, []).append(mb)
+                for part in parts:
+                    parts[part] += measured.get(part, 0.0)
         total = sum(sum(v) for v in by_kind.values())
         self.samples += 1
         for kind, values in by_kind.items():
@@ -168,6 +190,7 @@ class PssSampler:
         if total > self.peak_mb:
             self.peak_mb, self.peak_at_s = total, time.perf_counter() - self._start
             self.at_peak = {kind: round(sum(v)) for kind, v in sorted(by_kind.items(), key=lambda kv: -sum(kv[1]))}
+            self.at_peak_parts = {part: round(mb) for part, mb in parts.items()}
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
@@ -183,19 +206,20 @@ class PssSampler:
 
     def result(self) -> dict:
         kinds = {k: {name: round(v) for name, v in d.items()} for k, d in sorted(self.kinds.items(), key=lambda kv: -kv[1]["peak_sum_mb"])}
-        return {"peak_pss_mb": round(self.peak_mb), "peak_at_s": round(self.peak_at_s, 1), "at_peak_mb": self.at_peak,
+        return {"peak_pss_mb": round(self.peak_mb), "peak_at_s": round(self.peak_at_s, 1), "at_peak_mb": self.at_peak, "at_peak_parts_mb": self.at_peak_parts,
                 "per_kind": kinds, "samples": self.samples}
 
 
-def run_flow(folder: Path, work: Path, name: str) -> dict:
-    """``python -m flows.train`` on ``folder`` in a fresh process (its own HOME and storage root): seconds, memory."""
+def run_flow(folder: Path, work: Path, name: str, extra: list[str] = ()) -> dict:
+    """``python -m flows.train`` on ``folder`` in a fresh process (its own HOME and storage root): seconds, memory.
+    ``extra``: more command-line settings."""
     home, storage = work / "home", work / "storage"
     home.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_", "RAY_ADDRESS"))}
     env["HOME"] = str(home)
     args = [sys.executable, "-m", "flows.train", "--download.source", "folder", "--download.path", str(folder),
             "--workload", "scale", "--model.name", "training.models:small_cnn", "--train.epochs", "1",
-            "--train.num-workers", "1", "--evaluate.min-accuracy", "0", "--storage-root", str(storage), "--run-name", name]
+            "--train.num-workers", "1", "--evaluate.min-accuracy", "0", "--storage-root", str(storage), "--run-name", name, *extra]
     start = time.perf_counter()
     with open(work / "stdout.txt", "w+") as out, open(work / "stderr.txt", "w+") as err:
         process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
@@ -203,24 +227,28 @@ def run_flow(folder: Path, work: Path, name: str) -> dict:
             code = process.wait()
         wall = time.perf_counter() - start
         err.seek(0)
-        tail = err.read()[-3000:]
+        errors = err.read()
+        tail = errors[-3000:]
+        out.seek(0)
+        lines = (out.read() + errors).splitlines()  # the transform stage's terminal line names the streamed splits
+        streamed = next((line.rsplit("; ", 1)[-1].strip() for line in lines if "streamed in windows" in line), None)
     if code != 0:
         raise RuntimeError(f"the run on {folder} failed (exit {code}):\n{tail}")
     summary = json.loads((storage / "runs" / name / "summary.json").read_text())
     stages = {stage: round(float(info["seconds"]), 2) for stage, info in summary["stages"].items()}
-    return {"wall_s": round(wall, 1), "stages_s": stages, "outside_stages_s": round(wall - sum(stages.values()), 1),
+    return {"wall_s": round(wall, 1), "streamed": streamed, "stages_s": stages, "outside_stages_s": round(wall - sum(stages.values()), 1),
             "rows": summary.get("data", {}).get("rows"), "test_accuracy": summary.get("test_accuracy"), **memory.result()}
 
 
-def measure_size(n: int, tmp: Path) -> dict:
+def measure_size(n: int, tmp: Path, side: int = SIDE, extra: list[str] = ()) -> dict:
     """One size: the folder made, the plain loop over it, the flow run on it."""
-    folder = make_folder(tmp / f"folder-{n}", n)
+    folder = make_folder(tmp / f"folder-{n}", n, side=side)
     folder_mb = sum(p.stat().st_size for p in folder.rglob("*.png")) / 1e6
     plain = plain_loop(folder)
-    run = run_flow(folder, tmp / f"run-{n}", f"scale-{n}")
+    run = run_flow(folder, tmp / f"run-{n}", f"scale-{n}", extra)
     convert_s = run["stages_s"].get("to-parquet")
     conversion = round(n / convert_s, 1) if convert_s else None
-    return {"images": n, "folder_mb": round(folder_mb, 1), "plain_loop": plain, "conversion_images_per_s": conversion,
+    return {"images": n, "side": side, "folder_mb": round(folder_mb, 1), "plain_loop": plain, "conversion_images_per_s": conversion,
             "conversion_vs_plain_loop": round(plain["images_per_s"] / conversion, 2) if conversion else None, **run}
 
 
@@ -267,6 +295,9 @@ def format_table(result: dict) -> str:
         c = result["conversion"]
         lines.append(f"conversion: {c['fixed_s']} s fixed, then {c['steady_images_per_s']} img/s; plain loop "
                      f"{c['plain_loop_images_per_s']} img/s ({c['plain_loop_over_steady']}x)")
+    if result.get("peak_ratio"):
+        lines.append(f"peak PSS at {result['sizes'][-1]['images']:,} images / at {result['sizes'][0]['images']:,}: "
+                     f"{result['peak_ratio']}x; streamed: " + "; ".join(f"{r['images']:,}: {r.get('streamed') or 'nothing'}" for r in result["sizes"]))
     for factor, e in result["estimates"].items():
         lines.append(f"estimate at {factor} ({e['images']:,} images): peak PSS {e['peak_pss_mb']:,.0f} MB "
                      f"({e['peak_pss_mb_per_1000_images']} MB per 1,000), wall {e['wall_s']:,.0f} s")
@@ -280,11 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "scale.json"), help="where to write the JSON")
     args = parser.parse_args(argv)
     sizes = args.sizes or (QUICK_SIZES if args.quick else FULL_SIZES)
+    side, extra = (QUICK_SIDE, ["--transform.in-memory-mb", str(QUICK_IN_MEMORY_MB)]) if args.quick else (SIDE, [])
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="scale-bench-", dir="/tmp") as tmp:
-        rows = [measure_size(n, Path(tmp)) for n in sizes]
+        rows = [measure_size(n, Path(tmp), side, extra) for n in sizes]
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "environment": environment.describe(),
-              "mode": "quick" if args.quick else "full", "sizes": rows,
+              "mode": "quick" if args.quick else "full", "settings": extra, "sizes": rows,
+              "peak_ratio": round(rows[-1]["peak_pss_mb"] / rows[0]["peak_pss_mb"], 3) if len(rows) > 1 else None,
               "estimates": estimates(rows) if len(rows) > 1 else {},
               "conversion": conversion_line(rows) if len(rows) > 1 else {}, "suite_wall_s": round(time.perf_counter() - start, 1)}
     out = Path(args.out)

@@ -35,6 +35,7 @@ import numpy as np
 
 from dataset import images
 from dataset.listing import ListingCache
+from dataset.memory import release_memory
 from dataset.parquet import SPLITS, _SplitWriter, schema_for, to_table
 from pipeline_config import ParquetConfig
 from storage_io import StorageLayout, filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
@@ -279,6 +280,7 @@ def scan_images(
                     f"{path}: {size[0]}x{size[1]} pixels, but {join(layout.path, first[0])} is {first[1][0]}x{first[1][1]}; "
                     "set transform.image_size to resize every image to one square size"
                 )
+    release_memory()  # the decoded images' heap: this process (the CLI, a stage) goes on to other work
     if first is None:
         raise FolderError(f"download.path {layout.path}: no images")
     width, height = (image_size, image_size) if image_size is not None else first[1]
@@ -292,14 +294,17 @@ def _key(path: str) -> str:
 def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[str, int, int]]]:
     """Every split's images as (relative path, row_id, label), in row_id order.
 
-    Row ids: train/ in file order from 0, then val/ (when there is one), then test/. Without a
-    val/ folder, `stratified_split` (``parquet.validation_every``, ``parquet.split_seed``) moves
-    some of train/'s rows to val, keeping their row ids."""
+    Row ids: train/ from 0 in a random order drawn from ``parquet.split_seed`` (so a window of a few
+    row groups mixes the classes, as a streamed split is read: `dataset.windows`), then val/ (when
+    there is one) and test/ in file order. Without a val/ folder, `stratified_split`
+    (``parquet.validation_every``, ``parquet.split_seed``) moves some of train/'s rows to val,
+    keeping their row ids."""
     planned: dict[str, list[tuple[str, int, int]]] = {split: [] for split in SPLITS}
     row_id = 0
     train = layout.files["train"]
     held = set(stratified_split([label for _, label in train], cfg.validation_every, cfg.split_seed).tolist()) if not layout.has_val else set()
-    for position, (rel, label) in enumerate(train):
+    for position in np.random.default_rng(cfg.split_seed).permutation(len(train)).tolist():
+        rel, label = train[position]
         planned["val" if position in held else "train"].append((rel, row_id, label))
         row_id += 1
     for split in ("val", "test"):

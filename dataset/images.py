@@ -26,6 +26,8 @@ import warnings
 
 import numpy as np
 
+from dataset.memory import release_memory
+
 # PIL modes holding more than 8 bits per pixel, scaled to 8 bits by `to_8bit`.
 SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 LIMIT_FIELD = "download.max_image_pixels"
@@ -135,6 +137,7 @@ def read_decode_batch(
 ) -> dict:
     """`decode_batch` over rows of ``path`` only: each file read from ``fs`` (a pyarrow filesystem) in the
     task that decodes it. A file that cannot be read gets its message, naming it, in ``error``."""
+    release_memory()  # what this worker's last batch freed (`dataset.memory`)
     datas: list[bytes | str] = []
     for path in batch["path"]:
         try:

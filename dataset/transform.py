@@ -12,12 +12,13 @@ runs the pipeline once over every split before any training starts, checks what 
 (shape, dtype, finite values, label range, row counts) and publishes a manifest of it; training
 then consumes exactly what was checked.
 
-Reading: a split up to ``transform.in_memory_mb`` of Parquet is read with pyarrow in the calling
+Reading: a split whose decoded pixels fit the run's budget (``transform.in_memory_mb``; unset, a
+share of the smallest node's memory, `auto_in_memory_mb`) is read with pyarrow in the calling
 process, shuffled by one permutation and handed to Ray Data as in-memory blocks (`split_table`,
-`blocks`); a larger one streams through ``ray.data.read_parquet`` and Ray Data's
-``random_shuffle``. Measured on 2 cores with Ray 2.60 (60,000 rows in 60 files, `build_split`
-for three epochs): an epoch's read + shuffle + augment + batching takes 1.3-1.5 s in memory and
-5.7-6.5 s streamed; Ray 2.60's Parquet read alone costs about a second even for ten rows.
+`blocks`): fast for small splits, but its copies cost about 20x the pixels over the run's
+processes. A larger one streams in windows of row groups (`dataset.windows`): each Ray Data task
+reads one window, the shuffle permutes the row groups and the rows within each window, and no
+process holds a whole split, so memory stays flat however many images there are.
 
 CPU split: training leaves ``train.data_cpus`` (at least one) logical CPUs free and every Ray
 Data task here reserves ``cpus_per_task`` (a fraction), so reads, shuffles and maps always find
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import numpy as np
 import pyarrow as pa
@@ -38,10 +40,11 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray.data
 from pydantic import BaseModel
-from ray.data import RandomSeedConfig
 
+from dataset import windows
+from dataset.memory import release_memory
 from dataset.augment import augment as augment_images, augmentation, random_affine  # noqa: F401 (random_affine: callers' import)
-from dataset.parquet import ParquetDataset, images_from_column
+from dataset.parquet import ParquetDataset, images_from_column, schema_for
 from pipeline_config import TransformConfig
 from storage_io import filesystem, join, read_json
 
@@ -54,10 +57,24 @@ class TransformSpec(BaseModel):
     checks: dict[str, dict]
     manifest: str
     skipped: bool = False  # the checks were recorded for this very dataset and config by an earlier run
+    # The in-memory budget the transform stage settled (`transform.in_memory_mb`, or `auto_in_memory_mb`),
+    # so every process that reads a split (each training rank, evaluation) takes the same path.
+    in_memory_mb: int | None = None
+    streamed: tuple[str, ...] = ()  # the splits over that budget, read in windows
+
+    def budget_mb(self) -> int:
+        """Decoded MB a split may have to be held in memory: the settled budget, the config's, or `auto_in_memory_mb`."""
+        for value in (self.in_memory_mb, self.config.in_memory_mb):
+            if value is not None:
+                return value
+        return auto_in_memory_mb()
 
     def terminal_detail(self) -> str:
         """What the transform stage's closing terminal line adds after its name and seconds."""
-        return " (checks of this dataset and config reused)" if self.skipped else ""
+        reused = " (checks of this dataset and config reused)" if self.skipped else ""
+        if not self.streamed:
+            return reused
+        return f"{reused}; {', '.join(self.streamed)} streamed in windows (over the {self.budget_mb():,} MB in-memory budget)"
 
 
 CHECKS_RECORD_PREFIX = "transform-checks-"
@@ -66,7 +83,7 @@ CHECKS_RECORD_PREFIX = "transform-checks-"
 def _config_key(cfg: TransformConfig) -> dict:
     """The transform config as the checks record keys it; an unset image_size is left out (so a record
     written before the field existed still matches: it is read by the conversion, not by the transform)."""
-    dumped = cfg.model_dump(mode="json")
+    dumped = cfg.model_dump(mode="json", exclude={"in_memory_mb", "window_mb"})  # how a split is read, not what comes out
     if dumped.get("image_size") is None:
         dumped.pop("image_size", None)
     return dumped
@@ -189,13 +206,6 @@ def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
     return batch.filter(keep)
 
 
-def keep_part(batch: pa.Table, part: int, parts: int) -> pa.Table:
-    """The rows of ``batch`` in part ``part`` of ``parts`` by a hash of row_id: disjoint, together
-    every row, about equal in size whatever the row_ids' spacing (not exactly equal)."""
-    in_part = row_hash(batch.column("row_id").to_numpy(), 0, 0, stream=5) % np.uint64(parts) == np.uint64(part)
-    return batch.filter(pa.array(in_part))
-
-
 def _parquet_files(spec: TransformSpec, split: str) -> list[pafs.FileInfo]:
     fs, path = filesystem(spec.dataset.split_dir(split))  # a local folder or an S3 prefix
     infos = [i for i in fs.get_file_info(pafs.FileSelector(path, recursive=True)) if i.path.endswith(".parquet")]
@@ -204,29 +214,77 @@ def _parquet_files(spec: TransformSpec, split: str) -> list[pafs.FileInfo]:
     return sorted(infos, key=lambda info: info.path)
 
 
-def _fits(infos: list[pafs.FileInfo], cfg: TransformConfig) -> bool:
-    return sum(i.size or 0 for i in infos) <= cfg.in_memory_mb * 2**20
+# The in-memory path's copies of a split (the reader's table, its shuffled copy, the blocks in the object
+# store, float32 batches, in each process that reads it) measured about 20x the split's pixels summed over
+# the run's processes (docs/performance.md, "Folders bigger than memory"). A split is held in memory while
+# its pixels are at most this fraction of the smallest node's memory: at 20x, about 8% of the node.
+IN_MEMORY_FRACTION = 1 / 256
+
+
+def auto_in_memory_mb() -> int:
+    """``transform.in_memory_mb`` when unset: `IN_MEMORY_FRACTION` of the memory Ray gives the smallest
+    alive node (of this machine's physical memory when Ray is not running), in MB."""
+    if ray.is_initialized():
+        nodes = [n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")]
+        memory = min((m for m in nodes if m), default=0)
+    else:
+        memory = 0
+    if not memory:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(memory * IN_MEMORY_FRACTION / 2**20)
+
+
+def split_mb(spec: TransformSpec, split: str) -> float:
+    """The split's decoded pixels in MB: rows x channels x height x width bytes (from the manifest)."""
+    return spec.dataset.rows.get(split, 0) * int(np.prod(spec.dataset.image_shape)) / 2**20
 
 
 def fits_in_memory(spec: TransformSpec, split: str) -> bool:
-    """Whether the split's Parquet files add up to at most ``transform.in_memory_mb``."""
-    return _fits(_parquet_files(spec, split), spec.config)
+    """Whether the split's decoded pixels (`split_mb`) are at most the run's in-memory budget (`TransformSpec.budget_mb`)."""
+    return split_mb(spec, split) <= spec.budget_mb()
 
 
 def split_table(spec: TransformSpec, split: str) -> pa.Table | None:
     """The split's rows in file order, read with pyarrow here (threaded), or None when it does not
-    `fits_in_memory` and must stream through ``ray.data.read_parquet``. One listing of the files."""
+    `fits_in_memory` and must stream in windows (`dataset.windows`). One listing of the files."""
     infos = _parquet_files(spec, split)
-    if not _fits(infos, spec.config):
+    if not fits_in_memory(spec, split):
         return None
     fs, _ = filesystem(spec.dataset.split_dir(split))
     return pads.dataset([i.path for i in infos], format="parquet", filesystem=fs).to_table()
 
 
-def stream_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
-    """One split's rows streamed by ``ray.data.read_parquet`` (bounded memory, any size)."""
-    fs, path = filesystem(spec.dataset.split_dir(split))
-    return ray.data.read_parquet(path, filesystem=fs, num_cpus=spec.config.cpus_per_task)
+def stream_split(
+    spec: TransformSpec, split: str, shuffle_seed: int | None = None, exclude: np.ndarray | None = None,
+    part: tuple[int, int] | None = None,
+) -> ray.data.Dataset:
+    """One split's rows streamed in windows of row groups (`dataset.windows`): bounded memory, any size.
+
+    ``shuffle_seed``: None keeps file order; ``exclude`` and ``part`` as `build_split` takes them."""
+    fs, _ = filesystem(spec.dataset.split_dir(split))
+    groups, ids = windows.row_groups(fs, [info.path for info in _parquet_files(spec, split)])
+    window_rows = max(1, int(spec.config.window_mb * 2**20) // int(np.prod(spec.dataset.image_shape)))
+    planned = windows.plan(groups, ids, window_rows, shuffle_seed, exclude, part)
+    # One block per window, made here (`blocks`: no Ray Data read task, which would ask for a whole CPU).
+    ds = blocks(pa.table({"window": np.arange(len(planned), dtype=np.int64)}), 1)
+    ds = ds.map_batches(_read_windows, batch_format="numpy", batch_size=None, fn_kwargs={"fs": fs, "planned": planned, "image_bytes": int(np.prod(spec.dataset.image_shape))},
+                        num_cpus=spec.config.cpus_per_task)
+    # Read ahead of the consumer by a few windows at most (Ray Data would otherwise fill a share of the
+    # object store, which grows with the machine, not with what the run needs).
+    limits = ds.context.execution_options.resource_limits
+    ds.context.execution_options.resource_limits = limits.copy(object_store_memory=int(STREAM_AHEAD_WINDOWS * spec.config.window_mb * 2**20))
+    return ds
+
+
+# How much a streamed split may hold in Ray's object store, in windows of decoded pixels (float32
+# batches count 4x): reading keeps ahead of training without growing with the data.
+STREAM_AHEAD_WINDOWS = 16
+
+
+def _read_windows(batch: dict, fs: pafs.FileSystem, planned: list[windows.Window], image_bytes: int) -> pa.Table:
+    release_memory()  # what this worker's last task freed: its window and batches (`dataset.memory`)
+    tables = [windows.read_window(fs, planned[int(i)]) for i in batch["window"]]
+    return pa.concat_tables(tables) if tables else schema_for(image_bytes).empty_table()  # nothing left to read
 
 
 def blocks(table: pa.Table, block_rows: int) -> ray.data.Dataset:
@@ -255,7 +313,7 @@ def blocks(table: pa.Table, block_rows: int) -> ray.data.Dataset:
 
 
 def read_split(spec: TransformSpec, split: str) -> ray.data.Dataset:
-    """One split's rows in file order: in-memory blocks of its `split_table`, or `stream_split`."""
+    """One split's rows in file order: in-memory blocks of its `split_table`, or `stream_split` in windows."""
     table = split_table(spec, split)
     return stream_split(spec, split) if table is None else blocks(table, spec.config.block_rows)
 
@@ -270,20 +328,18 @@ def build_split(
 ) -> ray.data.Dataset:
     """One split as a lazy Ray Dataset; train is shuffled and augmented by (seed, epoch).
 
-    Training rows are shuffled by `epoch_seed` (one permutation of the in-memory table, or Ray
-    Data's ``random_shuffle`` when streamed), each row's augmentation is drawn from (seed, epoch,
+    Training rows are shuffled by `epoch_seed` (one permutation of the in-memory table, or of the
+    row groups and of the rows within each window when streamed, `dataset.windows`), each row's augmentation is drawn from (seed, epoch,
     row_id), and the order is kept through the pipeline (``preserve_order``): an epoch is the same
     sequence every time it is built, whichever process builds it. ``exclude``: row_ids to leave
     out after the shuffle (the part of an interrupted epoch a checkpoint already covers), so a
     resumed epoch trains on exactly the rows the interrupted attempt had not reached, in the
     order they would have come.
 
-    ``part=(i, n)``: only part i of n, for one of n training workers, without a coordinator actor.
-    In memory: every n-th row of the (shuffled, excluded) order from the i-th; on the training
-    split every part gets the same count (DDP ranks must take the same number of steps), which
-    leaves out up to n - 1 rows per epoch, as ``streaming_split(equal=True)`` does. Streamed: by
-    a hash of row_id (`keep_part`), not equal-sized: for validation, not for training
-    (`training.sharding.EpochShards` splits streamed training rows with ``streaming_split``).
+    ``part=(i, n)``: only part i of n, for one of n training workers, without a coordinator actor:
+    every n-th row of the (shuffled, excluded) order from the i-th, in memory or streamed; on the
+    training split every part gets the same count (DDP ranks must take the same number of steps),
+    which leaves out up to n - 1 rows per epoch, as ``streaming_split(equal=True)`` does.
     """
     cfg = spec.config
     task_args = {"num_cpus": cfg.cpus_per_task}
@@ -327,25 +383,17 @@ def _rows_streamed(
     spec: TransformSpec, split: str, augment: bool, seed: int, epoch: int, exclude: np.ndarray | None,
     part: tuple[int, int] | None,
 ) -> ray.data.Dataset:
-    """`build_split`'s rows of a streamed split: Ray Data's shuffle (training), without ``exclude``, then
-    ``part`` by a hash of row_id (`keep_part`); refused for a training split (see `build_split`)."""
-    task_args = {"num_cpus": spec.config.cpus_per_task}
-    parts = part is not None and part[1] > 1
-    if augment and parts:
-        raise ValueError(f"{split}: a streamed training split is split across workers with streaming_split, not part=")
-    ds = stream_split(spec, split)
-    if augment:
-        ds = ds.random_shuffle(seed=RandomSeedConfig(seed=epoch_seed(seed, epoch), reseed_after_execution=False), **task_args)
-    if exclude is not None and len(exclude):
-        ds = ds.map_batches(drop_rows, batch_format="pyarrow", batch_size=None, fn_kwargs={"row_ids": exclude}, **task_args)
-    if parts:
-        ds = ds.map_batches(keep_part, batch_format="pyarrow", batch_size=None, fn_args=part, **task_args)
-    return ds
+    """`build_split`'s rows of a streamed split: windows of row groups in the epoch's order (training),
+    without ``exclude``, then ``part`` (`dataset.windows.plan`)."""
+    return stream_split(spec, split, epoch_seed(seed, epoch) if augment else None, exclude, part)
 
 
 def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
     """Lazy Ray Datasets for ``splits`` (see `build_split`; train as in epoch 0)."""
     return {split: build_split(spec, split, seed) for split in splits}
+
+
+CHECK_BATCH_BYTES = 16 << 20  # `check_split`'s batches: 4,096 MNIST digits, 341 64x64 RGB images
 
 
 def check_split(
@@ -358,7 +406,8 @@ def check_split(
     channels = shape[0]
     rows, labels = 0, np.zeros(num_classes, dtype=np.int64)
     total, total_sq = np.zeros(channels), np.zeros(channels)
-    for batch in ds.iter_batches(batch_size=4096, batch_format="numpy"):
+    rows_per_batch = max(1, min(4096, CHECK_BATCH_BYTES // (4 * int(np.prod(shape)))))  # float32 pixels
+    for batch in ds.iter_batches(batch_size=rows_per_batch, batch_format="numpy"):
         image, label = batch["image"], batch["label"]
         if image.dtype != np.float32 or image.shape[1:] != shape:
             raise ValueError(f"{name}: transform produced {image.dtype} {image.shape[1:]}, expected float32 {shape}")

@@ -205,13 +205,24 @@ class TransformConfig(_Section):
         ),
     )
     batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")
-    in_memory_mb: int = Field(
-        512,
+    in_memory_mb: int | None = Field(
+        None,
         ge=0,
         description=(
-            "A split with up to this many MB of Parquet is read with pyarrow and handed to Ray Data as "
-            "in-memory blocks (an epoch of 60,000 rows about 4x faster here); a larger one streams through "
-            "ray.data.read_parquet. 0 always streams."
+            "A split whose decoded images (rows x channels x height x width bytes) take up to this many MB is read "
+            "with pyarrow and handed to Ray Data as in-memory blocks (fast for small splits; its copies cost about "
+            "20x the pixels in memory); a larger one streams in windows of row groups with memory that does not grow "
+            "with the data. Unset: 1/256 of the memory Ray gives the smallest node (the run's log says the figure). "
+            "0 always streams."
+        ),
+    )
+    window_mb: float = Field(
+        8,
+        gt=0,
+        le=4096,
+        description=(
+            "A streamed split is read and shuffled in windows of about this many MB of decoded images (at least one "
+            "Parquet row group): the training shuffle permutes the row groups, then the rows within each window."
         ),
     )
     block_rows: int = Field(8192, ge=64, le=1_000_000, description="Rows per Ray Data block when a split is read in memory.")

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 from prefect import task
 from pydantic import BaseModel
 
+from dataset.memory import release_memory
 from dataset.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig
 from reporting import artifacts
@@ -96,4 +97,5 @@ def evaluate(
     )
     # The evidence before any verdict acts: a failed gate's run page shows why it failed.
     artifacts.publish_evaluation_report(result, spec.dataset, trained, workload)
+    release_memory()  # this Ray worker is reused: it should not idle holding the scoring's peak
     return result

@@ -12,6 +12,7 @@ from __future__ import annotations
 from prefect import task
 
 from dataset import folder
+from dataset.memory import release_memory
 from dataset.parquet import FORMAT_VERSION, ParquetDataset, build_manifest, convert, manifest_data, manifest_problem
 from dataset.sources import RawData
 from pipeline_config import DEFAULT_WORKLOAD, ParquetConfig
@@ -40,6 +41,9 @@ FOLDER_ONLY = {"split_seed"}
 # 2 since 16-bit grayscale is scaled to 8 bits (before, it was clipped at 255), so a dataset
 # converted the old way is not reused.
 FOLDER_DECODE = 2
+# How an image folder's training rows are ordered (`dataset.folder.plan_rows`): "shuffled" since a
+# streamed split is read in windows of row groups; before, in file order (class by class).
+FOLDER_ORDER = "shuffled"
 
 
 def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | None = None) -> str:
@@ -47,7 +51,7 @@ def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | None
     if raw.source != "folder":
         return sha256_json({"v": FORMAT_VERSION, "inputs": raw.files, "cfg": cfg.model_dump(exclude=FOLDER_ONLY)})[:16]
     key = {"v": FORMAT_VERSION, "source": "folder", "inputs": raw.files, "cfg": cfg.model_dump(), "image_size": image_size,
-           "decode": FOLDER_DECODE}
+           "decode": FOLDER_DECODE, "order": FOLDER_ORDER}
     return sha256_json(key)[:16]
 
 
@@ -76,6 +80,7 @@ def to_parquet(
     if skipped:
         logger.warning("Image folder: %s", skipped)
     notes = [*dataset.notes, *([skipped] if skipped else [])]
+    release_memory()  # this Ray worker is reused by later stages: it should not hold the conversion's peak
     return dataset.model_copy(update={"notes": notes, "source": "folder" if found is not None else "idx"})
 
 

@@ -17,14 +17,18 @@ from __future__ import annotations
 from prefect import task
 
 from dataset import normalization
+from dataset.memory import release_memory
 from dataset.parquet import ParquetDataset
 from dataset.transform import (
     TransformSpec,
+    auto_in_memory_mb,
     build_datasets,
     check_split,
     checks_record,
     checks_record_path,
+    fits_in_memory,
     recorded_checks,
+    split_mb,
 )
 from pipeline_config import TransformConfig
 from reporting.logs import stage_logger
@@ -39,7 +43,15 @@ def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayo
     logger = stage_logger(__name__)
     cfg = normalization.resolve(cfg, dataset)  # mean, std and augment for this data: what training and the model card use
     logger.info("Normalization (per channel): mean %s, std %s; augmentation: %s", cfg.mean, cfg.std, cfg.augment)
-    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"))
+    budget = cfg.in_memory_mb if cfg.in_memory_mb is not None else auto_in_memory_mb()
+    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"), in_memory_mb=budget)
+    streamed = tuple(split for split in SPLITS if not fits_in_memory(spec, split))
+    logger.info(
+        "Reading: a split of up to %s MB of decoded images is held in memory (%s), a larger one streams in windows of "
+        "%s MB; %s", f"{budget:,}", "transform.in_memory_mb" if cfg.in_memory_mb is not None else "1/256 of the smallest node's memory",
+        cfg.window_mb, ", ".join(f"{split} {split_mb(spec, split):,.0f} MB {'streamed' if split in streamed else 'in memory'}" for split in SPLITS),
+    )
+    spec = spec.model_copy(update={"streamed": streamed})
     checks = recorded_checks(spec, SPLITS)
     reused = checks is not None
     if checks is None:
@@ -55,4 +67,5 @@ def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayo
                     {k: v["rows"] for k, v in checks.items()})
     spec = spec.model_copy(update={"checks": checks, "skipped": reused})
     atomic_write_json(spec.manifest, spec.model_dump(mode="json"))
+    release_memory()  # this Ray worker is reused (by the train stage next): it should not hold the checks' peak
     return spec

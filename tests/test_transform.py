@@ -172,12 +172,16 @@ def test_validation_split_is_not_augmented(local_ray, spec_inputs):
 
 
 def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_inputs):
-    """A split under ``in_memory_mb`` is read with pyarrow into blocks; a larger one streams through read_parquet."""
+    """A split within ``in_memory_mb`` of decoded pixels is read with pyarrow into blocks; a larger one streams
+    in windows of row groups, with the same rows, and its own fixed order per (seed, epoch)."""
     dataset, layout = spec_inputs
     plain = {"shift_px": 0, "rotate_deg": 0, "scale": 0}
-    streamed = transform.fn(dataset, TransformConfig(in_memory_mb=0, **plain), layout)
-    in_memory = transform.fn(dataset, TransformConfig(block_rows=64, **plain), layout)  # 160 training rows: 3 blocks
+    # 0.05 MB windows: 66 rows of 784 bytes, so two 64-row groups a window (the training split has three groups)
+    streamed = transform.fn(dataset, TransformConfig(in_memory_mb=0, window_mb=0.05, **plain), layout)
+    in_memory = transform.fn(dataset, TransformConfig(block_rows=64, in_memory_mb=1, **plain), layout)  # 160 training rows: 3 blocks
     assert in_memory.checks == streamed.checks
+    assert streamed.streamed == ("train", "val", "test") and in_memory.streamed == ()
+    assert "train, val, test streamed in windows (over the 0 MB in-memory budget)" in streamed.terminal_detail()
     from ray.data.dataset import MaterializedDataset
 
     from dataset.transform import read_split
@@ -192,7 +196,40 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
         assert len(ids) == dataset.rows[split]
     first, again = _run(build_split(in_memory, "train", 2, 1)), _run(build_split(in_memory, "train", 2, 1))
     np.testing.assert_array_equal(first[0], again[0])  # several blocks: still one fixed order per (seed, epoch)
-    assert sorted(first[0].tolist()) == sorted(_run(build_split(streamed, "train", 2, 1))[0].tolist())
+    window, window_again = _run(build_split(streamed, "train", 2, 1)), _run(build_split(streamed, "train", 2, 1))
+    np.testing.assert_array_equal(window[0], window_again[0])
+    np.testing.assert_array_equal(window[1], window_again[1])
+    assert sorted(first[0].tolist()) == sorted(window[0].tolist()) and len(window[0]) == 160
+    assert not np.array_equal(window[0], _run(build_split(streamed, "train", 2, 2))[0])  # another epoch, another order
+    assert not np.array_equal(np.sort(window[0]), window[0])
+    # Resumed after 70 rows (into the second window): the rest, in the order and with the pixels they would have had.
+    rest = _run(build_split(streamed, "train", 2, 1, exclude=window[0][:70]))
+    np.testing.assert_array_equal(rest[0], window[0][70:])
+    np.testing.assert_array_equal(rest[1], window[1][70:])
+    done = build_split(streamed, "train", 2, 1, exclude=window[0])  # resumed at the epoch's very end: nothing left
+    assert sum(len(b["row_id"]) for b in done.iter_batches(batch_format="numpy", batch_size=32)) == 0
+
+
+def test_windows_bound_what_a_task_reads_and_keep_every_row_once():
+    """`dataset.windows.plan`: windows of whole row groups up to the row budget; every row once; parts equal."""
+    from dataset.windows import plan
+
+    groups = [(f"part-{i}", 0) for i in range(10)]
+    ids = [np.arange(i * 100, i * 100 + 100) for i in range(10)]
+    shuffled = plan(groups, ids, window_rows=250, shuffle_seed=7)
+    assert [len(w.groups) for w in shuffled] == [3, 3, 3, 1]  # 300 rows read at most by one task
+    order = np.concatenate([np.concatenate([ids[int(g[0][5:])] for g in w.groups])[w.take] for w in shuffled])
+    assert sorted(order.tolist()) == list(range(1000)) and not np.array_equal(order, np.arange(1000))
+    group_of = order[:900] // 100  # within a window of three groups the rows are mixed: no long run from one group
+    assert max(len(run) for run in np.split(group_of, np.flatnonzero(np.diff(group_of)) + 1)) < 20
+    again = plan(groups, ids, 250, 7)
+    assert all(a.groups == b.groups and np.array_equal(a.take, b.take) for a, b in zip(shuffled, again))
+    parts = [plan(groups, ids, 250, 7, exclude=order[:3], part=(i, 2)) for i in range(2)]
+    rows = [np.concatenate([np.concatenate([ids[int(g[0][5:])] for g in w.groups])[w.take] for w in p]) for p in parts]
+    assert len(rows[0]) == len(rows[1]) == 498  # 997 rows left: equal steps, one row waits
+    np.testing.assert_array_equal(np.stack(rows, 1).reshape(-1), order[3:999])
+    in_order = plan(groups, ids, 250)  # validation: file order
+    np.testing.assert_array_equal(np.concatenate([w.take for w in in_order[:1]]), np.arange(300))
 
 
 def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path):
@@ -207,7 +244,7 @@ def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path
 
 
 def test_parts_split_an_epoch_between_workers_without_a_coordinator(local_ray, spec_inputs):
-    """part=(i, n): in memory, every n-th row of the epoch's order; equal counts on the training split."""
+    """part=(i, n): every n-th row of the epoch's order, in memory or streamed; equal counts on the training split."""
     dataset, layout = spec_inputs
     spec = transform.fn(dataset, TransformConfig(block_rows=64), layout)
     whole = _run(build_split(spec, "train", 4, 2))[0]
@@ -218,14 +255,17 @@ def test_parts_split_an_epoch_between_workers_without_a_coordinator(local_ray, s
     uneven = [len(_run(build_split(spec, "train", 4, 2, exclude=whole[:36], part=(i, 3)))[0]) for i in range(3)]
     assert uneven == [41, 41, 41]  # 124 rows left: equal steps for every rank, one row waits for the next epoch
     for streamed in (False, True):  # validation: disjoint parts that together hold every row
-        cfg = TransformConfig(in_memory_mb=0 if streamed else 512)
-        val_spec = spec.model_copy(update={"config": cfg})
+        cfg = TransformConfig(in_memory_mb=0 if streamed else 512, window_mb=0.05)
+        val_spec = spec.model_copy(update={"config": cfg, "in_memory_mb": None})
         val = [_run(build_split(val_spec, "val", part=(i, 2)))[0] for i in range(2)]
         assert sorted(np.concatenate(val).tolist()) == sorted(_run(build_split(val_spec, "val"))[0].tolist())
         assert len(val[0]) and len(val[1]) and len(np.concatenate(val)) == dataset.rows["val"]
-    streamed_spec = spec.model_copy(update={"config": TransformConfig(in_memory_mb=0)})
-    with pytest.raises(ValueError, match="streaming_split"):
-        build_split(streamed_spec, "train", part=(0, 2))
+    # Streamed training rows (windows of two row groups): the same cut, each rank reading its own part.
+    streamed_spec = spec.model_copy(update={"config": TransformConfig(in_memory_mb=0, window_mb=0.05), "in_memory_mb": None})
+    whole = _run(build_split(streamed_spec, "train", 4, 2))[0]
+    parts = [_run(build_split(streamed_spec, "train", 4, 2, exclude=whole[:37], part=(i, 3)))[0] for i in range(3)]
+    assert [len(p) for p in parts] == [41, 41, 41]
+    np.testing.assert_array_equal(np.stack(parts, 1).reshape(-1), whole[37:])
 
 
 def test_one_actor_on_one_cpu_node_scores_here_with_the_pool_s_predictions(local_ray, spec_inputs, tmp_path):
@@ -255,3 +295,29 @@ def test_one_actor_on_one_cpu_node_scores_here_with_the_pool_s_predictions(local
         for name in ("row_id", "label", "pred", "pred_plain"):
             np.testing.assert_array_equal(here[name], pool[name])
     assert torch.get_num_threads() == before  # this process's thread count is given back
+
+
+def test_large_images_are_scored_in_bounded_forward_passes_with_the_same_predictions(tmp_path, monkeypatch):
+    """On CPU a batch is scored in forward passes of at most `FORWARD_VALUES` input values, TTA's views one at a
+    time (a 128x128 RGB batch with its views at once took 3 GB); the predictions are those of one pass."""
+    import torch
+
+    from training import inference
+    from training.model import save_checkpoint_files
+    from training.models import ModelSpec
+
+    spec = ModelSpec(name="training.models:small_cnn", in_channels=3, num_classes=4)
+    model = spec.build()
+    save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    rng = np.random.default_rng(0)
+    batch = {"image": rng.normal(size=(37, 3, 16, 16)).astype(np.float32), "label": np.arange(37) % 4, "row_id": np.arange(37)}
+    whole = inference.Predictor(str(tmp_path), 1, True, spec.model_dump())(batch)
+    seen = []
+    monkeypatch.setattr(inference, "FORWARD_VALUES", 10 * 3 * 16 * 16)  # ten images a pass
+    predictor = inference.Predictor(str(tmp_path), 1, True, spec.model_dump())
+    inner = predictor.model
+    predictor.model = lambda x: seen.append(len(x)) or inner(x)  # counts the passes, then runs them
+    chunked = predictor(batch)
+    assert max(seen) == 10 and len(seen) == 4 * len(inference.TTA_SHIFTS)  # 10 + 10 + 10 + 7 rows, five views each
+    for name in ("row_id", "label", "pred", "pred_plain"):
+        np.testing.assert_array_equal(chunked[name], whole[name])

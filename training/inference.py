@@ -26,6 +26,9 @@ from training.models import ModelSpec, configure_cpu
 
 # Test-time augmentation: the image itself and its four one-pixel shifts (dy, dx).
 TTA_SHIFTS = ((0, 0), (-1, 0), (1, 0), (0, -1), (0, 1))
+# Input values (images x channels x height x width) one forward pass on CPU takes at most: 8.4 M, so 250
+# MNIST digits or 64x64 RGB images go in one pass, 128x128 RGB ones in passes of 170.
+FORWARD_VALUES = 1 << 23
 
 
 def shifted(images: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
@@ -54,22 +57,41 @@ class Predictor:
         self.model = load_model(checkpoint_dir, ModelSpec.model_validate(model) if model else None)
         self.device = pick_device("auto" if use_gpu else "never", visible_gpus())  # the GPU Ray gave this actor
         self.model.to(self.device)
+        # On CPU, channels-last tensors: oneDNN's convolutions run faster on them (measured on 2 cores, the small
+        # CNN on 64x64 RGB with TTA: 232 img/s against 137; ResNet-18 on MNIST: the same either way).
+        self.layout = torch.channels_last if self.device.type == "cpu" else torch.contiguous_format
+        self.model.to(memory_format=self.layout)
         self.tta = tta
 
     @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        images = torch.from_numpy(batch["image"]).to(self.device)
-        plain = self.model(images).softmax(1)
-        averaged = plain
-        if self.tta:
-            views = [shifted(images, dy, dx) for dy, dx in TTA_SHIFTS[1:]]
-            averaged = (plain + self.model(torch.cat(views)).softmax(1).view(len(views), len(images), -1).sum(0)) / len(TTA_SHIFTS)
+        images = torch.from_numpy(batch["image"])
+        # On CPU, forward passes of at most FORWARD_VALUES input values: the activations of a batch of large
+        # images (a 128x128 RGB batch of 250, with TTA's views all at once, took 3 GB) stay bounded.
+        step = len(images) if self.device.type != "cpu" else max(1, FORWARD_VALUES // max(1, images[0].numel()))
+        preds, plains = [], []
+        for start in range(0, len(images), step):
+            chunk = self._laid_out(images[start : start + step].to(self.device))
+            plain = self.model(chunk).softmax(1)
+            averaged = plain
+            if self.tta:  # one view at a time, for the same reason
+                total = plain.clone()
+                for dy, dx in TTA_SHIFTS[1:]:
+                    total += self.model(self._laid_out(shifted(chunk, dy, dx))).softmax(1)
+                averaged = total / len(TTA_SHIFTS)
+            preds.append(averaged.argmax(1))
+            plains.append(plain.argmax(1))
         return {
             "row_id": batch["row_id"],
             "label": batch["label"],
-            "pred": averaged.argmax(1).cpu().numpy(),
-            "pred_plain": plain.argmax(1).cpu().numpy(),
+            "pred": torch.cat(preds).cpu().numpy(),
+            "pred_plain": torch.cat(plains).cpu().numpy(),
         }
+
+    def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
+        """``images`` (N, C, H, W) as one dense tensor in this predictor's memory layout (a shifted view is a
+        strided slice: a convolution on it took twice as long)."""
+        return images.contiguous(memory_format=self.layout) if images.dim() == 4 else images.contiguous()
 
 
 def confusion_matrix(labels: np.ndarray, preds: np.ndarray, num_classes: int) -> np.ndarray:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dataset.transform import TransformSpec, build_split, fits_in_memory
+from dataset.transform import TransformSpec, build_split
 from training.checkpoints import Position
 
 
@@ -31,37 +31,18 @@ class EpochShards:
 
     Built per epoch, not once for the run, because the order depends on the epoch, without the
     rows ``start`` says an interrupted attempt already trained on when resuming that epoch, and
-    split across the current world size (which may differ from the failed attempt's). A training
-    split held in memory (`dataset.transform.fits_in_memory`) is cut by every rank itself
-    (`build_split(part=...)`): no coordinator, nothing sent between ranks. A streamed one is built
-    by rank 0 and split with ``streaming_split``, whose coordinator actor takes seconds to start,
-    so the next epoch's split is set up while this one trains; the other ranks receive their
-    iterators from it, as Ray Train hands out `get_dataset_shard` iterators. One worker iterates
-    its pipeline directly.
+    split across the current world size (which may differ from the failed attempt's). Every rank
+    cuts its own part (`build_split(part=...)`: every n-th row of the epoch's order, the same
+    count for every rank), whether the split is held in memory or streamed in windows: no
+    coordinator actor, nothing sent between ranks.
     """
 
     def __init__(self, transform: dict[str, Any] | TransformSpec, seed: int, epochs: int, start: Position, rank: int, world_size: int):
         self.seed, self.epochs, self.start, self.rank, self.world_size = seed, epochs, start, rank, world_size
         self.spec = TransformSpec.model_validate(transform)
-        self.per_rank = world_size == 1 or fits_in_memory(self.spec, "train")
-        self._ahead: dict[int, Any] = {}
-
-    def _build(self, epoch: int):
-        resuming = epoch == self.start.epoch and self.start.consumed is not None
-        exclude = self.start.consumed.numpy() if resuming else None
-        if self.per_rank:
-            part = (self.rank, self.world_size) if self.world_size > 1 else None
-            return build_split(self.spec, "train", self.seed, epoch, exclude=exclude, part=part)
-        dataset = build_split(self.spec, "train", self.seed, epoch, exclude=exclude)
-        return dataset.streaming_split(self.world_size, equal=True)
 
     def __call__(self, epoch: int):
-        if self.per_rank:
-            return self._build(epoch)
-        splits: list[Any] = [None]
-        if self.rank == 0:
-            splits = [self._ahead.pop(epoch, None) or self._build(epoch)]
-            if epoch + 1 < self.epochs:
-                self._ahead[epoch + 1] = self._build(epoch + 1)
-        dist.broadcast_object_list(splits, src=0)
-        return splits[0][self.rank]
+        resuming = epoch == self.start.epoch and self.start.consumed is not None
+        exclude = self.start.consumed.numpy() if resuming else None
+        part = (self.rank, self.world_size) if self.world_size > 1 else None
+        return build_split(self.spec, "train", self.seed, epoch, exclude=exclude, part=part)
