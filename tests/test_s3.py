@@ -359,3 +359,32 @@ def test_an_image_folder_in_a_bucket_is_checked_read_and_converted_by_ray_data(t
     test = pq.read_table(Path(dataset.directory) / "test")
     assert sorted(test.column("label").to_pylist()) == [0, 0, 1, 1, 2, 2]
     assert objects(images) == sorted(p.relative_to(local).as_posix() for p in local.rglob("*.png"))  # only read
+
+
+def test_a_split_in_a_bucket_streams_in_windows_with_the_rows_held_in_memory(tmp_path, s3_root, local_ray):
+    """A dataset on the S3 root over the in-memory budget: its row groups are planned and read from the
+    bucket by Ray Data tasks, with the rows (and the epoch order's rules) of the in-memory path."""
+    import numpy as np
+
+    from dataset.transform import TransformSpec, build_split
+    from pipeline_config import TransformConfig
+
+    local = RawData(**write_raw(tmp_path / "raw"))
+    layout = StorageLayout.create(s3_root, "r")
+    raw_dir = layout.raw_dir("mirror-stream")
+    for name in local.files:
+        atomic_write_bytes(join(raw_dir, name), (tmp_path / "raw" / name).read_bytes())
+    dataset = to_parquet.fn(local.model_copy(update={"directory": raw_dir}), CFG, layout)
+    plain = {"shift_px": 0, "rotate_deg": 0, "scale": 0}
+
+    def rows(cfg: TransformConfig, split: str, **kwargs) -> np.ndarray:
+        spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest="")
+        batches = build_split(spec, split, **kwargs).iter_batches(batch_format="numpy", batch_size=None)
+        return np.concatenate([batch["row_id"] for batch in batches])
+
+    streamed, held = TransformConfig(in_memory_mb=0, window_mb=0.02, **plain), TransformConfig(in_memory_mb=64, **plain)
+    for split in ("val", "test"):
+        np.testing.assert_array_equal(rows(streamed, split), rows(held, split))
+    epoch = rows(streamed, "train", seed=3, epoch=1)
+    assert sorted(epoch.tolist()) == sorted(rows(held, "train").tolist()) and len(epoch) == dataset.rows["train"]
+    np.testing.assert_array_equal(rows(streamed, "train", seed=3, epoch=1, exclude=epoch[:10]), epoch[10:])
