@@ -148,6 +148,14 @@ def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_p
 
     val = pq.read_table(Path(dataset.directory) / "val")
     assert sorted(val.column("label").to_pylist()) == [0, 0, 1, 1, 2, 2]
+    # Training rows in a seeded random order, not class by class: a streamed window of a few row groups
+    # mixes the classes (dataset.windows); row ids still count up through the files.
+    train = pq.read_table(Path(dataset.directory) / "train")
+    labels = train.column("label").to_pylist()
+    assert train.column("row_id").to_pylist() == sorted(train.column("row_id").to_pylist())
+    assert sorted(labels) == [0] * 8 + [1] * 8 + [2] * 8 and labels != sorted(labels)
+    runs = sum(1 for a, b in zip(labels, labels[1:]) if a != b) + 1
+    assert runs > 6, labels  # class by class would be 3 runs
     assert val.schema.field("image").type.byte_width == SIZE * SIZE * 3
     test = pq.read_table(Path(dataset.directory) / "test").sort_by("row_id")
     pixels = images_from_column(test.column("image")).reshape(-1, SIZE, SIZE, 3)
