@@ -2,7 +2,7 @@
 
     python -m benchmarks.scale            # 2,000 / 10,000 / 40,000 images of 64x64 (many minutes on 2 cores)
     python -m benchmarks.scale --quick    # 200 / 4,000 images of 128x128, the second over a 16 MB in-memory
-                                          # budget (what the test runs), about 5 minutes on 2 cores
+                                          # budget (what the test runs), about 3.5 minutes on 2 cores
 
 Each size is an RGB PNG folder the benchmark makes itself (64x64, 10 classes, 80/20 train/test,
 ``<folder>/train/<class>/*.png`` and ``test/``; each class a colour and a stripe direction under
