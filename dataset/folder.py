@@ -35,7 +35,6 @@ import numpy as np
 
 from dataset import images
 from dataset.listing import ListingCache
-from dataset.memory import release_memory
 from dataset.parquet import SPLITS, _SplitWriter, schema_for, to_table
 from pipeline_config import ParquetConfig
 from storage_io import StorageLayout, filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
@@ -280,7 +279,6 @@ def scan_images(
                     f"{path}: {size[0]}x{size[1]} pixels, but {join(layout.path, first[0])} is {first[1][0]}x{first[1][1]}; "
                     "set transform.image_size to resize every image to one square size"
                 )
-    release_memory()  # the decoded images' heap: this process (the CLI, a stage) goes on to other work
     if first is None:
         raise FolderError(f"download.path {layout.path}: no images")
     width, height = (image_size, image_size) if image_size is not None else first[1]

@@ -276,8 +276,8 @@ def stream_split(
     return ds
 
 
-# How much a streamed split may hold in Ray's object store, in windows of decoded pixels (float32
-# batches count 4x): reading keeps ahead of training without growing with the data.
+# How much a streamed split may hold in Ray's object store, in windows of decoded pixels: 16, so about 4
+# windows as float32 batches. Reading keeps ahead of training without growing with the data.
 STREAM_AHEAD_WINDOWS = 16
 
 

@@ -21,7 +21,6 @@ from dataset.memory import release_memory
 from dataset.parquet import ParquetDataset
 from dataset.transform import (
     TransformSpec,
-    auto_in_memory_mb,
     build_datasets,
     check_split,
     checks_record,
@@ -43,8 +42,9 @@ def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayo
     logger = stage_logger(__name__)
     cfg = normalization.resolve(cfg, dataset)  # mean, std and augment for this data: what training and the model card use
     logger.info("Normalization (per channel): mean %s, std %s; augmentation: %s", cfg.mean, cfg.std, cfg.augment)
-    budget = cfg.in_memory_mb if cfg.in_memory_mb is not None else auto_in_memory_mb()
-    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"), in_memory_mb=budget)
+    spec = TransformSpec(dataset=dataset, config=cfg, checks={}, manifest=join(layout.run_dir, "transform.json"))
+    budget = spec.budget_mb()  # settled once here: every rank and evaluation read each split the same way
+    spec = spec.model_copy(update={"in_memory_mb": budget})
     streamed = tuple(split for split in SPLITS if not fits_in_memory(spec, split))
     logger.info(
         "Reading: a split of up to %s MB of decoded images is held in memory (%s), a larger one streams in windows of "
