@@ -296,21 +296,14 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
     Returns:
         ``(row_ids, images (N, H*W*C) uint8, labels)`` as numpy arrays.
     """
-    import pyarrow.compute as pc
-    import pyarrow.dataset as ds
+    from dataset.windows import read_rows
 
     fs, where = filesystem(split_dir)  # a local folder or an S3 prefix
     files = [f"{where}/{name}" for name in list_files(split_dir, ".parquet") if "/" not in name]
-    dataset = ds.dataset(files, format="parquet", filesystem=fs)
-    if row_ids is not None:
-        table = dataset.to_table(filter=pc.field("row_id").isin(list(map(int, row_ids))))
-        order = {rid: i for i, rid in enumerate(table.column("row_id").to_pylist())}
-        missing = [rid for rid in row_ids if rid not in order]
-        if missing:
-            raise KeyError(f"row_id(s) {missing} not in {split_dir}")
-        table = table.take([order[int(rid)] for rid in row_ids])
-    else:
-        table = dataset.take(positions)
+    try:
+        table = read_rows(fs, files, positions=positions, row_ids=row_ids)
+    except KeyError as exc:
+        raise KeyError(f"row_id(s) {exc.args[0]} not in {split_dir}") from None
     return (
         table.column("row_id").to_numpy(),
         images_from_column(table.column("image")),

@@ -232,6 +232,43 @@ def test_windows_bound_what_a_task_reads_and_keep_every_row_once():
     np.testing.assert_array_equal(np.concatenate([w.take for w in in_order[:1]]), np.arange(300))
 
 
+def test_a_few_rows_are_read_from_their_row_groups_only(tmp_path):
+    """`dataset.windows.read_rows` (the reports' pictures): rows by position or row_id, in the order asked, from
+    the row groups that hold them; a row group no asked row is in is never read (here: unreadable)."""
+    import pyarrow.fs as pafs
+    import pyarrow.parquet as pq
+
+    from dataset.windows import read_rows
+
+    paths = []
+    for part in range(3):  # three files of two 10-row groups; row_id = 100 + position, pixel 0 = position % 256
+        rows = np.arange(part * 20, part * 20 + 20)
+        pixels = np.zeros((20, 4), np.uint8)
+        pixels[:, 0] = rows % 256
+        path = tmp_path / f"part-{part}.parquet"
+        pq.write_table(to_table(rows + 100, pixels, rows % 10), path, row_group_size=10)
+        paths.append(str(path))
+    fs = pafs.LocalFileSystem()
+    table = read_rows(fs, paths, positions=np.array([45, 3, 14, 59]))
+    assert table.column("row_id").to_pylist() == [145, 103, 114, 159]
+    assert [image[0] for image in table.column("image").to_pylist()] == [45, 3, 14, 59]
+    assert read_rows(fs, paths, row_ids=[152, 100]).column("row_id").to_pylist() == [152, 100]
+    with pytest.raises(IndexError):
+        read_rows(fs, paths, positions=np.array([60]))
+    with pytest.raises(KeyError) as missing:
+        read_rows(fs, paths, row_ids=[99, 101, 7])
+    assert missing.value.args[0] == [99, 7]
+    # The images of the second file's second group (positions 30-39) damaged: rows elsewhere still read.
+    data = bytearray(Path(paths[1]).read_bytes())
+    meta = pq.ParquetFile(paths[1]).metadata.row_group(1).column(pq.read_schema(paths[1]).get_field_index("image"))
+    start = meta.dictionary_page_offset or meta.data_page_offset
+    data[start:start + 64] = b"\xff" * 64
+    Path(paths[1]).write_bytes(bytes(data))
+    assert read_rows(fs, paths, positions=np.array([25, 0, 59])).column("row_id").to_pylist() == [125, 100, 159]
+    with pytest.raises(OSError):
+        read_rows(fs, paths, positions=np.array([35]))
+
+
 def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path):
     dataset, _ = spec_inputs
     from dataset.transform import TransformSpec, read_split
