@@ -3,7 +3,8 @@
 The transform itself (`dataset.transform`) is lazy and built again by training and evaluation;
 this stage runs it over train, validation and test before any training starts, checks every
 batch (shape, dtype, finite values, label range, row counts) and writes ``transform.json``, so
-training consumes exactly what was checked.
+training consumes exactly what was checked. A split held in memory is checked through Ray Data; a
+streamed one is read here, a window at a time, through the same functions (`split_batches`).
 
 The checks are also recorded beside the Parquet files, per transform config
 (`dataset.transform.checks_record_path`). A later run whose to-parquet stage verified the same
@@ -21,12 +22,13 @@ from dataset.memory import release_memory
 from dataset.parquet import ParquetDataset
 from dataset.transform import (
     TransformSpec,
-    build_datasets,
+    check_rows,
     check_split,
     checks_record,
     checks_record_path,
     fits_in_memory,
     recorded_checks,
+    split_batches,
     split_mb,
 )
 from pipeline_config import TransformConfig
@@ -38,7 +40,7 @@ SPLITS = ("train", "val", "test")
 
 @task(name="transform")
 def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayout) -> TransformSpec:
-    """Run the Ray Data transform over every split once, check its output and record it."""
+    """Run the transform over every split once, check its output and record it."""
     logger = stage_logger(__name__)
     cfg = normalization.resolve(cfg, dataset)  # mean, std and augment for this data: what training and the model card use
     logger.info("Normalization (per channel): mean %s, std %s; augmentation: %s", cfg.mean, cfg.std, cfg.augment)
@@ -55,9 +57,10 @@ def transform(dataset: ParquetDataset, cfg: TransformConfig, layout: StorageLayo
     checks = recorded_checks(spec, SPLITS)
     reused = checks is not None
     if checks is None:
-        datasets = build_datasets(spec, splits=SPLITS)
+        rows = check_rows(dataset.image_shape)
         checks = {
-            name: check_split(ds, dataset.rows[name], name, dataset.image_shape, dataset.num_classes) for name, ds in datasets.items()
+            name: check_split(split_batches(spec, name, rows), dataset.rows[name], name, dataset.image_shape, dataset.num_classes)
+            for name in SPLITS
         }
         with storage_writes("transform", dataset.directory):
             atomic_write_json(checks_record_path(spec), checks_record(spec, checks))

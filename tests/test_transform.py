@@ -208,6 +208,17 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
     np.testing.assert_array_equal(rest[1], window[1][70:])
     done = build_split(streamed, "train", 2, 1, exclude=window[0])  # resumed at the epoch's very end: nothing left
     assert sum(len(b["row_id"]) for b in done.iter_batches(batch_format="numpy", batch_size=32)) == 0
+    # What the stage checks (`split_batches`): a streamed split read here, window by window, gives the rows,
+    # order and pixels Ray Data gives training for epoch 0, in batches of at most the size asked.
+    from dataset.transform import split_batches
+
+    for split in ("train", "test"):
+        batches = list(split_batches(streamed, split, 50))
+        assert max(len(b["row_id"]) for b in batches) == 50
+        here = np.concatenate([b["row_id"] for b in batches]), np.concatenate([b["image"] for b in batches])
+        ray_data = _run(build_split(streamed, split))
+        np.testing.assert_array_equal(here[0], ray_data[0])
+        np.testing.assert_array_equal(here[1], ray_data[1])
 
 
 def test_windows_bound_what_a_task_reads_and_keep_every_row_once():
