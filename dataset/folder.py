@@ -240,8 +240,11 @@ def _read_image(path: str, max_pixels: int | None, decode: bool) -> tuple[str, t
     """(PIL mode, (width, height)) of the image at ``path``: from its header, or (``decode``) after decoding all of it."""
     if decode:
         return images.check_image(read_bytes(path), path, max_pixels)
-    fs, where = filesystem(path)
-    handle = fs.open_input_file(where)
+    if is_remote(path):
+        fs, where = filesystem(path)
+        handle = fs.open_input_file(where)
+    else:  # Python's own file: PIL reads a header in many small reads, each a call into pyarrow otherwise
+        handle = open(path, "rb")  # noqa: SIM115 (closed below)
     try:
         with images.open_image(handle, path, max_pixels) as image:
             return image.mode, image.size  # header only: the pixels are not decoded
@@ -377,7 +380,8 @@ def convert_folder(
     ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work)."""
     shape = scan_images(layout, image_size, max_pixels)
     plan = plan_rows(layout, cfg)
-    paths = [filesystem(join(layout.path, rel))[1] for planned in plan.values() for rel, _, _ in planned]
+    base = filesystem(layout.path)[1].rstrip("/")  # the folder on its filesystem, once (not once per image)
+    paths = [f"{base}/{rel}" for planned in plan.values() for rel, _, _ in planned]
     routes = [(split, row_id, label) for split, planned in plan.items() for _, row_id, label in planned]
     writers = {split: _SplitWriter(out_dir / split, cfg, schema_for(int(np.prod(shape)))) for split in plan}
     router = _Router(writers, {_key(p): route for p, route in zip(paths, routes)}, cfg.rows_per_group)
