@@ -21,7 +21,7 @@ from runner import stopping
 from runner.harness import checked_settings, close_cli
 from runner.summary import outcome_of
 from storage_io import read_lines
-from training.checkpoints import Position, checkpoint_extra
+from training.checkpoints import Position, checkpoint_extra, load_checkpoint
 from training.device import autocast, pick_device, resolve_precision
 from training.inference import actor_gpus
 from training.loop import LoopConfig, start_attempt, train_epoch, validate
@@ -238,6 +238,18 @@ def test_a_step_runs_in_the_precision_asked_and_the_checkpoint_records_it(tmp_pa
     extra = checkpoint_extra(metrics, attempt.model, 0, attempt.ema, model_spec=attempt.cfg.model, precision=attempt.precision)
     save_checkpoint_files(tmp_path, attempt.weights(), attempt.optimizer, extra)
     assert load_state(tmp_path, EXTRA_STATE_FILE)["precision"] == precision
+    if precision == "fp16":  # the gradient scaler's state goes with it, and comes back on resume
+        attempt.scaler.update(new_scale=1024.0)
+        extra = checkpoint_extra(metrics, attempt.model, 0, attempt.ema, model_spec=attempt.cfg.model, precision=precision,
+                                 scaler=attempt.scaler)
+        save_checkpoint_files(tmp_path, attempt.weights(), attempt.optimizer, extra)
+        resumed = _attempt(precision, rows=8)
+        assert resumed.scaler.get_scale() != 1024.0
+        load_checkpoint(tmp_path, resumed.model, resumed.optimizer, resumed.ema, resumed.scaler)
+        assert resumed.scaler.get_scale() == 1024.0
+        assert resumed.scaler.state_dict() == attempt.scaler.state_dict()
+    else:
+        assert "grad_scaler" not in load_state(tmp_path, EXTRA_STATE_FILE)
     record_attempt(str(tmp_path / "train_attempts.jsonl"), Position(), 1, device="cpu", precision=attempt.precision)
     assert last_compute(read_lines(str(tmp_path / "train_attempts.jsonl"))) == {"device": "cpu", "precision": precision}
     assert last_compute([{"start_epoch": 0}]) == {}  # an attempt recorded before either was

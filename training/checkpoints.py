@@ -49,13 +49,15 @@ class Position:
     consumed: torch.Tensor | None = None
 
 
-def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None) -> Position:
+def restore(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None, scaler: torch.amp.GradScaler | None = None,
+) -> Position:
     """Load the latest checkpoint Ray Train hands this attempt, if any; return where to go on from."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return Position()
     with checkpoint.as_directory() as ckpt_dir:
-        return load_checkpoint(ckpt_dir, model, optimizer, ema)
+        return load_checkpoint(ckpt_dir, model, optimizer, ema, scaler)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -75,8 +77,14 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
                     param_state["step"] = param_state["step"].to(device=param.device, dtype=torch.float32)
 
 
-def load_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None) -> Position:
-    """Load weights, optimizer and EMA state from a checkpoint folder; return where to go on from."""
+def load_checkpoint(
+    ckpt_dir: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, ema: AveragedModel | None,
+    scaler: torch.amp.GradScaler | None = None,
+) -> Position:
+    """Load weights, optimizer, EMA and (fp16) gradient-scaler state from a checkpoint folder; return where to go on from.
+
+    A checkpoint without the scaler's state (written in another precision, or before it was kept)
+    leaves ``scaler`` at its start: its scale is found again within a few steps."""
     shipped = load_state(ckpt_dir, MODEL_FILE)
     extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
     optimizer_state = load_state(ckpt_dir, OPTIMIZER_FILE)
@@ -90,6 +98,8 @@ def load_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: tor
         ema.module.load_state_dict(shipped)
         ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
     load_optimizer_state(optimizer, optimizer_state)
+    if scaler is not None and isinstance(extra.get("grad_scaler"), dict):
+        scaler.load_state_dict(extra["grad_scaler"])
     if "position" in extra:  # a mid-epoch checkpoint
         position = extra["position"]
         return Position(int(position["epoch"]), int(position["step"]), position["row_ids"])
@@ -98,15 +108,19 @@ def load_checkpoint(ckpt_dir: str | Path, model: torch.nn.Module, optimizer: tor
 
 def checkpoint_extra(
     metrics: dict, model, epoch: int, ema: AveragedModel | None, position: dict | None = None, model_spec: dict | None = None,
-    precision: str | None = None,
+    precision: str | None = None, scaler: torch.amp.GradScaler | None = None,
 ) -> dict[str, Any]:
     """``extra_state.pt``: the seeds' ``epoch`` (last completed), metrics, what an exact resume needs, and
     ``model``: the `training.models.ModelSpec` the weights belong to (``model_spec``); ``weights``: what a fresh
     start loaded (``model_spec``'s ``weights``, `training.weights.StartWeights.record`: source, file, sha256);
-    ``precision``: the training step's (bf16, fp16, fp32; `training.device.resolve_precision`)."""
+    ``precision``: the training step's (bf16, fp16, fp32; `training.device.resolve_precision`); ``grad_scaler``:
+    fp16's gradient scaler (``scaler``): its scale and growth count, so a resumed run does not start
+    over from a scale its gradients overflow."""
     extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
     if precision is not None:
         extra["precision"] = precision
+    if scaler is not None:
+        extra["grad_scaler"] = scaler.state_dict()
     if model_spec is not None:
         extra["model"] = {key: value for key, value in model_spec.items() if key != "weights"}
         if model_spec.get("weights"):
@@ -189,6 +203,7 @@ def discard_failed_upload(path: str) -> None:
 def report(
     metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None,
     run_dir: str | None = None, model_spec: dict | None = None, precision: str | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state).
 
@@ -211,7 +226,7 @@ def report(
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, name, target = None, None, None
         if ray.train.get_context().get_world_rank() == 0:
-            extra = checkpoint_extra(metrics, model, epoch, ema, position, model_spec, precision)
+            extra = checkpoint_extra(metrics, model, epoch, ema, position, model_spec, precision, scaler)
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
             if run_dir is not None:  # only rank 0's name counts: Ray Train broadcasts it to the others
@@ -231,8 +246,8 @@ def report(
 
 def report_mid_epoch(
     position: dict, model, optimizer, ema: AveragedModel | None, run_dir: str | None = None, model_spec: dict | None = None,
-    precision: str | None = None,
+    precision: str | None = None, scaler: torch.amp.GradScaler | None = None,
 ) -> None:
     """Report a mid-epoch checkpoint carrying the data position (see `report`)."""
     metrics = {"epoch": position["epoch"], "step": position["step"], "mid_epoch": 1, **MID_EPOCH_SCORES}
-    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir, model_spec, precision)
+    report(metrics, model, optimizer, position["epoch"] - 1, ema, position, run_dir, model_spec, precision, scaler)

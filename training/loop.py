@@ -181,7 +181,7 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         if periodic or preempted(attempt, step):
             rows = gather_rows([torch.cat(consumed).cpu()])
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
-            report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model, attempt.precision)
+            report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model, attempt.precision, attempt.scaler)
         mark = time.perf_counter()
     elapsed = time.perf_counter() - start_time
     loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], attempt.device)
@@ -278,7 +278,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         prepare=lambda model: ray.train.torch.prepare_model(model, parallel_strategy=cfg.strategy),
         fresh=ray.train.get_checkpoint() is None,
     )
-    start = restore(attempt.model, attempt.optimizer, attempt.ema)
+    start = restore(attempt.model, attempt.optimizer, attempt.ema, attempt.scaler)
     if rank == 0 and cfg.attempts_log:
         with storage_writes("train", cfg.attempts_log):
             record_attempt(cfg.attempts_log, start, world_size, local_world_size=context.get_local_world_size(),
@@ -305,4 +305,4 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             with storage_writes("train", cfg.history_path):
                 record_epoch(cfg.history_path, metrics)
         report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir, model_spec=cfg.model,
-               precision=attempt.precision)
+               precision=attempt.precision, scaler=attempt.scaler)

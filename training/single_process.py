@@ -61,7 +61,7 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     existing = epoch_checkpoints(folder)
     # The Ray Train ranks' setup; model.weights loaded only when there is no checkpoint to resume from.
     attempt = start_attempt(cfg, 1, device, prepare=lambda model: model.to(device), fresh=not existing)
-    start = load_checkpoint(existing[-1], attempt.model, attempt.optimizer, attempt.ema) if existing else Position()
+    start = load_checkpoint(existing[-1], attempt.model, attempt.optimizer, attempt.ema, attempt.scaler) if existing else Position()
     if cfg.attempts_log:
         record_attempt(cfg.attempts_log, start, world_size=1, device=device.type, precision=attempt.precision)
     history_path = folder / HISTORY_FILE
@@ -71,7 +71,8 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
         metrics |= train_epoch(attempt, build_split(spec, "train", cfg.seed, epoch), epoch)
         metrics |= validate(attempt, build_split(spec, "val", cfg.seed))
         metrics["finished_at"] = time.time()
-        extra = checkpoint_extra(metrics, attempt.model, epoch, attempt.ema, model_spec=cfg.model, precision=attempt.precision)
+        extra = checkpoint_extra(metrics, attempt.model, epoch, attempt.ema, model_spec=cfg.model, precision=attempt.precision,
+                                 scaler=attempt.scaler)
         with building(folder / f"checkpoint_epoch_{epoch:04d}") as staging:
             save_checkpoint_files(staging, attempt.weights(), attempt.optimizer, extra)
             publish_dir(staging, folder / f"checkpoint_epoch_{epoch:04d}")
