@@ -382,8 +382,8 @@ def split_batches(spec: TransformSpec, split: str, rows_per_batch: int, seed: in
     A split held in memory goes through Ray Data (`build_split`). A streamed split is read here, one window
     at a time (`stream_split`'s windows, in its order), through the same `prepare_batch`: no Ray Data task
     and nothing in the object store. Through Ray Data, checking the streamed splits of a 40,000-image
-    folder left 0.55 GB of object-store pages mapped in two idle workers for the rest of the run, and the
-    stage took longer (docs/performance.md, "Folders bigger than memory")."""
+    folder left 0.55 GB of object-store pages mapped in two idle workers for the rest of the run
+    (docs/performance.md, "Folders bigger than memory"); the stage took as long either way."""
     if fits_in_memory(spec, split):
         yield from build_split(spec, split, seed).iter_batches(batch_size=rows_per_batch, batch_format="numpy")
         return
