@@ -127,10 +127,8 @@ def read_rows(fs: pafs.FileSystem, paths: list[str], positions=None, row_ids=Non
     group_of = np.searchsorted(starts, wanted, side="right") - 1
     pieces, placed = [], []
     for group in np.unique(group_of).tolist():
-        path, index = groups[group]
         at = np.flatnonzero(group_of == group)
-        with fs.open_input_file(path) as handle:
-            pieces.append(pq.ParquetFile(handle).read_row_group(index).take(pa.array(wanted[at] - starts[group])))
+        pieces.append(read_window(fs, Window((groups[group],), wanted[at] - starts[group])))
         placed.extend(at.tolist())
     if not pieces:
         return pq.read_schema(paths[0], filesystem=fs).empty_table()
