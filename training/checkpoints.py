@@ -98,7 +98,7 @@ def load_checkpoint(
         ema.module.load_state_dict(shipped)
         ema.n_averaged.fill_(int(extra.get("ema_updates", 1)))
     load_optimizer_state(optimizer, optimizer_state)
-    if scaler is not None and isinstance(extra.get("grad_scaler"), dict):
+    if scaler is not None and scaler.is_enabled() and isinstance(extra.get("grad_scaler"), dict) and extra["grad_scaler"]:
         scaler.load_state_dict(extra["grad_scaler"])
     if "position" in extra:  # a mid-epoch checkpoint
         position = extra["position"]
@@ -119,7 +119,7 @@ def checkpoint_extra(
     extra: dict[str, Any] = {"epoch": epoch, "metrics": metrics}
     if precision is not None:
         extra["precision"] = precision
-    if scaler is not None:
+    if scaler is not None and scaler.is_enabled():  # a disabled scaler's state is empty, and would not load
         extra["grad_scaler"] = scaler.state_dict()
     if model_spec is not None:
         extra["model"] = {key: value for key, value in model_spec.items() if key != "weights"}
