@@ -204,6 +204,16 @@ def check_source(cfg, image_size: int | None = None, storage_root: str | None = 
     return layout
 
 
+def image_shape(layout: FolderLayout, image_size: int | None, storage_root: str | None, max_pixels: int | None = None) -> tuple[int, int, int]:
+    """`scan_images` through the listing cache on ``storage_root``: the headers an earlier check read are
+    not read again while their files are unchanged (None: every header read)."""
+    cache = listing_cache(layout, storage_root) if storage_root else None
+    shape = scan_images(layout, image_size, max_pixels, cache=cache)
+    if cache is not None:
+        cache.save()
+    return shape
+
+
 def image_paths(layout: FolderLayout) -> list[str]:
     """The relative path of every image the layout names: train/, val/, test/, each in file order."""
     return [rel for split in ("train", "val", "test") for rel, _ in layout.files.get(split, [])]
@@ -259,20 +269,26 @@ def scan_images(
     """(channels, height, width) the converted images will have; FolderError naming a file that cannot be read,
     one of more than ``max_pixels`` pixels (None: no limit), one whose size differs from the first one's when
     ``image_size`` is unset, and (``decode``) one that cannot be decoded in full. ``cache``: a file it says
-    was decoded already is not decoded again (its header is read), and each one decoded is recorded there."""
+    was decoded already is not decoded again, an unchanged file's header is taken from it instead of the
+    file, and each header read and each file decoded is recorded there (the caller saves it)."""
     channels, first = 1, None
     for split in ("train", "val", "test"):
         for rel, _ in layout.files.get(split, []):
             path = join(layout.path, rel)
             full = decode and not (cache is not None and cache.checked(rel, max_pixels))
+            known = cache.header(rel) if cache is not None and not full else None
+            if known is not None and max_pixels is not None and known[1][0] * known[1][1] > max_pixels:
+                known = None  # read it again: the file's own read names the limit it is over
             try:
-                mode, size = _read_image(path, max_pixels, full)
+                mode, size = known or _read_image(path, max_pixels, full)
             except images.ImageError as exc:
                 raise FolderError(str(exc)) from None
             except OSError as exc:  # gone since the listing, unreadable
                 raise FolderError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
-            if full and cache is not None:
-                cache.mark_checked(rel, max_pixels)
+            if cache is not None:
+                cache.mark_header(rel, mode, size)
+                if full:
+                    cache.mark_checked(rel, max_pixels)
             if mode not in GRAY_MODES:
                 channels = 3
             if first is None:
@@ -371,14 +387,16 @@ class _Router:
 
 def convert_folder(
     layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float = 1.0,
-    max_pixels: int | None = None,
+    max_pixels: int | None = None, storage_root: str | None = None,
 ) -> tuple[dict[str, int], tuple[int, int, int]]:
     """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W)).
 
     One Ray Data pass over every split's files (train, then val, then test, each in `plan_rows` order), each
     row sent to its split's writer by its path with the row id and label `plan_rows` gave it. ``max_pixels``:
-    ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work)."""
-    shape = scan_images(layout, image_size, max_pixels)
+    ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work).
+    ``storage_root``: where the listing cache is (`image_shape`): the shape comes from the headers the checks
+    before the run read, not from a pass over the files; every image's size is checked again as it is decoded."""
+    shape = image_shape(layout, image_size, storage_root, max_pixels)
     plan = plan_rows(layout, cfg)
     base = filesystem(layout.path)[1].rstrip("/")  # the folder on its filesystem, once (not once per image)
     paths = [f"{base}/{rel}" for planned in plan.values() for rel, _, _ in planned]

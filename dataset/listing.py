@@ -6,11 +6,14 @@ images. `ListingCache` keeps, on the storage root (never in the user's folder, w
 read-only), one entry a file::
 
     <storage_root>/listings/<12 hex of sha256(folder path)>.json
-    {"version": 1, "folder": "<path>", "files": {"train/cat/1.png": [size, mtime_ns, sha256, checked_max_pixels]}}
+    {"version": 2, "folder": "<path>",
+     "files": {"train/cat/1.png": [size, mtime_ns, sha256, checked_max_pixels, [mode, width, height]]}}
 
 A file whose size and modification time (``mtime_ns``; an ``s3://`` object's LastModified) are the
-cached ones reuses its sha256 and counts as decoded already; any other file is hashed and decoded
-again, and a file no longer in the folder loses its entry.
+cached ones reuses its sha256, counts as decoded already and has its header (PIL mode and size)
+taken from the cache instead of from the file; any other file is hashed, decoded and its header
+read again, and a file no longer in the folder loses its entry. A version 1 file (no headers) is
+read as version 2 with no header known.
 
 What counts as a change: a different size or modification time. An edit that keeps both (a tool
 that writes the same number of bytes and then restores the old mtime) is NOT noticed: the run
@@ -32,7 +35,8 @@ import pyarrow.fs as pafs
 
 from storage_io import StorageWriteError, atomic_write_json, filesystem, is_remote, join, read_json, sha256_file
 
-VERSION = 1
+VERSION = 2
+_HEADERLESS = 1  # an older cache file's version: its entries have no header
 FOLDER = "listings"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # checked_max_pixels of a file decoded in full with no pixel limit (None), stored as 0 in the cache.
@@ -68,28 +72,43 @@ def stat_files(path: str, rels: Iterable[str]) -> dict[str, tuple[int, int]]:
     return stats
 
 
+def _count(n, least: int = 0) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= least
+
+
+def _valid_header(header) -> bool:
+    return header is None or (
+        isinstance(header, list) and len(header) == 3 and isinstance(header[0], str) and _count(header[1], 1) and _count(header[2], 1)
+    )
+
+
 def _valid_entry(entry) -> bool:
-    if not isinstance(entry, list) or len(entry) != 4:
+    if not isinstance(entry, list) or len(entry) != 5:
         return False
-    size, mtime_ns, digest, checked = entry
+    size, mtime_ns, digest, checked, header = entry
     return (
         all(isinstance(n, int) and not isinstance(n, bool) for n in (size, mtime_ns))
         and (digest is None or (isinstance(digest, str) and _SHA256.fullmatch(digest) is not None))
-        and (checked is None or (isinstance(checked, int) and not isinstance(checked, bool) and checked >= 0))
+        and (checked is None or _count(checked))
+        and _valid_header(header)
     )
 
 
 def read_entries(where: str, key: str) -> dict[str, list]:
     """The entries of the cache file ``where`` for the folder ``key``; empty when it is missing, damaged,
-    of another version or of another folder."""
+    of an unknown version or of another folder. A version 1 file's entries come with no header."""
     try:
         data = read_json(where)
     except Exception:  # an unreachable root: the cache only saves work
         return {}
-    if not isinstance(data, dict) or data.get("version") != VERSION or data.get("folder") != key:
+    if not isinstance(data, dict) or data.get("version") not in (VERSION, _HEADERLESS) or data.get("folder") != key:
         return {}
     files = data.get("files")
-    if not isinstance(files, dict) or not all(isinstance(rel, str) and _valid_entry(e) for rel, e in files.items()):
+    if not isinstance(files, dict):
+        return {}
+    if data["version"] == _HEADERLESS:
+        files = {rel: [*entry, None] if isinstance(entry, list) else entry for rel, entry in files.items()}
+    if not all(isinstance(rel, str) and _valid_entry(e) for rel, e in files.items()):
         return {}
     return files
 
@@ -108,7 +127,7 @@ class ListingCache:
         for rel, stat in self.stats.items():
             entry = old.get(rel)
             same = entry is not None and (entry[0], entry[1]) == stat
-            self.entries[rel] = list(entry) if same else [stat[0], stat[1], None, None]
+            self.entries[rel] = list(entry) if same else [stat[0], stat[1], None, None, None]
         self.changed = self.entries != old
 
     def sha256(self, rel: str) -> str:
@@ -134,6 +153,20 @@ class ListingCache:
         entry = self.entries.get(rel)
         if entry is not None:
             entry[3], self.changed = NO_LIMIT if max_pixels is None else max_pixels, True
+
+    def header(self, rel: str) -> tuple[str, tuple[int, int]] | None:
+        """(PIL mode, (width, height)) of the unchanged file as last read, or None when not known."""
+        entry = self.entries.get(rel)
+        if entry is None or entry[4] is None:
+            return None
+        mode, width, height = entry[4]
+        return mode, (width, height)
+
+    def mark_header(self, rel: str, mode: str, size: tuple[int, int]) -> None:
+        """Record the file's header as just read: its PIL mode and (width, height)."""
+        entry = self.entries.get(rel)
+        if entry is not None and entry[4] != [mode, size[0], size[1]]:
+            entry[4], self.changed = [mode, size[0], size[1]], True
 
     def save(self) -> None:
         """Write the entries (only when something changed); a root that cannot be written is passed over."""

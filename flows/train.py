@@ -182,7 +182,7 @@ def data_to_come(config: PipelineConfig) -> tuple[tuple[int | None, ...], list[s
     size = config.transform.image_size
     if is_remote(layout.path):
         return (None, size, size), layout.classes
-    return folder.scan_images(layout, size), layout.classes
+    return folder.image_shape(layout, size, config.storage_root), layout.classes
 
 
 def check_registry_fits(config: PipelineConfig) -> None:

@@ -75,7 +75,7 @@ def to_parquet(
     found = folder.check_folder(raw.directory) if raw.source == "folder" else None
     # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
     with storage_writes("to-parquet", parent(final)), file_lock(layout, f"dataset-{fingerprint}"):
-        dataset = _build_or_reuse(raw, cfg, final, fingerprint, logger, image_size, found, max_image_pixels)
+        dataset = _build_or_reuse(raw, cfg, final, fingerprint, logger, image_size, found, max_image_pixels, layout.root)
     skipped = found.skipped_note() if found else None
     if skipped:
         logger.warning("Image folder: %s", skipped)
@@ -86,7 +86,7 @@ def to_parquet(
 
 def _build_or_reuse(
     raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger, image_size: int | None = None,
-    found: folder.FolderLayout | None = None, max_pixels: int | None = None,
+    found: folder.FolderLayout | None = None, max_pixels: int | None = None, storage_root: str | None = None,
 ) -> ParquetDataset:
     """The verified dataset in ``final``, or one built there; a build that replaces a damaged one notes it, naming the file."""
     stored = exists(final)
@@ -102,7 +102,7 @@ def _build_or_reuse(
         logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
     notes = [f"rebuilt: the stored dataset failed its check ({problem})"] if problem else []
     if found is not None:
-        built = _build_from_folder(raw, cfg, final, fingerprint, logger, image_size, found, max_pixels)
+        built = _build_from_folder(raw, cfg, final, fingerprint, logger, image_size, found, max_pixels, storage_root)
         return built.model_copy(update={"notes": notes})
     # A local staging folder, removed again if the build fails half-way (raw files copied from S3 first).
     with building(final) as staging, local_copy(raw.directory) as raw_dir:
@@ -115,14 +115,14 @@ def _build_or_reuse(
 
 def _build_from_folder(
     raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger, image_size: int | None,
-    found: folder.FolderLayout, max_pixels: int | None,
+    found: folder.FolderLayout, max_pixels: int | None, storage_root: str | None = None,
 ) -> ParquetDataset:
     """An image folder read with Ray Data into a staging folder, published whole with its manifest last."""
     listed = {rel for rows in found.files.values() for rel, _ in rows}
     if listed != set(raw.files):  # the folder changed between the download stage and now
         raise folder.FolderError(f"{raw.directory}: its images changed since the download stage listed them; run again")
     with building(final) as staging:
-        rows, shape = folder.convert_folder(found, staging, cfg, image_size, max_pixels=max_pixels)
+        rows, shape = folder.convert_folder(found, staging, cfg, image_size, max_pixels=max_pixels, storage_root=storage_root)
         manifest = build_manifest(staging, fingerprint, raw.files, rows, shape, found.classes)
         atomic_write_json(staging / MANIFEST, manifest)
         publish_dir(staging, final)

@@ -1,9 +1,9 @@
 """The listing cache of an image folder (dataset/listing.py): an unchanged folder is listed, not read again.
 
 Real PNG folders in tmp_path (the tests' RGB workload, tests/support/images.py) and a real local
-storage root. What was read is counted through the two seams the cache saves: the hash
-(`dataset.listing.sha256_file`) and the full decode (`dataset.images.check_image`), each wrapped
-to count and then do the real work.
+storage root. What was read is counted through the seams the cache saves: the hash
+(`dataset.listing.sha256_file`), the full decode (`dataset.images.check_image`) and the header
+read (`dataset.folder._read_image`), each wrapped to count and then do the real work.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ PER_CLASS = {"train": 4, "test": 2}  # 3 classes: 18 images
 
 @pytest.fixture
 def counted(monkeypatch):
-    """{"hashed": n, "decoded": n}: the files read to be hashed and the images decoded in full so far."""
-    counts = {"hashed": 0, "decoded": 0}
-    real_hash, real_check = listing.sha256_file, images.check_image
+    """{"hashed": n, "decoded": n, "opened": n}: the files read to be hashed, the images decoded in full
+    and the images opened at all (header or decode) so far."""
+    counts = {"hashed": 0, "decoded": 0, "opened": 0}
+    real_hash, real_check, real_read = listing.sha256_file, images.check_image, folder._read_image
 
     def hashed(path, *args, **kwargs):
         counts["hashed"] += 1
@@ -42,17 +43,24 @@ def counted(monkeypatch):
         counts["decoded"] += 1
         return real_check(data, *args, **kwargs)
 
+    def opened(*args, **kwargs):
+        counts["opened"] += 1
+        return real_read(*args, **kwargs)
+
     monkeypatch.setattr(listing, "sha256_file", hashed)
     monkeypatch.setattr(images, "check_image", decoded)
+    monkeypatch.setattr(folder, "_read_image", opened)
     return counts
 
 
 def run_both(cfg: DownloadConfig, root: Path, counts: dict) -> tuple[dict, dict]:
     """check_source then list_folder, as a run does before its stages; (what they read, RawData.files)."""
-    counts.update(hashed=0, decoded=0)
+    counts.update(hashed=0, decoded=0, opened=0)
     folder.check_source(cfg, None, str(root))
     raw = list_folder(cfg, LOG, StorageLayout.create(str(root), "r"))
-    return dict(counts), raw.files
+    read = dict(counts)
+    assert read.pop("opened") == read["decoded"]  # a file decoded already is not opened for its header either
+    return read, raw.files
 
 
 def redraw(path: Path, seed: int) -> None:
@@ -81,7 +89,7 @@ def test_an_unchanged_folder_is_neither_hashed_nor_decoded_again_and_each_change
     assert run_both(cfg, root, counted)[0] == {"hashed": 0, "decoded": 0}
 
     entries = read_json(listing.cache_path(str(root), str(data)))["files"]
-    assert sorted(entries) == sorted(changed) and all(len(entry) == 4 for entry in entries.values())
+    assert sorted(entries) == sorted(changed) and all(entry[4] == ["RGB", 20, 20] for entry in entries.values())
     assert not any(path.name.endswith(".json") for path in data.rglob("*"))  # nothing written in the user's folder
 
 
@@ -104,6 +112,51 @@ def test_a_file_cut_short_after_a_clean_check_is_refused_by_name(tmp_path, count
     cut.write_bytes(cut.read_bytes()[:-40])
     with pytest.raises(folder.FolderError, match=f"{cut}"):
         folder.check_source(cfg, None, root)
+
+
+def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_opening_a_file(tmp_path, counted):
+    """What the model check, the flow's data check and the conversion ask (`image_shape`) comes from the
+    headers `check_source` recorded; a changed file is opened again, and so is one that is now over a
+    stricter pixel limit (whose own read names the limit)."""
+    data = write_image_folder(tmp_path / "images", PER_CLASS)
+    root = str(tmp_path / "storage")
+    layout = folder.check_source(DownloadConfig(source="folder", path=str(data)), None, root)
+    assert counted["opened"] == 18
+    for image_size in (None, 32):
+        counted["opened"] = 0
+        assert folder.image_shape(layout, image_size, root) == (3, image_size or 20, image_size or 20)
+        assert counted["opened"] == 0
+    assert folder.image_shape(layout, None, None) == (3, 20, 20) and counted["opened"] == 18  # no root: no cache
+
+    gray = data / "train" / "red_square" / "red_square-000.png"
+    Image.fromarray(np.zeros((20, 24), dtype=np.uint8)).save(gray)  # now 24 wide, and gray
+    counted["opened"] = 0
+    with pytest.raises(folder.FolderError, match=rf"{gray}: 24x20 pixels, but .* is 20x20"):
+        folder.image_shape(layout, None, root)
+    assert counted["opened"] >= 1
+    assert folder.image_shape(layout, 16, root) == (3, 16, 16)  # the others are still RGB
+    entry = read_json(listing.cache_path(root, str(data)))["files"]["train/red_square/red_square-000.png"]
+    assert entry[4] == ["L", 24, 20]
+    counted["opened"] = 0
+    with pytest.raises(folder.FolderError, match=r"-\d{3}\.png: 20x20 = 400 pixels, more than download.max_image_pixels \(399\)"):
+        folder.image_shape(layout, 16, root, max_pixels=399)
+    assert counted["opened"] == 1
+
+
+def test_a_cache_file_of_the_version_without_headers_is_still_used(tmp_path, counted):
+    """A version 1 file (entries of four) written by an earlier release: no file is hashed or decoded again;
+    the headers are read once and the file is written anew as version 2."""
+    data = write_image_folder(tmp_path / "images", PER_CLASS)
+    cfg, root = DownloadConfig(source="folder", path=str(data)), tmp_path / "storage"
+    files = run_both(cfg, root, counted)[1]
+    where = Path(listing.cache_path(str(root), str(data)))
+    cache = json.loads(where.read_text())
+    where.write_text(json.dumps({**cache, "version": 1, "files": {rel: e[:4] for rel, e in cache["files"].items()}}))
+    counted.update(hashed=0, decoded=0, opened=0)
+    folder.check_source(cfg, None, str(root))
+    assert list_folder(cfg, LOG, StorageLayout.create(str(root), "r")).files == files
+    assert counted == {"hashed": 0, "decoded": 0, "opened": 18}
+    assert json.loads(where.read_text()) == cache
 
 
 @pytest.mark.parametrize("content", [
