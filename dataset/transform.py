@@ -285,8 +285,12 @@ def _windows_of(
     """(filesystem, the windows of one pass over ``split``) as `dataset.windows.plan` orders them."""
     fs, _ = filesystem(spec.dataset.split_dir(split))
     groups, ids = windows.row_groups(fs, [info.path for info in _parquet_files(spec, split)])
-    window_rows = max(1, int(spec.config.window_mb * 2**20) // int(np.prod(spec.dataset.image_shape)))
-    return fs, windows.plan(groups, ids, window_rows, shuffle_seed, exclude, part)
+    return fs, windows.plan(groups, ids, _window_rows(spec), shuffle_seed, exclude, part)
+
+
+def _window_rows(spec: TransformSpec) -> int:
+    """Rows of decoded pixels in ``transform.window_mb`` (at least one)."""
+    return max(1, int(spec.config.window_mb * 2**20) // int(np.prod(spec.dataset.image_shape)))
 
 
 # How much a streamed split may hold in Ray's object store, in windows of decoded pixels: 16, so about 4
@@ -358,12 +362,16 @@ def build_split(
     task_args = {"num_cpus": cfg.cpus_per_task}
     augment = split == "train"
     table = split_table(spec, split)
+    rows = cfg.batch_rows
     if table is not None:
         ds = blocks(_rows_in_memory(table, augment, seed, epoch, exclude, part), cfg.block_rows)
     else:
         ds = _rows_streamed(spec, split, augment, seed, epoch, exclude, part)
+        # At most a window of rows a call: 512 rows of 128x128 RGB made 100 MB float32 batches. Each row's
+        # draws come from its row_id, so how the rows are batched changes nothing in what comes out.
+        rows = min(rows, _window_rows(spec))
     ds = ds.map_batches(
-        prepare_batch, batch_format="pyarrow", batch_size=cfg.batch_rows, fn_kwargs=_prepare_kwargs(spec, augment, seed, epoch),
+        prepare_batch, batch_format="pyarrow", batch_size=rows, fn_kwargs=_prepare_kwargs(spec, augment, seed, epoch),
         **task_args,
     )
     ds.context.execution_options.preserve_order = True

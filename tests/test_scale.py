@@ -2,11 +2,11 @@
 in-memory budget, each stage timed, the run's peak PSS split by process kind, the plain PIL loop beside it.
 
 The memory check: the larger folder (20x the images, 146 MB of training pixels) streams in windows and its
-run's peak memory stays within 1.5x of the smaller one's, held in memory. Measured on a 2-core AMD EPYC
-(Zen 4), one run each: 1.39x; the code before the streamed path (every split under 512 MB of Parquet held
+run's peak memory stays within 1.3x of the smaller one's, held in memory. Measured on a 2-core AMD EPYC
+(Zen 4), one run each: 1.17x and 1.19x now; 1.23x before the streamed reader's blocks were cut to a window
+(Ray Data's 128 MB default); the code before the streamed path (every split under 512 MB of Parquet held
 in memory, at about 20x its pixels over the run's processes, and evaluation's views scored at once) 1.54x
-(docs/performance.md, "Folders bigger than memory"). What is left of the growth (the driver, the training
-worker) is in docs/performance.md too. How fast anything is, the benchmark reports; this asserts a ratio
+(docs/performance.md, "Folders bigger than memory"). How fast anything is, the benchmark reports; this asserts a ratio
 measured in the same run."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_a_folder_over_the_in_memory_budget_streams_with_flat_memory(tmp_path):
     small, large = sizes
     assert small["streamed"] is None, small["streamed"]  # 7 MB of training pixels: held in memory
     assert large["streamed"].startswith("train, ") and "test streamed in windows" in large["streamed"], large["streamed"]
-    assert large["peak_pss_mb"] <= 1.5 * small["peak_pss_mb"], (large["at_peak_mb"], small["at_peak_mb"])
+    assert large["peak_pss_mb"] <= 1.3 * small["peak_pss_mb"], (large["at_peak_mb"], small["at_peak_mb"])
     assert result["peak_ratio"] == pytest.approx(large["peak_pss_mb"] / small["peak_pss_mb"], abs=0.001)
     for row in sizes:
         assert set(row["stages_s"]) >= {"download", "to-parquet", "transform", "train", "evaluate"}
