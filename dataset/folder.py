@@ -12,8 +12,9 @@ names the path that is wrong. The folder is only read: never copied, modified or
 
 A local folder's images are decoded in full before any work (`check_source`): a file that stops
 short, or one of more than ``download.max_image_pixels`` pixels (from its header), is refused by
-name. With a storage root, what earlier runs learned (each file's sha256, and that it decoded in
-full) is kept in a `dataset.listing.ListingCache` and reused while a file keeps its size and mtime.
+name. With a storage root, what earlier runs learned (each file's sha256, that it decoded in full,
+and its header) is kept in a `dataset.listing.ListingCache` and reused while a file keeps its size
+and mtime: the checks after the first one and the conversion take the shape from it (`image_shape`).
 Files that are not images, hidden files and links to missing files are passed over and counted
 (`FolderLayout.skipped`; the conversion's terminal line names the first few).
 

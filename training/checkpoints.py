@@ -10,6 +10,7 @@ records the data position (`Position`): the epoch, its steps done and the ``row_
 from __future__ import annotations
 
 import logging
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +18,6 @@ from typing import Any
 
 import ray.train
 import torch
-from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.optim.swa_utils import AveragedModel
 
 from storage_io import exists, join, remove, storage_write_error
@@ -47,6 +46,14 @@ class Position:
     epoch: int = 0
     step: int = 0
     consumed: torch.Tensor | None = None
+
+
+def _fsdp_of(model):
+    """``torch.distributed.fsdp`` when ``model`` is wrapped in FSDP, else None. Whoever wrapped it imported
+    the module, so it is only looked up: importing it here took about 1 s of every training worker's
+    start (2-core AMD EPYC Zen 4), for a strategy that needs GPUs."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp if fsdp is not None and isinstance(model, fsdp.FullyShardedDataParallel) else None
 
 
 def restore(
@@ -88,10 +95,11 @@ def load_checkpoint(
     shipped = load_state(ckpt_dir, MODEL_FILE)
     extra = load_state(ckpt_dir, EXTRA_STATE_FILE)
     optimizer_state = load_state(ckpt_dir, OPTIMIZER_FILE)
-    if isinstance(model, FSDP):  # full (unsharded) files; FSDP re-shards them on load
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT):
+    fsdp = _fsdp_of(model)
+    if fsdp is not None:  # full (unsharded) files; FSDP re-shards them on load
+        with fsdp.FullyShardedDataParallel.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT):
             model.load_state_dict(extra.get("train_weights", shipped))
-            optimizer_state = FSDP.optim_state_dict_to_load(model, optimizer, optimizer_state)
+            optimizer_state = fsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, optimizer, optimizer_state)
     else:
         unwrap(model).load_state_dict(extra.get("train_weights", shipped))
     if ema is not None:
@@ -214,14 +222,15 @@ def report(
     as a `StorageWriteError` naming the folder.
     """
     optimizer_state = None
-    if isinstance(model, FSDP):
+    fsdp = _fsdp_of(model)
+    if fsdp is not None:
         # Gathering full weights and optimizer state is a collective: every rank takes part and
         # rank 0 writes them, so the checkpoint loads into a plain ResNet-18. (Not exercised
         # here: PyTorch FSDP needs GPUs, and the test machine has none.)
-        config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
-        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+        config = fsdp.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        with fsdp.FullyShardedDataParallel.state_dict_type(model, fsdp.StateDictType.FULL_STATE_DICT, config):
             full_state = model.state_dict()
-            optimizer_state = FSDP.optim_state_dict(model, optimizer)
+            optimizer_state = fsdp.FullyShardedDataParallel.optim_state_dict(model, optimizer)
         model = _StateDictView(full_state)
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint, name, target = None, None, None
