@@ -205,7 +205,9 @@ def check_source(cfg, image_size: int | None = None, storage_root: str | None = 
     return layout
 
 
-def image_shape(layout: FolderLayout, image_size: int | None, storage_root: str | None, max_pixels: int | None = None) -> tuple[int, int, int]:
+def image_shape(
+    layout: FolderLayout, image_size: int | None, storage_root: str | None, max_pixels: int | None = None,
+) -> tuple[int, int, int]:
     """`scan_images` through the listing cache on ``storage_root``: the headers an earlier check read are
     not read again while their files are unchanged (None: every header read)."""
     cache = listing_cache(layout, storage_root) if storage_root else None

@@ -78,7 +78,8 @@ def _count(n, least: int = 0) -> bool:
 
 def _valid_header(header) -> bool:
     return header is None or (
-        isinstance(header, list) and len(header) == 3 and isinstance(header[0], str) and _count(header[1], 1) and _count(header[2], 1)
+        isinstance(header, list) and len(header) == 3 and isinstance(header[0], str)
+        and _count(header[1], 1) and _count(header[2], 1)
     )
 
 

@@ -75,7 +75,8 @@ def data_for_trial(config: PipelineConfig, layout: folder.FolderLayout | None) -
     """((channels, height, width), classes) of the data the run trains on, when known before any work.
 
     The IDX sources: MNIST's digits. A local image folder (``layout``, from `dataset.folder.check_source`):
-    its images' headers (from the listing cache `check_source` filled). An ``s3://`` folder: None (its images are read by the conversion only).
+    its images' headers (from the listing cache `check_source` filled). An ``s3://`` folder: None (its
+    images are read by the conversion only).
     """
     if config.download.source != "folder":
         return IMAGE_SHAPE, len(MNIST_CLASSES)
