@@ -208,13 +208,10 @@ def check_source(cfg, image_size: int | None = None, storage_root: str | None = 
 def image_shape(
     layout: FolderLayout, image_size: int | None, storage_root: str | None, max_pixels: int | None = None,
 ) -> tuple[int, int, int]:
-    """`scan_images` through the listing cache on ``storage_root``: the headers an earlier check read are
-    not read again while their files are unchanged (None: every header read)."""
-    cache = listing_cache(layout, storage_root) if storage_root else None
-    shape = scan_images(layout, image_size, max_pixels, cache=cache)
-    if cache is not None:
-        cache.save()
-    return shape
+    """`scan_images` through the listing cache on ``storage_root``: the headers `check_source` recorded are
+    not read again while their files are unchanged (None: every header read). The cache is only read here:
+    a check that refuses the run before any work writes nothing on the storage root."""
+    return scan_images(layout, image_size, max_pixels, cache=listing_cache(layout, storage_root) if storage_root else None)
 
 
 def image_paths(layout: FolderLayout) -> list[str]:
