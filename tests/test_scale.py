@@ -3,8 +3,8 @@ in-memory budget, each stage timed, the run's peak PSS split by process kind, th
 
 The memory check: the larger folder (20x the images, 146 MB of training pixels) streams in windows and its
 run's peak memory stays within 1.3x of the smaller one's, held in memory. Measured on a 2-core AMD EPYC
-(Zen 4), one run each: 1.17x and 1.19x now; 1.23x before the streamed reader's blocks were cut to a window
-(Ray Data's 128 MB default); the code before the streamed path (every split under 512 MB of Parquet held
+(Zen 4), one run each: 1.17x now, 1.19x with only the streamed reader's blocks cut to a window, 1.23x at
+Ray Data's default of 128 MB blocks; the code before the streamed path (every split under 512 MB of Parquet held
 in memory, at about 20x its pixels over the run's processes, and evaluation's views scored at once) 1.54x
 (docs/performance.md, "Folders bigger than memory"). How fast anything is, the benchmark reports; this asserts a ratio
 measured in the same run."""
