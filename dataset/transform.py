@@ -274,7 +274,7 @@ def stream_split(
     # Blocks of about one window, in and out of every map fused onto this read. At Ray Data's 128 MB
     # default, the fused task buffered about eleven windows before `prepare_batch` saw any, then
     # 128 MB of float32 batches before handing them on: about 1 GB in one worker at 40,000 64x64
-    # images, held until the epoch's last window (docs/performance.md).
+    # images (2-core AMD EPYC Zen 4), held until the epoch's last window (docs/performance.md).
     ds.context.target_max_block_size = max(1 << 20, int(spec.config.window_mb * 2**20))
     return ds
 
@@ -367,7 +367,7 @@ def build_split(
         ds = blocks(_rows_in_memory(table, augment, seed, epoch, exclude, part), cfg.block_rows)
     else:
         ds = _rows_streamed(spec, split, augment, seed, epoch, exclude, part)
-        # At most a window of rows a call: 512 rows of 128x128 RGB made 100 MB float32 batches. Each row's
+        # At most a window of rows a call: 512 rows of 128x128 RGB make 100 MB float32 batches. Each row's
         # draws come from its row_id, so how the rows are batched changes nothing in what comes out.
         rows = min(rows, _window_rows(spec))
     ds = ds.map_batches(
