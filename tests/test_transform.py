@@ -14,6 +14,7 @@ from dataset.transform import (
     build_datasets,
     build_split,
     epoch_seed,
+    fits_in_memory,
     normalize,
     prepare_batch,
     random_affine,
@@ -343,6 +344,38 @@ def test_one_actor_on_one_cpu_node_scores_here_with_the_pool_s_predictions(local
         for name in ("row_id", "label", "pred", "pred_plain"):
             np.testing.assert_array_equal(here[name], pool[name])
     assert torch.get_num_threads() == before  # this process's thread count is given back
+
+
+def test_a_streamed_test_split_scored_here_is_read_here_with_the_same_predictions(local_ray, spec_inputs, tmp_path, monkeypatch):
+    """A streamed test split scored in this process is read here, window by window, not through Ray Data
+    (whose read-ahead limit kept its scheduling loop spinning beside the scoring): the predictions are
+    those of the same split held in memory, row for row, TTA on."""
+    import torch
+
+    from pipeline_config import EvaluateConfig
+    from training import inference
+    from training.model import save_checkpoint_files
+    from training.models import ModelSpec
+
+    dataset, layout = spec_inputs
+    spec = transform.fn(dataset, TransformConfig(shift_px=0, rotate_deg=0, scale=0), layout)
+    small = ModelSpec.for_data("training.models:small_cnn", dataset)
+    model = small.build()
+    save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
+    cfg = EvaluateConfig(num_actors=1, batch_rows=16, tta=True)
+    held = inference.predict(spec, str(tmp_path), cfg, small)
+    streamed = spec.model_copy(update={"config": spec.config.model_copy(update={"in_memory_mb": 0, "window_mb": 0.05}),
+                                       "in_memory_mb": None})
+    assert not fits_in_memory(streamed, "test")
+
+    def no_ray_data(*args, **kwargs):
+        raise AssertionError("a streamed split scored here went through Ray Data")
+
+    monkeypatch.setattr(inference, "build_datasets", no_ray_data)
+    read_here = inference.predict(streamed, str(tmp_path), cfg, small)
+    assert len(read_here["row_id"]) == dataset.rows["test"]
+    for name in ("row_id", "label", "pred", "pred_plain"):
+        np.testing.assert_array_equal(read_here[name], held[name])
 
 
 def test_large_images_are_scored_in_bounded_forward_passes_with_the_same_predictions(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ holds a share of one (`actor_gpus`) and scores on it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +18,7 @@ import ray.data
 import torch
 import torch.nn.functional as F
 
-from dataset.transform import TransformSpec, blocks, build_datasets, prepare_batch
+from dataset.transform import TransformSpec, blocks, build_datasets, fits_in_memory, prepare_batch, split_batches
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
 from training.device import pick_device, visible_gpus
@@ -139,7 +140,15 @@ def actor_gpus(cluster_gpus: float, num_actors: int) -> float:
 def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: ModelSpec | None = None) -> dict[str, np.ndarray]:
     """Run the actor pool over the test split; return row_id, label, pred and pred_plain arrays.
 
-    ``model``: what the checkpoint holds (unset: what its extra_state.pt records)."""
+    ``model``: what the checkpoint holds (unset: what its extra_state.pt records).
+
+    A streamed test split that this process scores (`scores_here`) is also read here, window by window
+    (`dataset.transform.split_batches`), not through Ray Data. There, the streamed split's read-ahead limit
+    held the reader's finished window back while scoring ran, and Ray Data's scheduling loop (a thread of
+    this process) went round about a thousand times a second, taking a core from the scoring: 8,000 64x64
+    RGB test images took 34 s against 14-18 s read first (2-core AMD EPYC Zen 4, docs/performance.md)."""
+    if scores_here(ray.cluster_resources(), cfg.num_actors) and not fits_in_memory(spec, "test"):
+        return _score_here(split_batches(spec, "test", cfg.batch_rows), checkpoint, cfg, model, threads=_cpus_here())
     test = build_datasets(spec, splits=("test",))["test"]
     return score(test, checkpoint, cfg, spec.config, model)
 
@@ -180,7 +189,8 @@ def score(
     stream in, with a torch thread per CPU, instead: same batches, same `Predictor`, same outputs."""
     cluster = ray.cluster_resources()
     if scores_here(cluster, cfg.num_actors):
-        return _score_here(images, checkpoint, cfg, model, threads=max(1, int(cluster.get("CPU", 1))))
+        batches = images.iter_batches(batch_size=cfg.batch_rows, batch_format="numpy")
+        return _score_here(batches, checkpoint, cfg, model, threads=_cpus_here(cluster))
     actor_cpus, threads = actor_resources(float(cluster.get("CPU", 1)), cfg.num_actors)
     gpus = actor_gpus(cluster.get("GPU", 0), cfg.num_actors)  # on a GPU machine the actors score on the GPUs
     predictions = images.map_batches(
@@ -203,15 +213,21 @@ def score(
     return {name: table.column(name).to_numpy() for name in ("row_id", "label", "pred", "pred_plain")}
 
 
+def _cpus_here(cluster: dict | None = None) -> int:
+    """Torch threads for scoring in this process: the (one-node) cluster's CPUs."""
+    return max(1, int((cluster or ray.cluster_resources()).get("CPU", 1)))
+
+
 def _score_here(
-    images: ray.data.Dataset, checkpoint: str, cfg: EvaluateConfig, model: ModelSpec | None, threads: int,
+    batches: Iterable[dict[str, np.ndarray]], checkpoint: str, cfg: EvaluateConfig, model: ModelSpec | None, threads: int,
 ) -> dict[str, np.ndarray]:
-    """`score` in this process: Ray Data reads and normalizes, `Predictor` scores here, batch by batch
-    (memory stays at a few batches whatever the split's size). The torch thread count is restored after."""
+    """`score` in this process over normalized numpy ``batches`` (from Ray Data, or read here): `Predictor`
+    scores them one by one (memory stays at a few batches whatever the split's size). The torch thread
+    count is restored after."""
     before = torch.get_num_threads()
     try:
         predictor = Predictor(checkpoint, threads, cfg.tta, model.model_dump() if model is not None else None)
-        parts = [predictor(batch) for batch in images.iter_batches(batch_size=cfg.batch_rows, batch_format="numpy")]
+        parts = [predictor(batch) for batch in batches]
     finally:
         torch.set_num_threads(before)
     names = ("row_id", "label", "pred", "pred_plain")
