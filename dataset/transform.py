@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -41,6 +42,7 @@ import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray.data
 from pydantic import BaseModel
+from ray.data._internal.execution.execution_callback import ExecutionCallback
 
 from dataset import windows
 from dataset.memory import release_memory
@@ -304,6 +306,28 @@ def _read_windows(batch: dict, fs: pafs.FileSystem, planned: list[windows.Window
     return pa.concat_tables(tables) if tables else schema_for(image_bytes).empty_table()  # nothing left to read
 
 
+# How long Ray Data's scheduling loop pauses after a step while the consumer still has output waiting.
+IDLE_STEP_PAUSE_S = 0.01
+
+
+class PauseWhileFed(ExecutionCallback):
+    """Ray Data execution callback: after a scheduling step, a pause of `IDLE_STEP_PAUSE_S` while the
+    consumer has output waiting.
+
+    Ray Data's scheduling loop (a thread of the consuming process) steps again at once whenever it has
+    nothing to wait for: every task paused by backpressure, or a task whose finished output is held back by
+    the read-ahead limit. With a consumer slower than the reader (training, scoring) it stepped about a
+    thousand times a second, and the thread took most of a core beside the consumer's torch threads:
+    50 batches taken 0.3 s apart cost that process 13-15 s of CPU time, against 0.5-2.6 s with this pause,
+    and the consumer waited no longer for its batches (2-core AMD EPYC Zen 4, docs/performance.md). A
+    consumer waiting for data (nothing in the output queue) gets no pause. Ray Data calls
+    ``on_execution_step`` after every step; ``_consumer_idling`` is its own test (Ray is pinned)."""
+
+    def on_execution_step(self, executor) -> None:
+        if not executor._consumer_idling():
+            time.sleep(IDLE_STEP_PAUSE_S)
+
+
 def blocks(table: pa.Table, block_rows: int) -> ray.data.Dataset:
     """An in-memory table as a Ray Dataset of ``block_rows``-row blocks: `ray.data.from_arrow`, with
     each block's metadata computed in this process instead of in a Ray task per block.
@@ -326,6 +350,7 @@ def blocks(table: pa.Table, block_rows: int) -> ray.data.Dataset:
     refs = [ray.put(t) for t in tables]
     stats = DatasetStats(metadata={"FromArrow": metadata}, parent=None)
     context = DataContext.get_current().copy()
+    context.custom_execution_callback_classes = [*context.custom_execution_callback_classes, PauseWhileFed]
     return MaterializedDataset(LogicalPlan(FromArrow(refs, metadata), context), context, stats)
 
 
@@ -408,6 +433,47 @@ def split_batches(spec: TransformSpec, split: str, rows_per_batch: int, seed: in
         table = windows.read_window(fs, window)
         for start in range(0, table.num_rows, rows_per_batch):
             yield prepare_batch(table.slice(start, rows_per_batch), **kwargs)
+
+
+def read_ahead(batches: Iterable[dict[str, np.ndarray]], depth: int = 2) -> Iterator[dict[str, np.ndarray]]:
+    """``batches`` produced by a thread of this process up to ``depth`` ahead of the consumer: reading a
+    streamed split's windows (pyarrow, numpy) overlaps with scoring them (torch), which both let go of the
+    GIL for most of their work. An exception in the reading is raised here, at the batch it stopped at;
+    a consumer that stops early stops the thread."""
+    import queue
+    import threading
+
+    done, stop = object(), threading.Event()
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if not put(batch):
+                    return
+            put(done)
+        except BaseException as exc:  # handed to the consumer
+            put(exc)
+
+    thread = threading.Thread(target=produce, name="read-ahead", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not done:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _rows_in_memory(

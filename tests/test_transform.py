@@ -402,3 +402,67 @@ def test_large_images_are_scored_in_bounded_forward_passes_with_the_same_predict
     assert max(seen) == 10 and len(seen) == 4 * len(inference.TTA_SHIFTS)  # 10 + 10 + 10 + 7 rows, five views each
     for name in ("row_id", "label", "pred", "pred_plain"):
         np.testing.assert_array_equal(chunked[name], whole[name])
+
+
+def test_ray_data_s_scheduling_loop_pauses_while_its_consumer_has_output_waiting(local_ray, monkeypatch):
+    """A consumer slower than its reader, behind a read-ahead limit (a training or scoring loop on a streamed
+    split): after each step of Ray Data's scheduling loop that finds output waiting for the consumer, the next
+    step comes `IDLE_STEP_PAUSE_S` later at the earliest. Without the pause (set to 0 for the contrast) the
+    loop stepped again within a few milliseconds."""
+    import time
+
+    import pyarrow as pa
+    from ray.data._internal.execution.execution_callback import ExecutionCallback
+
+    from dataset import transform as transform_module
+
+    def gaps_after_fed_steps() -> list[float]:
+        steps: list[tuple[float, bool]] = []
+
+        class Record(ExecutionCallback):  # runs before the pause, on the state the pause sees
+            def on_execution_step(self, executor):
+                steps.append((time.perf_counter(), not executor._consumer_idling()))
+
+        ds = transform_module.blocks(pa.table({"blob": pa.array([b"\0" * 10_000] * 1000, pa.binary())}), 100)
+        ds = ds.map_batches(lambda batch: batch, batch_format="pyarrow", num_cpus=0.25)
+        ds.context.custom_execution_callback_classes = [Record, *ds.context.custom_execution_callback_classes]
+        limits = ds.context.execution_options.resource_limits
+        ds.context.execution_options.resource_limits = limits.copy(object_store_memory=3 << 20)  # 3 of its 10 MB
+        rows = 0
+        for batch in ds.iter_batches(batch_size=100, batch_format="pyarrow"):
+            rows += batch.num_rows
+            time.sleep(0.1)  # the consumer's work
+        assert rows == 1000
+        return [after[0] - before[0] for before, after in zip(steps, steps[1:]) if before[1]]
+
+    pause = transform_module.IDLE_STEP_PAUSE_S
+    paused = gaps_after_fed_steps()
+    assert paused and min(paused) >= pause
+    monkeypatch.setattr(transform_module, "IDLE_STEP_PAUSE_S", 0.0)
+    unpaused = gaps_after_fed_steps()
+    assert len(unpaused) > 3 * len(paused) and np.median(unpaused) < pause / 2  # what Ray Data does alone
+
+
+def test_read_ahead_keeps_the_order_raises_where_reading_failed_and_stops_with_its_consumer():
+    import threading
+
+    from dataset.transform import read_ahead
+
+    batches = [{"row_id": np.arange(i, i + 2)} for i in range(0, 20, 2)]
+    assert [b["row_id"].tolist() for b in read_ahead(iter(batches))] == [b["row_id"].tolist() for b in batches]
+
+    def failing():
+        yield batches[0]
+        raise OSError("window 2: cannot read it")
+
+    got = []
+    with pytest.raises(OSError, match="window 2"):
+        for batch in read_ahead(failing()):
+            got.append(batch)
+    assert len(got) == 1  # the batch before the failure came through first
+
+    endless = ({"row_id": np.array([i])} for i in iter(int, 1))
+    reader = read_ahead(endless, depth=1)
+    next(reader)
+    reader.close()  # the consumer stops early: the reading thread ends with it
+    assert not any(t.name == "read-ahead" for t in threading.enumerate())

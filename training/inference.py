@@ -18,7 +18,7 @@ import ray.data
 import torch
 import torch.nn.functional as F
 
-from dataset.transform import TransformSpec, blocks, build_datasets, fits_in_memory, prepare_batch, split_batches
+from dataset.transform import TransformSpec, blocks, build_datasets, fits_in_memory, prepare_batch, read_ahead, split_batches
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
 from training.device import pick_device, visible_gpus
@@ -143,12 +143,15 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: Mo
     ``model``: what the checkpoint holds (unset: what its extra_state.pt records).
 
     A streamed test split that this process scores (`scores_here`) is also read here, window by window
-    (`dataset.transform.split_batches`), not through Ray Data. There, the streamed split's read-ahead limit
-    held the reader's finished window back while scoring ran, and Ray Data's scheduling loop (a thread of
-    this process) went round about a thousand times a second, taking a core from the scoring: 8,000 64x64
-    RGB test images took 34 s against 14-18 s read first (2-core AMD EPYC Zen 4, docs/performance.md)."""
+    (`dataset.transform.split_batches`), by a thread that keeps up to two batches ahead of the scoring
+    (`dataset.transform.read_ahead`), not through Ray Data. Through Ray Data, the streamed split's
+    read-ahead limit held the reader's finished window back while scoring ran, and Ray Data's scheduling
+    loop (a thread of this process) went round about a thousand times a second, taking a core from the
+    scoring: 8,000 64x64 RGB test images took 30-35 s, against 14-17 s read here and 13.6-14.0 s read
+    ahead (2-core AMD EPYC Zen 4, docs/performance.md)."""
     if scores_here(ray.cluster_resources(), cfg.num_actors) and not fits_in_memory(spec, "test"):
-        return _score_here(split_batches(spec, "test", cfg.batch_rows), checkpoint, cfg, model, threads=_cpus_here())
+        batches = read_ahead(split_batches(spec, "test", cfg.batch_rows))  # windows read while the last is scored
+        return _score_here(batches, checkpoint, cfg, model, threads=_cpus_here())
     test = build_datasets(spec, splits=("test",))["test"]
     return score(test, checkpoint, cfg, spec.config, model)
 
