@@ -175,6 +175,18 @@ def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_p
     assert dataset_fingerprint(changed, CFG) != dataset.fingerprint  # changed data, another dataset
 
 
+def test_decoding_tasks_share_the_cpus_the_calling_stage_leaves(local_ray):
+    """As many decoding tasks at once as the cluster has CPUs: the to-parquet stage holds one of the 2 CPUs
+    and only writes, so each task asks for half of one; a process holding none (a driver) leaves whole ones."""
+    assert folder.decode_task_cpus() == 1.0
+
+    @local_ray.remote(num_cpus=1)
+    def in_a_stage() -> float:
+        return folder.decode_task_cpus()
+
+    assert local_ray.get(in_a_stage.remote()) == 0.5
+
+
 def test_differing_sizes_need_image_size_and_grayscale_stays_one_channel(tmp_path, layout, local_ray):
     root = write_image_folder(tmp_path / "gray", {"train": 4, "test": 2}, gray=True)
     write_image_folder(tmp_path / "big", {"test": 1}, size=24, gray=True)
