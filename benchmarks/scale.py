@@ -13,7 +13,8 @@ the sum of PSS (``/proc/<pid>/smaps_rollup``) over the CLI process and every pro
 (the temporary Prefect server, Ray's gcs/raylet and workers), sampled every 0.5 s, its peak, and
 the peak per process kind (driver, ``ray::IDLE``, ``ray::RayTrainWorker``, raylet, ...), so what
 grows with the data shows. In the same invocation, the plain loop: each PNG of the folder opened
-with PIL and turned into a numpy array, images/s, beside the conversion stage's images/s.
+with PIL and turned into a numpy array, images/s (the median of three passes), beside the conversion
+stage's images/s; and training's and evaluation's images/s, each split's rows over its stage's seconds.
 Last, a straight-line fit of peak PSS and wall time against the number of images, at 10x and
 100x the largest size. Results go to ``benchmarks/results/scale.json`` (or ``--out``).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,17 +70,22 @@ def make_folder(folder: Path, n: int, seed: int = 0, side: int = SIDE) -> Path:
     return folder
 
 
-def plain_loop(folder: Path) -> dict:
-    """Every PNG under ``folder`` opened with PIL and converted to a numpy array: images/s."""
+def plain_loop(folder: Path, passes: int = 3) -> dict:
+    """Every PNG under ``folder`` opened with PIL and converted to a numpy array: images/s, the median of
+    ``passes`` passes (one pass varied by 20-30% between the sizes of one run)."""
     from PIL import Image
 
     paths = sorted(folder.rglob("*.png"))
-    start = time.perf_counter()
-    for path in paths:
-        with Image.open(path) as image:
-            np.asarray(image.convert("RGB"))
-    seconds = time.perf_counter() - start
-    return {"images": len(paths), "seconds": round(seconds, 2), "images_per_s": round(len(paths) / seconds, 1)}
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        for path in paths:
+            with Image.open(path) as image:
+                np.asarray(image.convert("RGB"))
+        times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    return {"images": len(paths), "seconds": round(seconds, 2), "images_per_s": round(len(paths) / seconds, 1),
+            "passes_s": [round(t, 2) for t in times]}
 
 
 def _children() -> dict[int, list[int]]:
@@ -249,7 +256,18 @@ def measure_size(n: int, tmp: Path, side: int = SIDE, extra: list[str] = ()) -> 
     convert_s = run["stages_s"].get("to-parquet")
     conversion = round(n / convert_s, 1) if convert_s else None
     return {"images": n, "side": side, "folder_mb": round(folder_mb, 1), "plain_loop": plain, "conversion_images_per_s": conversion,
-            "conversion_vs_plain_loop": round(plain["images_per_s"] / conversion, 2) if conversion else None, **run}
+            "conversion_vs_plain_loop": round(plain["images_per_s"] / conversion, 2) if conversion else None,
+            **stage_rates(run), **run}
+
+
+def stage_rates(run: dict) -> dict:
+    """Training's and evaluation's images/s, each its split's rows over its stage's seconds (fixed costs
+    included: the worker group, the checkpoint, the reports), and evaluation's over training's."""
+    rows, stages = run.get("rows") or {}, run["stages_s"]
+    train = rows.get("train", 0) / stages["train"] if stages.get("train") else None
+    evaluate = rows.get("test", 0) / stages["evaluate"] if stages.get("evaluate") else None
+    return {"train_images_per_s": round(train, 1) if train else None, "evaluate_images_per_s": round(evaluate, 1) if evaluate else None,
+            "evaluate_over_train": round(evaluate / train, 3) if train and evaluate else None}
 
 
 def estimates(rows: list[dict]) -> dict:
@@ -291,6 +309,9 @@ def format_table(result: dict) -> str:
         lines.append(f"| {r['images']:,} | {r['folder_mb']} MB | {r['plain_loop']['images_per_s']:,} img/s | "
                      f"{r['conversion_images_per_s']} img/s ({r['conversion_vs_plain_loop']}x slower) | {stages} | "
                      f"{r['wall_s']} s | {r['peak_pss_mb']:,} MB | {top} MB |")
+    lines.append("evaluation against training, img/s (rows over stage seconds): " + "; ".join(
+        f"{r['images']:,}: {r.get('evaluate_images_per_s')} against {r.get('train_images_per_s')} ({r.get('evaluate_over_train')}x)"
+        for r in result["sizes"]))
     if result.get("conversion"):
         c = result["conversion"]
         lines.append(f"conversion: {c['fixed_s']} s fixed, then {c['steady_images_per_s']} img/s; plain loop "
