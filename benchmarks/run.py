@@ -28,6 +28,10 @@ Rows:
   against a plain loop with the same recipe (``benchmarks/accuracy.py``);
 * tune stage, per trial: the tune stage with one trial of the default recipe against the
   training stage with the same recipe and epochs (``benchmarks/tune_trial.py``);
+* the GPU rows, when the machine has a GPU (``benchmarks/device_rows.py``): our training stage on the
+  GPU (precision auto, batch 512) against a plain loop of the same model on the same GPU at the same
+  batch and precision, with the GPU's busy % while ours ran; without a GPU, a row saying so. The
+  JSON's ``device`` names the GPU, or the CPU;
 * full size (60,000 / 10,000 rows; quick: 2,000 / 500), on a mirror derived from the bundled
   digits and made once per invocation (``benchmarks/full_size.py``): training throughput of our
   stage (1 worker x 2 threads) against the plain loop (``benchmarks/full_size_throughput.py``);
@@ -54,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import MODEL_ENV, model_name
-from benchmarks import accuracy, ddp, deployment_overhead, full_size, full_size_throughput, tune_trial
+from benchmarks import accuracy, ddp, deployment_overhead, device_rows, full_size, full_size_throughput, tune_trial
 from benchmarks.throughput import plain_images_per_s, ray_train_images_per_s
 from dataset.idx import read_idx
 from reporting import environment
@@ -266,6 +270,11 @@ def main(argv: list[str] | None = None) -> int:
             # (plain, ours, plain; full: 2 epochs, the second one's images/s) ...
             rows_out.append(full_size_throughput.measure(work, full_size.mirror_download(mirror, checksums),
                                                          epochs=1 if args.quick else 2, steps=steps))
+            # ... on the GPU when there is one (our stage and the plain loop on it, at batch 512, precision auto,
+            # GPU busy %); without one, a row that says so (quick: the row on the CPU, which proves its code) ...
+            rows_out.append(device_rows.measure(work, full_size.mirror_download(mirror, checksums),
+                                                epochs=1 if args.quick else 2, steps=steps,
+                                                device=device_rows.default_device() if args.quick else None))
             # ... time to 99% held-out accuracy with the default recipe over 3 epochs (what
             # train.max_images gives at this size; quick: 1 epoch to 50%) ...
             rows_out.append(accuracy.measure(work, epochs=1 if args.quick else 3, target=0.5 if args.quick else 0.99,
@@ -282,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": model_name(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "environment": environment.describe(),
+        "device": device_rows.device_name(),  # the GPU the GPU rows ran on, else the CPU
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
         "mode": "quick" if args.quick else "full",
         "rows": rows_out,
@@ -346,6 +356,15 @@ def format_table(rows: list[dict]) -> str:
                          f"{reached(r['baseline_s'], r['baseline_epoch'], r['baseline_history'])} | "
                          f"{reached(r['ours_s'], r['ours_epoch'], r['ours_history'])} | "
                          f"{'' if r['ratio'] is None else str(r['ratio']) + 'x'} | {r['goal']} |")
+        elif r["benchmark"].startswith("training throughput on the device"):
+            if r.get("skipped"):
+                lines.append(f"| {r['benchmark']} | {r['device']} | | | | not run: {r['skipped']} |")
+                continue
+            busy = r.get("gpu_busy_percent")
+            busy = f"; GPU busy {busy['mean']}% (max {busy['max']}%)" if busy else ""
+            lines.append(f"| {r['benchmark']} | {r['device']}, {r['train_rows']:,} training rows, {r['epochs']} epoch(s), "
+                         f"batch {r['batch']}, {r['precision']} | {r['baseline_images_per_s']} img/s | "
+                         f"{r['ours_images_per_s']} img/s{busy} | {r['ratio']}x | {r['goal']} |")
         elif r["benchmark"] == "tune stage, per trial":
             lines.append(f"| tune stage, per trial | 1 trial, {r['epochs']} epoch(s), {r['workers']} worker | "
                          f"{r['baseline_s']} s (training stage) | {r['ours_s']} s (tune stage) | "

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import device_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -29,7 +31,8 @@ def test_quick_benchmark_writes_every_row(tmp_path):
         "data path", "conversion peak RSS", "fixed overhead", "deployment path, flow start to first training step",
         "training throughput, train.mode=single (no Ray Train)", "training throughput (1 worker x 2 threads, batch 128)",
         "training throughput (2 workers x 1 thread, DDP, global batch 128)", "time to accuracy", "tune stage, per trial",
-        "training throughput at full size (1 worker x 2 threads, batch 128)", "time to accuracy at full size",
+        "training throughput at full size (1 worker x 2 threads, batch 128)",
+        "training throughput on the device (1 worker, precision auto)", "time to accuracy at full size",
         "full-size default flow, by stage",
     ]
     # What the suite took, in total and row by row (rows added together take 0 s after the first).
@@ -78,13 +81,20 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert len(big["baseline_runs"]) == 2 and all(p > 0 for p in big["baseline_runs"])
     assert big["baseline_images_per_s"] > 0 and big["ours_images_per_s"] > 0 and len(big["ours_epochs"]) == 1
     assert big["ratio"] == pytest.approx(big["ours_images_per_s"] / big["baseline_images_per_s"], rel=0.01)
-    reach_big = result["rows"][10]  # both sides on the mirror's rows, the same held-out split
+    # The GPU row; quick mode on a machine without a GPU runs it on the CPU and names the CPU.
+    device = result["rows"][10]
+    assert device["device"] == result["device"] == device_rows.device_name()
+    assert device["train_rows"] == 1900 and device["batch"] == 512 and len(device["baseline_runs"]) == 2
+    assert device["ours_images_per_s"] > 0 and device["ratio"] == pytest.approx(device["ours_images_per_s"] / device["baseline_images_per_s"], rel=0.01)
+    if device_rows.default_device() == "cpu":
+        assert device["device"].startswith("CPU: ") and device["precision"] == "fp32" and device["gpu_busy_percent"] is None
+    reach_big = result["rows"][11]  # both sides on the mirror's rows, the same held-out split
     assert "mirror" in reach_big["data"] and reach_big["train_rows"] == 1900 and reach_big["val_rows"] == 100
     assert reach_big["epochs"] == 1 and reach_big["target"] == 0.5 and len(reach_big["ours_history"]) == 1
     assert len(reach_big["baseline_history"]) == 1 and reach_big["ours_stage_s"] > 0
     assert all(0 <= a <= 1 for a in reach_big["baseline_history"] + reach_big["ours_history"])
     assert (reach_big["ratio"] is not None) == (reach_big["ours_s"] is not None and reach_big["baseline_s"] is not None)
-    flow = result["rows"][11]  # python -m flows.mnist on the mirror, split by stage
+    flow = result["rows"][12]  # python -m flows.mnist on the mirror, split by stage
     assert flow["rows"] == {"train": 1900, "val": 100, "test": 500} and flow["epochs"] == 1 and flow["workers"] == 1
     assert {"download", "to-parquet", "transform", "train", "evaluate"} <= set(flow["stages_s"])
     assert all(s >= 0 for s in flow["stages_s"].values()) and flow["stages_s"]["train"] > 0
@@ -100,6 +110,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert "| 1,900 training rows (full-size mirror), 1 epoch(s), 1 worker x 2 threads |" in run.stdout
     assert "| time to 50% validation accuracy | 1,900 training rows (full-size mirror), 1 epochs, 1 worker(s) |" in run.stdout
     assert "| full-size default flow, by stage (`python -m flows.mnist`) | 1,900 train / 100 val / 500 test rows" in run.stdout
+    assert f"| training throughput on the device (1 worker, precision auto) | {device['device']}, 1,900 training rows" in run.stdout
 
 
 def test_step_parts_times_every_part_of_a_step_both_ways(monkeypatch):
@@ -135,3 +146,25 @@ def test_quick_recipe_benchmark_trains_both_sides_of_every_cell(tmp_path):
     assert result["environment"] and result["long_budget_mean_gap_points"] is None  # quick: no long budget
     table = recipe.format_table(rows)
     assert table.count("\n") == 1 + len(rows) and "| shapes: 3 classes, 3 ch" in table
+
+
+def test_the_gpu_row_says_why_it_did_not_run_on_a_machine_without_a_gpu(tmp_path):
+    """Full mode on a machine without a GPU: the row names the CPU and says there is no GPU, with no figure
+    made up; the busy sampler says nothing where ``nvidia-smi`` is missing. (On a GPU this test has nothing
+    to check: the quick benchmark's test checks the row that ran.)"""
+    import shutil
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the row runs there (test_quick_benchmark_writes_every_row)")
+    row = device_rows.measure(tmp_path, {"source": "sample"}, epochs=1, steps=1)
+    assert row == {"benchmark": "training throughput on the device (1 worker, precision auto)",
+                   "device": device_rows.device_name(), "skipped": "no GPU on this machine (torch.cuda.is_available() is False)"}
+    assert row["device"].startswith("CPU: ")
+    if shutil.which("nvidia-smi") is None:
+        with device_rows.BusySampler(every=0.05) as busy:
+            pass
+        assert busy.result() is None
+    plain = device_rows.plain_images_per_s_on("cpu", steps=1, batch=4)
+    assert plain["precision"] == "fp32" and plain["images_per_s"] > 0  # auto is fp32 on a CPU

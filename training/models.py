@@ -61,7 +61,8 @@ class ModelSpec(BaseModel):
 
 
 def configure_cpu(threads: int) -> None:
-    """What every process that trains or scores does first: ``threads`` torch threads, denormals flushed to zero.
+    """What every process that trains or scores does first: ``threads`` torch threads, denormals flushed to zero,
+    large blocks kept in glibc's heap (`dataset.memory.keep_large_blocks_in_heap`).
 
     Tiny floats (denormals) take a slow path in x86 floating point; some CPUs run a whole training
     step several times slower once weights or optimizer moments underflow (reported on an AVX2 AMD
@@ -71,8 +72,11 @@ def configure_cpu(threads: int) -> None:
     """
     import torch
 
+    from dataset.memory import keep_large_blocks_in_heap
+
     torch.set_flush_denormal(True)
     torch.set_num_threads(threads)
+    keep_large_blocks_in_heap()  # no fresh mmap for every large activation
 
 
 def check_name(name: str) -> None:
