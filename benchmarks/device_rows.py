@@ -147,7 +147,7 @@ def measure(work: Path, download: dict, epochs: int, steps: int, batch: int = 51
     plains = [plain_images_per_s_on(device, steps, batch)]
     with BusySampler() as busy:
         ours = ray_train_images_per_s(work, epochs, workers=1, download=download, batch=batch,
-                                      train={"use_gpu": use_gpu, "precision": "auto"})
+                                      train_fields={"use_gpu": use_gpu, "precision": "auto"})
     plains.append(plain_images_per_s_on(device, steps, batch))
     plain = statistics.median(p["images_per_s"] for p in plains)
     return {

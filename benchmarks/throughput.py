@@ -45,11 +45,11 @@ def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
 
 
 def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", workers: int = 1,
-                           download: dict | None = None, batch: int = 128, train: dict | None = None) -> dict:
+                           download: dict | None = None, batch: int = 128, train_fields: dict | None = None) -> dict:
     """Our training stage (Ray Train with ``workers`` workers, or ``train.mode=single``; global batch ``batch``,
     the plain loop's) on ``download``.
 
-    ``download`` is the run's ``download`` config section (default: the bundled sample); ``train``, more
+    ``download`` is the run's ``download`` config section (default: the bundled sample); ``train_fields``, more
     ``train`` fields (``use_gpu``, ``precision``: the GPU rows of `benchmarks.device_rows`). Returns
     the median images/s of its epochs after the first (the first pays the data pipeline's cold
     start), or the only epoch's.
@@ -60,7 +60,7 @@ def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", w
     from tasks.train import train
 
     config = PipelineConfig.model_validate(
-        {"download": download or SAMPLE, "model": {"name": model_name()}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode, "global_batch_size": batch, **(train or {})}}
+        {"download": download or SAMPLE, "model": {"name": model_name()}, "train": {"epochs": epochs, "ema_decay": 0.0, "num_workers": workers, "mode": mode, "global_batch_size": batch, **(train_fields or {})}}
     )
     spec, layout = stage_inputs(config, work, f"bench-{mode}-{workers}")
     start = time.perf_counter()
