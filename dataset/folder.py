@@ -356,7 +356,7 @@ def decode_task_cpus() -> float:
     writes the decoded rows, about a fifth of the work): 0.5 each on 2 CPUs, 0.94 on 16.
 
     At one whole CPU each, a 2-CPU machine decoded one batch at a time while the stage's CPU sat mostly idle:
-    40,000 64x64 RGB PNGs took 8.6-10.0 s, at 4,000-4,600 img/s against the plain PIL loop's 6,500-7,300
+    40,000 64x64 RGB PNGs took 7.7-8.4 s, against 6.2-6.5 s two at a time, and the plain PIL loop's 5.3-6.2 s
     (2-core AMD EPYC Zen 4, docs/performance.md)."""
     import ray
 

@@ -319,7 +319,8 @@ class PauseWhileFed(ExecutionCallback):
     the read-ahead limit. With a consumer slower than the reader (training, scoring) it stepped about a
     thousand times a second, and the thread took most of a core beside the consumer's torch threads:
     50 batches taken 0.3 s apart cost that process 13-15 s of CPU time, against 0.5-2.6 s with this pause,
-    and the consumer waited no longer for its batches (2-core AMD EPYC Zen 4, docs/performance.md). A
+    and the consumer's waits for its batches were about as long (1.0-8.2 s against 3.0-7.6 s, over runs of
+    16-23 s; 2-core AMD EPYC Zen 4, docs/performance.md). A
     consumer waiting for data (nothing in the output queue) gets no pause. Ray Data calls
     ``on_execution_step`` after every step; ``_consumer_idling`` is its own test (Ray is pinned)."""
 
