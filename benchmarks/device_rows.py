@@ -61,7 +61,7 @@ def plain_images_per_s_on(device: str, steps: int, batch: int, precision: str = 
     from training.models import configure_cpu
 
     target = torch.device(device)
-    configure_cpu(threads)
+    configure_cpu(threads)  # as our training workers do: the same denormal flush and heap settings
     torch.manual_seed(0)
     resolved = resolve_precision(precision, target)
     model = prepare_for(build_model().to(target), target)

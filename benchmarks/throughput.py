@@ -21,27 +21,11 @@ SAMPLE = {"source": "sample"}
 
 
 def plain_images_per_s(steps: int, batch: int, threads: int) -> float:
-    """A plain single-process loop on in-memory tensors: the same model, optimizer and batch."""
-    import torch
+    """A plain single-process loop on in-memory tensors: the same model, optimizer and batch, fp32 on the CPU
+    (`benchmarks.device_rows.plain_images_per_s_on`, the GPU rows' loop)."""
+    from benchmarks.device_rows import plain_images_per_s_on
 
-    from benchmarks import build_model
-    from training.models import configure_cpu
-
-    configure_cpu(threads)  # as our training workers do: the baseline gets the same denormal flush
-    torch.manual_seed(0)
-    model = build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)  # fused, as ours
-    criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
-    x, y = torch.randn(batch, 1, 28, 28), torch.randint(0, 10, (batch,))
-    model.train()
-    for step in range(steps + 2):
-        if step == 2:  # warm-up steps are not timed
-            start = time.perf_counter()
-        loss = criterion(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return steps * batch / (time.perf_counter() - start)
+    return plain_images_per_s_on("cpu", steps, batch, precision="fp32", threads=threads)["images_per_s"]
 
 
 def ray_train_images_per_s(work: Path, epochs: int, mode: str = "distributed", workers: int = 1,

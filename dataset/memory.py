@@ -18,17 +18,18 @@ import pyarrow as pa
 
 
 @cache
-def _malloc_trim():
+def _glibc(function: str):
+    """glibc's ``function`` (``malloc_trim``, ``mallopt``), or None where the C library is not glibc (macOS, musl)."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to call
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), function)
+    except (OSError, AttributeError):
         return None
 
 
 def release_memory() -> None:
     """Give freed heap back to the OS: Arrow's pool releases its unused pages, glibc trims every arena."""
     pa.default_memory_pool().release_unused()
-    trim = _malloc_trim()
+    trim = _glibc("malloc_trim")
     if trim is not None:
         trim(0)
 
@@ -49,9 +50,8 @@ def keep_large_blocks_in_heap(mb: int = KEEP_IN_HEAP_MB) -> None:
     took 3-8 million page faults and 7-17 s of system time, and 12-21 s against 11.1-11.4 s with this
     (2-core AMD EPYC Zen 4, docs/performance.md). Set by `training.models.configure_cpu`, which every process
     that trains or scores calls first. `release_memory`, at a stage's end, still hands the heap back."""
-    try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
-    except (OSError, AttributeError):  # not glibc: its own allocator's defaults
+    mallopt = _glibc("mallopt")
+    if mallopt is None:  # not glibc: its own allocator's defaults
         return
     mallopt(_M_MMAP_THRESHOLD, mb << 20)
     mallopt(_M_TRIM_THRESHOLD, mb << 20)
