@@ -45,14 +45,17 @@ def _training_arrays(folder: Path | None) -> dict[str, np.ndarray]:
     return {"train_x": read_idx(folder / "train-images-idx3-ubyte.gz"), "train_y": read_idx(folder / "train-labels-idx1-ubyte.gz")}
 
 
-def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | None = None) -> dict:
+def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | None = None, device: str = "cpu") -> dict:
     """The plain loop with ``config``'s recipe on ``folder``'s IDX files (default: the bundled sample).
 
-    Seconds until the held-out accuracy reaches ``target``.
+    Seconds until the held-out accuracy reaches ``target``. On ``device``: a GPU trains as our stage does
+    there (``train.precision`` resolved for it, autocast, channels-last weights and batches); each epoch's
+    augmented images are made on the host and copied over once, as one tensor.
     """
     import torch
 
     from dataset.transform import normalize, random_affine
+    from training.device import autocast, grad_scaler, images_for, prepare_for, resolve_precision
     from training.recipe import inference_model, make_ema, make_optimizer, one_cycle_lr
     from benchmarks import build_model
     from training.models import configure_cpu
@@ -63,14 +66,20 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
     # file order) is held out for per-epoch validation; the rest is trained on.
     held_out = np.arange(len(data["train_y"])) % config.parquet.validation_every == config.parquet.validation_every - 1
     train_images = data["train_x"][~held_out]
-    val_x = torch.from_numpy(normalize(data["train_x"][held_out], tf.mean, tf.std))
-    val_y = torch.from_numpy(data["train_y"][held_out].astype(np.int64))
-    train_y = torch.from_numpy(data["train_y"][~held_out].astype(np.int64))
+    # As the transform stage resolves them for an IDX source (dataset.normalization.resolve): the config's,
+    # else the seeds' 0.5 / 0.5. Unset (None) values gave NaN inputs: a baseline stuck at chance.
+    mean, std = tf.per_channel(1)
+    target_device = torch.device(device)
+    precision = resolve_precision(train_cfg.precision, target_device)
+    val_x = images_for(torch.from_numpy(normalize(data["train_x"][held_out], mean, std)).to(target_device), target_device)
+    val_y = torch.from_numpy(data["train_y"][held_out].astype(np.int64)).to(target_device)
+    train_y = torch.from_numpy(data["train_y"][~held_out].astype(np.int64)).to(target_device)
     configure_cpu(threads)  # denormals flushed, as in our workers
     torch.manual_seed(train_cfg.seed)
     rng = np.random.default_rng(train_cfg.seed)
-    model = build_model()
+    model = prepare_for(build_model().to(target_device), target_device)
     optimizer = make_optimizer(model, train_cfg.learning_rate, train_cfg.weight_decay)
+    scaler = grad_scaler(precision, target_device)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=train_cfg.label_smoothing)
     ema = make_ema(model, train_cfg.ema_decay)
     n = len(train_y)
@@ -83,28 +92,35 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
         # torch to one thread for Ray Data tasks; the loop takes its threads back afterwards).
         augmented = random_affine(train_images, tf.shift_px, tf.rotate_deg, tf.scale, rng.random((len(train_images), 4)))
         torch.set_num_threads(threads)
-        train_x = torch.from_numpy(normalize(augmented, tf.mean, tf.std))
-        order = torch.from_numpy(rng.permutation(n))
+        train_x = torch.from_numpy(normalize(augmented, mean, std)).to(target_device)
+        order = torch.from_numpy(rng.permutation(n)).to(target_device)
         model.train()
         for step in range(steps_per_epoch):
             idx = order[step * batch : (step + 1) * batch]
             for group in optimizer.param_groups:
                 group["lr"] = one_cycle_lr((epoch + step / steps_per_epoch) / epochs, train_cfg.learning_rate)
-            loss = criterion(model(train_x[idx]), train_y[idx])
+            with autocast(precision, target_device):
+                loss = criterion(model(images_for(train_x[idx], target_device)), train_y[idx])
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                optimizer.step()
             if ema is not None:
                 ema.update_parameters(model)
         evaluated = inference_model(model, ema)
         evaluated.eval()
-        with torch.no_grad():
+        with torch.no_grad(), autocast(precision, target_device):
             correct = sum(int((evaluated(val_x[i : i + VAL_CHUNK]).argmax(1) == val_y[i : i + VAL_CHUNK]).sum())
                           for i in range(0, len(val_y), VAL_CHUNK))
         history.append(correct / len(val_y))
         if history[-1] >= target:
-            return {"seconds": time.perf_counter() - start, "epoch": epoch, "accuracy": history[-1], "history": history}
-    return {"seconds": None, "epoch": None, "accuracy": max(history), "history": history}
+            return {"seconds": time.perf_counter() - start, "epoch": epoch, "accuracy": history[-1], "history": history,
+                    "precision": precision}
+    return {"seconds": None, "epoch": None, "accuracy": max(history), "history": history, "precision": precision}
 
 
 def ours_time_to_accuracy(config, work: Path, target: float) -> dict:
@@ -127,23 +143,32 @@ def ours_time_to_accuracy(config, work: Path, target: float) -> dict:
 
 
 def measure(work: Path, epochs: int, target: float, threads: int = 2, mirror: Path | None = None,
-            checksums: dict[str, str] | None = None) -> dict:
+            checksums: dict[str, str] | None = None, device: str | None = None) -> dict:
     """One row: ours against the plain loop, both with the default recipe over ``epochs`` epochs.
 
     The data is the bundled sample, or the full-size mirror in ``mirror`` (with its ``checksums``,
-    as `benchmarks.full_size.make_mirror` returns them).
+    as `benchmarks.full_size.make_mirror` returns them). ``device`` (the GPU rows of
+    `benchmarks.device_rows`): both sides on it, ours with ``train.use_gpu: always`` on a GPU
+    (``never`` on the CPU) and ``train.precision: auto``; unset, the CPU rows as before.
     """
     from benchmarks import model_name
+    from benchmarks.device_rows import device_name
     from benchmarks.full_size import mirror_download
     from pipeline_config import PipelineConfig
 
     download = {"source": "sample"} if mirror is None else mirror_download(mirror, checksums)
-    config = PipelineConfig.model_validate({"download": download, "model": {"name": model_name()}, "train": {"epochs": epochs}})
-    plain = plain_time_to_accuracy(config, target, threads, mirror)
+    train: dict = {"epochs": epochs}
+    if device is not None:
+        train |= {"use_gpu": "always" if device.startswith("cuda") else "never", "precision": "auto"}
+    config = PipelineConfig.model_validate({"download": download, "model": {"name": model_name()}, "train": train})
+    plain = plain_time_to_accuracy(config, target, threads, mirror, device=device or "cpu")
     ours = ours_time_to_accuracy(config, work, target)
     ratio = round(ours["seconds"] / plain["seconds"], 2) if ours["seconds"] and plain["seconds"] else None
+    name = "time to accuracy" if mirror is None else "time to accuracy at full size"
+    on_device = {} if device is None else {"device": device_name(device), "precision": plain["precision"]}
     return {
-        "benchmark": "time to accuracy" if mirror is None else "time to accuracy at full size",
+        "benchmark": name if device is None else f"{name} on the device",
+        **on_device,
         "data": "bundled sample" if mirror is None else "full-size mirror (shifted copies of the bundled digits)",
         "train_rows": ours["train_rows"], "val_rows": ours["val_rows"], "target": target,
         "epochs": config.train.epochs_for(ours["train_rows"]),

@@ -13,6 +13,9 @@ device the run had (the GPU, else the CPU), which the JSON records.
   after ours. Goal: >= 0.9x (issue 46).
 * **GPU busy %** while our epochs ran: ``nvidia-smi``'s utilization, sampled every 0.5 s
   (`BusySampler`; None where ``nvidia-smi`` is missing).
+* **Time to accuracy** (`measure_time_to_accuracy`): ``benchmarks.accuracy`` with both sides on the
+  GPU, the default recipe at precision ``auto`` on the full-size mirror, seconds to 99% held-out
+  accuracy (full mode), against the plain loop with the same recipe on the same GPU.
 
 The functions take the device as an argument: the quick mode of ``benchmarks.run`` (what
 tests/test_benchmarks.py runs) runs the row on the CPU of a machine without a GPU, to prove its
@@ -158,6 +161,23 @@ def measure(work: Path, download: dict, epochs: int, steps: int, batch: int = 51
         "ours_images_per_s": round(ours["images_per_s"], 1), "ours_epochs": [round(r, 1) for r in ours["epochs_images_per_s"]],
         "ratio": round(ours["images_per_s"] / plain, 3), "gpu_busy_percent": busy.result(), "goal": ">= 0.9x",
     }
+
+
+def measure_time_to_accuracy(work: Path, mirror: Path, checksums: dict[str, str], epochs: int, target: float,
+                             device: str | None = None) -> dict:
+    """The GPU time-to-accuracy row: `benchmarks.accuracy.measure` on the full-size mirror with both sides on
+    the device (ours ``train.use_gpu: always``, ``train.precision: auto``; the plain loop at the precision
+    that resolves to). ``device`` as in `measure`: unset, the GPU or a row saying there is none."""
+    import torch
+
+    from benchmarks import accuracy
+
+    if device is None:
+        if not torch.cuda.is_available():
+            return {"benchmark": "time to accuracy at full size on the device", "device": device_name(),
+                    "skipped": "no GPU on this machine (torch.cuda.is_available() is False)"}
+        device = "cuda"
+    return accuracy.measure(work, epochs=epochs, target=target, mirror=mirror, checksums=checksums, device=device)
 
 
 def main(argv: list[str] | None = None) -> int:

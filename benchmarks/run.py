@@ -30,8 +30,9 @@ Rows:
   training stage with the same recipe and epochs (``benchmarks/tune_trial.py``);
 * the GPU rows, when the machine has a GPU (``benchmarks/device_rows.py``): our training stage on the
   GPU (precision auto, batch 512) against a plain loop of the same model on the same GPU at the same
-  batch and precision, with the GPU's busy % while ours ran; without a GPU, a row saying so. The
-  JSON's ``device`` names the GPU, or the CPU;
+  batch and precision, with the GPU's busy % while ours ran; time to 99% on the full-size mirror
+  with both sides on the GPU; without a GPU, rows saying so. The JSON's ``device`` names the GPU,
+  or the CPU;
 * full size (60,000 / 10,000 rows; quick: 2,000 / 500), on a mirror derived from the bundled
   digits and made once per invocation (``benchmarks/full_size.py``): training throughput of our
   stage (1 worker x 2 threads) against the plain loop (``benchmarks/full_size_throughput.py``);
@@ -279,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             # train.max_images gives at this size; quick: 1 epoch to 50%) ...
             rows_out.append(accuracy.measure(work, epochs=1 if args.quick else 3, target=0.5 if args.quick else 0.99,
                                              mirror=mirror, checksums=checksums))
+            # ... and the same on the GPU, both sides there at precision auto (quick without a GPU: on the CPU) ...
+            rows_out.append(device_rows.measure_time_to_accuracy(
+                work, mirror, checksums, epochs=1 if args.quick else 3, target=0.5 if args.quick else 0.99,
+                device=device_rows.default_device() if args.quick else None))
             ray.shutdown()
             # ... and the default flow, 1 epoch, in a fresh process with its own Prefect server and
             # Ray (none left in this one), split by stage. The gate is off: one epoch on these digits
@@ -347,12 +352,17 @@ def format_table(rows: list[dict]) -> str:
                          f"{r['outside_stages_s']} s; epoch {epochs}); peak RSS driver "
                          f"{r['peak_rss_mb']['driver']:,} MB, Ray Train worker {r['peak_rss_mb']['train_worker']:,} MB | | "
                          f"{r['goal']} |")
-        elif r["benchmark"] in ("time to accuracy", "time to accuracy at full size"):
+        elif r["benchmark"].startswith("time to accuracy"):
+            if r.get("skipped"):
+                lines.append(f"| {r['benchmark']} | {r['device']} | | | | not run: {r['skipped']} |")
+                continue
+
             def reached(seconds, epoch, history):
                 return f"{seconds} s (epoch {epoch + 1})" if seconds is not None else f"not reached (best {max(history):.4f})"
 
             rows = "" if r["benchmark"] == "time to accuracy" else f"{r['train_rows']:,} training rows (full-size mirror), "
-            lines.append(f"| time to {r['target']:.0%} validation accuracy | {rows}{r['epochs']} epochs, {r['workers']} worker(s) | "
+            where = f" on the device ({r['device']}, {r['precision']})" if "device" in r else ""
+            lines.append(f"| time to {r['target']:.0%} validation accuracy{where} | {rows}{r['epochs']} epochs, {r['workers']} worker(s) | "
                          f"{reached(r['baseline_s'], r['baseline_epoch'], r['baseline_history'])} | "
                          f"{reached(r['ours_s'], r['ours_epoch'], r['ours_history'])} | "
                          f"{'' if r['ratio'] is None else str(r['ratio']) + 'x'} | {r['goal']} |")

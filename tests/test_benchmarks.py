@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import device_rows
+from benchmarks.run import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,7 +34,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
         "training throughput (2 workers x 1 thread, DDP, global batch 128)", "time to accuracy", "tune stage, per trial",
         "training throughput at full size (1 worker x 2 threads, batch 128)",
         "training throughput on the device (1 worker, precision auto)", "time to accuracy at full size",
-        "full-size default flow, by stage",
+        "time to accuracy at full size on the device", "full-size default flow, by stage",
     ]
     # What the suite took, in total and row by row (rows added together take 0 s after the first).
     per_row = result["suite_wall_s_per_row"]
@@ -68,6 +69,9 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     reach = result["rows"][7]
     assert reach["epochs"] == 1 and len(reach["baseline_history"]) >= 1 and len(reach["ours_history"]) == 1
     assert 0 <= reach["ours_history"][0] <= 1 and reach["ours_stage_s"] > 0
+    # Both sides learn (ten classes: chance is 0.1). A plain loop fed NaN (unset transform.mean/std) stayed at 0.1.
+    for row in (reach, result["rows"][11], result["rows"][12]):
+        assert max(row["baseline_history"]) > 0.2 and max(row["ours_history"]) > 0.2, row
     assert reach["train_rows"] == 3800 and reach["val_rows"] == 200  # the bundled sample's split
     # Either side reaches the (quick) target or says it did not; a ratio only when both did.
     assert (reach["ratio"] is not None) == (reach["ours_s"] is not None and reach["baseline_s"] is not None)
@@ -94,7 +98,14 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert len(reach_big["baseline_history"]) == 1 and reach_big["ours_stage_s"] > 0
     assert all(0 <= a <= 1 for a in reach_big["baseline_history"] + reach_big["ours_history"])
     assert (reach_big["ratio"] is not None) == (reach_big["ours_s"] is not None and reach_big["baseline_s"] is not None)
-    flow = result["rows"][12]  # python -m flows.mnist on the mirror, split by stage
+    # The GPU time-to-accuracy row: the same mirror and held-out split, both sides on the device (here: as above).
+    reach_device = result["rows"][12]
+    assert reach_device["device"] == device["device"] and reach_device["precision"] == device["precision"]
+    assert reach_device["train_rows"] == 1900 and reach_device["val_rows"] == 100 and reach_device["target"] == 0.5
+    assert len(reach_device["ours_history"]) == 1 and len(reach_device["baseline_history"]) == 1
+    assert all(0 <= a <= 1 for a in reach_device["baseline_history"] + reach_device["ours_history"])
+    assert (reach_device["ratio"] is not None) == (reach_device["ours_s"] is not None and reach_device["baseline_s"] is not None)
+    flow = result["rows"][13]  # python -m flows.mnist on the mirror, split by stage
     assert flow["rows"] == {"train": 1900, "val": 100, "test": 500} and flow["epochs"] == 1 and flow["workers"] == 1
     assert {"download", "to-parquet", "transform", "train", "evaluate"} <= set(flow["stages_s"])
     assert all(s >= 0 for s in flow["stages_s"].values()) and flow["stages_s"]["train"] > 0
@@ -111,6 +122,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert "| time to 50% validation accuracy | 1,900 training rows (full-size mirror), 1 epochs, 1 worker(s) |" in run.stdout
     assert "| full-size default flow, by stage (`python -m flows.mnist`) | 1,900 train / 100 val / 500 test rows" in run.stdout
     assert f"| training throughput on the device (1 worker, precision auto) | {device['device']}, 1,900 training rows" in run.stdout
+    assert f"| time to 50% validation accuracy on the device ({device['device']}, {device['precision']}) | 1,900 training rows" in run.stdout
 
 
 def test_step_parts_times_every_part_of_a_step_both_ways(monkeypatch):
@@ -159,9 +171,14 @@ def test_the_gpu_row_says_why_it_did_not_run_on_a_machine_without_a_gpu(tmp_path
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the row runs there (test_quick_benchmark_writes_every_row)")
     row = device_rows.measure(tmp_path, {"source": "sample"}, epochs=1, steps=1)
+    no_gpu = "no GPU on this machine (torch.cuda.is_available() is False)"
     assert row == {"benchmark": "training throughput on the device (1 worker, precision auto)",
-                   "device": device_rows.device_name(), "skipped": "no GPU on this machine (torch.cuda.is_available() is False)"}
+                   "device": device_rows.device_name(), "skipped": no_gpu}
     assert row["device"].startswith("CPU: ")
+    reach = device_rows.measure_time_to_accuracy(tmp_path, tmp_path / "no-mirror", {}, epochs=1, target=0.99)
+    assert reach == {"benchmark": "time to accuracy at full size on the device", "device": row["device"], "skipped": no_gpu}
+    table = format_table([row, reach])  # both print as rows that say why, with no figure
+    assert table.count(f"| {row['device']} | | | | not run: {no_gpu} |") == 2
     if shutil.which("nvidia-smi") is None:
         with device_rows.BusySampler(every=0.05) as busy:
             pass
