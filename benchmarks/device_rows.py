@@ -35,14 +35,15 @@ from pathlib import Path
 
 def device_name(device: str | None = None) -> str:
     """``device`` (unset: the GPU when this process sees one, else the CPU) in words: ``GPU: <name> (xN)``
-    (``torch.cuda.get_device_name``) or ``CPU: <model>``."""
+    (``torch.cuda.get_device_name``) or ``CPU: <model>, family F model M, <vector extensions>`` ("AMD
+    EPYC" alone names CPUs 3-4x apart in training speed)."""
     import torch
 
-    from reporting.environment import cpu_model
+    from reporting.environment import cpu_details, cpu_model, cpu_suffix
 
     if (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda"):
         return f"GPU: {torch.cuda.get_device_name(0)} (x{torch.cuda.device_count()})"
-    return f"CPU: {cpu_model() or 'unknown'}"
+    return f"CPU: {cpu_model() or 'unknown'}{cpu_suffix(cpu_details())}"
 
 
 def default_device() -> str:
