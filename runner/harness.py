@@ -182,7 +182,8 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     # start side by side; the terminal shows stage and epoch lines and warnings unless --verbose
     # (the Prefect UI gets every log line either way).
     with stopping.signals_stop_the_run() as stop:
-        with console.quiet_terminal(not settings.verbose), cli_runtime(config.ray, ray_now=not skips_when_unchanged(config)) as runtime:
+        runtime_for = cli_runtime(config.ray, ray_now=not skips_when_unchanged(config), warm=flow.fn.__module__)
+        with console.quiet_terminal(not settings.verbose), runtime_for as runtime:
             if runtime.dashboard_url:
                 dashboard = f"dashboard at {runtime.dashboard_url} while the run lasts (token: ~/.ray/auth_token)"
                 print(f"Ray: local cluster, {dashboard}", flush=True)

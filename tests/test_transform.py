@@ -440,7 +440,10 @@ def test_ray_data_s_scheduling_loop_pauses_while_its_consumer_has_output_waiting
     assert paused and min(paused) >= pause
     monkeypatch.setattr(transform_module, "IDLE_STEP_PAUSE_S", 0.0)
     unpaused = gaps_after_fed_steps()
-    assert len(unpaused) > 3 * len(paused) and np.median(unpaused) < pause / 2  # what Ray Data does alone
+    # What Ray Data does alone: the next step within a few milliseconds. How many more steps that makes
+    # depends on the CPU (3x more on an AMD EPYC Zen 4; 1.1-2.4x on a Zen 3, whose slower tasks keep the
+    # loop waiting on them), so the count is not asserted.
+    assert unpaused and np.median(unpaused) < pause / 2, (len(paused), len(unpaused), np.median(unpaused))
 
 
 def test_read_ahead_keeps_the_order_raises_where_reading_failed_and_stops_with_its_consumer():
