@@ -215,8 +215,11 @@ def warm_stage_workers(flow_module: str | None) -> list:
     import ray
 
     modules = (*STAGE_ENGINE_MODULES, flow_module)
-    warm = ray.remote(num_cpus=1, max_retries=0)(_import_quietly)
-    return [warm.remote(modules) for _ in range(max(1, int(ray.cluster_resources().get("CPU", 1))))]
+    try:
+        warm = ray.remote(num_cpus=1, max_retries=0)(_import_quietly)
+        return [warm.remote(modules) for _ in range(max(1, int(ray.cluster_resources().get("CPU", 1))))]
+    except Exception:  # noqa: BLE001 - a warm-up never fails the run: the stages import for themselves
+        return []
 
 
 START_FAILED_EXIT_CODE = 3  # the CLI's exit code when its Prefect server or local Ray did not start
