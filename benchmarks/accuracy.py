@@ -55,7 +55,7 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
     import torch
 
     from dataset.transform import normalize, random_affine
-    from training.device import autocast, grad_scaler, images_for, prepare_for, resolve_precision
+    from training.device import autocast, backward_and_step, grad_scaler, images_for, prepare_for, resolve_precision
     from training.recipe import inference_model, make_ema, make_optimizer, one_cycle_lr
     from benchmarks import build_model
     from training.models import configure_cpu
@@ -102,13 +102,7 @@ def plain_time_to_accuracy(config, target: float, threads: int, folder: Path | N
             with autocast(precision, target_device):
                 loss = criterion(model(images_for(train_x[idx], target_device)), train_y[idx])
             optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                loss.backward()
-                optimizer.step()
+            backward_and_step(loss, optimizer, scaler)
             if ema is not None:
                 ema.update_parameters(model)
         evaluated = inference_model(model, ema)

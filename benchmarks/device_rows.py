@@ -61,7 +61,7 @@ def plain_images_per_s_on(device: str, steps: int, batch: int, precision: str = 
     import torch
 
     from benchmarks import build_model
-    from training.device import autocast, grad_scaler, images_for, prepare_for, resolve_precision
+    from training.device import autocast, backward_and_step, grad_scaler, images_for, prepare_for, resolve_precision
     from training.models import configure_cpu
 
     target = torch.device(device)
@@ -87,13 +87,7 @@ def plain_images_per_s_on(device: str, steps: int, batch: int, precision: str = 
         with autocast(resolved, target):
             loss = criterion(model(x), y)
         optimizer.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            loss.backward()
-            optimizer.step()
+        backward_and_step(loss, optimizer, scaler)
     sync()
     return {"images_per_s": steps * batch / (time.perf_counter() - start), "precision": resolved}
 

@@ -62,6 +62,18 @@ def grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | 
     return torch.amp.GradScaler(device.type) if precision == "fp16" else None
 
 
+def backward_and_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """Backward and one optimizer step; with fp16's scaler (`grad_scaler`), scaled gradients, and the fused
+    AdamW skips a step with inf in it. The caller zeroes the gradients first."""
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        loss.backward()
+        optimizer.step()
+
+
 def prepare_for(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """On a GPU: cuDNN's autotuner on and the weights channels-last (faster convolutions with autocast); on a CPU: as it is."""
     if device.type != "cuda":

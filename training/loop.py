@@ -30,7 +30,7 @@ from torch.optim.swa_utils import AveragedModel
 from dataset.transform import TransformSpec, build_split
 from storage_io import storage_writes
 from training.checkpoints import Position, report, report_mid_epoch, restore
-from training.device import autocast, grad_scaler, images_for, prepare_for, resolve_precision
+from training.device import autocast, backward_and_step, grad_scaler, images_for, prepare_for, resolve_precision
 from training.guard import StepGuard
 from training.model import unwrap
 from training.models import ModelSpec, configure_cpu
@@ -215,13 +215,7 @@ def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr
         logits = attempt.model(images_for(images, attempt.device))
         loss = attempt.criterion(logits, labels)
     attempt.optimizer.zero_grad(set_to_none=True)
-    if attempt.scaler is not None:  # fp16: scaled gradients, the fused AdamW skips a step with inf in it
-        attempt.scaler.scale(loss).backward()
-        attempt.scaler.step(attempt.optimizer)
-        attempt.scaler.update()
-    else:
-        loss.backward()
-        attempt.optimizer.step()
+    backward_and_step(loss, attempt.optimizer, attempt.scaler)
     if attempt.ema is not None:
         attempt.ema.update_parameters(unwrap(attempt.model))
     return loss.detach().double() * len(labels), (logits.argmax(1) == labels).sum()
