@@ -217,12 +217,20 @@ class PrefectServer:
             run = self.flow_run(flow_run_id)
             return run if run["state_type"] in FINAL else None
 
-        return wait_for(final, timeout_s, f"flow run {flow_run_id} to finish\n{log_tail(log)}", interval_s=3)
+        return wait_for(final, timeout_s, f"flow run {flow_run_id} to finish\n{log_tail(log)}", interval_s=1)
+
+
+# How often the served runner asks for runs to start (and for cancellations): Prefect's default is 10 s, so
+# every test run waited 5 s on average before it started. A user's `serve` keeps the default.
+RUNNER_POLL_S = "2"
 
 
 def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) -> subprocess.Popen:
-    """Start ``python -m deployments.serve`` against ``server``; return once its four deployments exist."""
+    """Start ``python -m deployments.serve`` against ``server``; return once its four deployments exist.
+
+    Its runner polls every ``RUNNER_POLL_S`` seconds (``PREFECT_RUNNER_POLL_FREQUENCY``) unless ``env`` says otherwise."""
     log = cwd / "serve.log"
+    env = {"PREFECT_RUNNER_POLL_FREQUENCY": RUNNER_POLL_S, **env}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deployments.serve", *args],
