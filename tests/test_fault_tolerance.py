@@ -211,6 +211,10 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
         reference, ref_summary = finish_cli(calm, storage, "calm")
         assert reference.returncode == 0, reference.stderr[-3000:]
         assert [a["start_epoch"] for a in ref_summary["training_attempts"]] == [0]
+        # Started together on one local root: one built the dataset, the other waited on its fcntl lock and reused it.
+        assert summary["data"]["dataset_dir"] == ref_summary["data"]["dataset_dir"]
+        assert sorted([summary["data"]["conversion_skipped"], ref_summary["data"]["conversion_skipped"]]) == [False, True]
+        assert [p.name for p in (storage / "datasets").iterdir()] == [Path(summary["data"]["dataset_dir"]).name]  # no second copy
     finally:
         stop_cli(calm)  # only when the test failed before it ended
         outage.stop()

@@ -141,17 +141,18 @@ def test_lease_records_the_folders_a_run_reads(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("where", ["local", "s3"])
-def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_path, request, where, shared_server):
+def test_two_runs_at_once_on_s3_share_one_dataset_build_and_keep_their_runs_apart(tmp_path, s3_root, shared_server):
     """A scheduled run overlapping a manual one: same storage root, same data, started together.
 
-    ``s3``: the root is a bucket on moto's S3 server on 127.0.0.1 (tests/conftest.py), and the
-    build lock a conditional PUT instead of fcntl; the runs start in an empty working folder, and
-    every file of both whole flows is checked in the bucket (`check_whole_flow_on_s3`).
+    The root is a bucket on moto's S3 server on 127.0.0.1 (tests/conftest.py), and the build lock a
+    conditional PUT instead of fcntl; the runs start in an empty working folder, and every file of
+    both whole flows is checked in the bucket (`check_whole_flow_on_s3`). On a local root, the same
+    overlap (one run builds the dataset, the other waits on the fcntl lock and reuses it) is part of
+    tests/test_fault_tolerance.py's worker-kill test, and four promotions at once of tests/test_promotion.py.
     Both runs report to the session's Prefect server, as runs of deployments do: two CLI runs
     without PREFECT_API_URL would each start a temporary server on the same default SQLite database.
     """
-    storage = request.getfixturevalue("s3_root") if where == "s3" else str(tmp_path / "storage")
+    storage = s3_root
     flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
     common = [*flags, *SMALL_MODEL_ARGS, "--storage-root", storage, "--train.epochs", "1",
               "--train.global-batch-size", "64", "--evaluate.min-accuracy", "0"]
@@ -161,7 +162,7 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
     runs = {
         name: subprocess.Popen(
             [sys.executable, "-m", "flows.mnist", *common, "--run-name", name],
-            cwd=cwd if where == "s3" else ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for name in ("scheduled", "manual")
     }
@@ -180,8 +181,7 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
         assert any(f.startswith(f"runs/{name}/checkpoint_") for f in files), name
         assert summaries[name]["best_checkpoint"].startswith(join(storage, "runs", name))
     assert not [f for f in files if f.startswith("leases/")]  # both leases released
-    if where == "s3":  # the S3 build lock is an object, deleted on release (a local fcntl lock file stays)
-        assert not [f for f in files if f.startswith("locks/")]
+    assert not [f for f in files if f.startswith("locks/")]  # the S3 build lock is an object, deleted on release
     # Both passed their gate and finished together: they took turns on the model's lock, so the
     # champion is the better of the two (the first on a tie) and every version it names is whole.
     model = registry_model_name(DEFAULT_WORKLOAD, SMALL_MODEL)  # mnist-small-cnn
@@ -193,9 +193,8 @@ def test_two_runs_at_once_share_one_dataset_build_and_keep_their_runs_apart(tmp_
     for version in promoted:
         card = read_json(join(storage, "models", model, f"v{version}", "model_card.json"))
         assert f"models/{model}/v{version}/model.pt" in files and card["version"] == version
-    if where == "s3":
-        check_whole_flow_on_s3(storage, summaries, files, champion, model)
-        assert list(cwd.iterdir()) == []
+    check_whole_flow_on_s3(storage, summaries, files, champion, model)
+    assert list(cwd.iterdir()) == []
 
 
 def check_whole_flow_on_s3(root: str, summaries: dict[str, dict], files: list[str], champion: dict, model_name: str) -> None:
