@@ -26,11 +26,18 @@ from runner import console, hooks
 from runner.summary import RunSummary
 from runner.stopping import EXIT_CODES, StopRequest
 from tests.support.cli import CliRun, wait_gone
+from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL_ARGS, pause_env
 from tests.support.prefect_server import PrefectServer
 
 ROOT = Path(__file__).resolve().parent.parent
 STOP_BUDGET_S = 30  # the issue's bound, and Prefect's cancellation grace period
+
+
+def small_mirror(tmp_path: Path) -> list[str]:
+    """600 real digits on a file:// mirror (the flags that use it): the runs that train a whole epoch
+    before they are stopped do it on a sixth of the bundled sample; what they prove is the stopping."""
+    return real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
 
 
 # --------------------------------------------------------------------------- fast
@@ -101,7 +108,8 @@ def test_too_many_workers_are_refused_before_anything_is_created(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes(tmp_path):
     # Paused at the first step of epoch 2 (index 1): epoch 1's checkpoint is committed by then.
-    run = CliRun(tmp_path, "interrupted", "--train.epochs", "2", env=pause_env(epoch=1, step=0))
+    data = [*small_mirror(tmp_path), "--evaluate.min-accuracy", "0"]  # 2 epochs on 570 digits: no gate to meet
+    run = CliRun(tmp_path, "interrupted", *data, "--train.epochs", "2", env=pause_env(epoch=1, step=0))
     run.wait_for_pause()
     pids = run.processes()
     os.killpg(run.proc.pid, signal.SIGINT)  # the terminal sends Ctrl-C to the whole foreground group
@@ -120,7 +128,7 @@ def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes
     resume = re.search(r"^  to resume +(.+?) \(verified stages are skipped", out, re.M)
     assert resume, out[-3000:]
     command = shlex.split(resume.group(1))  # the printed command, run as printed
-    assert command[1:] == ["-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, "--train.epochs", "2",
+    assert command[1:] == ["-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS, *data, "--train.epochs", "2",
                            "--run-name", "interrupted", "--storage-root", str(run.root)], command
 
     again = CliRun(tmp_path, "interrupted", command=command)  # no pause in its environment (and that pause has fired)
@@ -174,7 +182,7 @@ def test_a_prefect_api_gone_for_good_ends_the_run_within_the_bounded_wait(tmp_pa
     wait_s = 10
     server = PrefectServer(tmp_path / "prefect-home").start()
     try:
-        run = CliRun(tmp_path, "api-lost", "--train.epochs", "3", "--lost-api-wait-s", str(wait_s),
+        run = CliRun(tmp_path, "api-lost", *small_mirror(tmp_path), "--train.epochs", "3", "--lost-api-wait-s", str(wait_s),
                      env={"PREFECT_API_URL": server.api, **pause_env(epoch=1, step=0)})
         run.wait_for_pause()  # never released: training outlasts any wait
     finally:
