@@ -236,7 +236,7 @@ def test_new_images_are_trained_promoted_and_scored_with_no_manual_step(server, 
         "download": {"source": "folder", "path": str(folder)}, "model": {"name": SMALL_MODEL},
         "train": {"num_workers": 1, "epochs": 2, "global_batch_size": 16}, "evaluate": {"min_accuracy": 0.0, "tta": False},
     }))
-    debounce_s = 12  # the second change lands within one look (2 s) of being written; training starts when the window ends
+    debounce_s = 15  # the second change lands within one look (2 s) of being written; training starts when the window ends
     proc = serve_deployments(server, work, "--cron", far_cron(), "--watch", str(config), "--watch-every", "2",
                              "--debounce", str(debounce_s), "--score", str(folder / "test"))
     try:
