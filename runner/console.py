@@ -221,7 +221,8 @@ def stopped_lines(summary: RunSummary, reason: str | None, wall_s: float, argv: 
             f"in epoch {kept['epoch'] + 1} of {summary.epochs or '?'}, step {kept.get('step')}")
         lines.append(f"  checkpoint kept  {kept['path']} ({at})")
     elif summary.stages:
-        lines.append("  checkpoint kept  none yet (training had not written one); finished stages are kept")
+        # Ray Train's record, not the folders: a checkpoint still being committed when the stop came is not resumed from.
+        lines.append("  checkpoint kept  none recorded by Ray Train yet (training starts over); finished stages are kept")
     if summary.run_dir:
         lines.append(f"  summary          {summary.path}")
     lines.append(

@@ -62,6 +62,8 @@ def test_stopped_lines_name_the_stage_the_checkpoint_and_the_resume_command():
     assert lines[0].startswith("Run r1 stopped by Ctrl-C (SIGINT) in stage train after 1m15s")
     assert "/data/runs/r1/checkpoint_x (epoch 3 of 30 done)" in lines[1]
     assert "python -m flows.mnist --run-name r1 --storage-root /data" in lines[-1]
+    first_epoch = console.stopped_lines(RunSummary.model_validate({**summary, "stopped": {**summary["stopped"], "checkpoint_kept": None}}), "x", 9)
+    assert "none recorded by Ray Train yet (training starts over); finished stages are kept" in first_epoch[1]
     early = console.stopped_lines(RunSummary(run_name="r2"), "stopped by SIGTERM", 3)
     assert "before its first stage" in early[0] and "--run-name r2" in early[-1]
 
