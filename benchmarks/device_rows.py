@@ -176,16 +176,27 @@ def measure_time_to_accuracy(work: Path, mirror: Path, checksums: dict[str, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m benchmarks.device_rows [--device cpu|cuda] [--steps N] [--batch N]``: the plain loop alone, printed."""
+    """``python -m benchmarks.device_rows [--device cpu|cuda] [--steps N] [--batch N ...] [--precision P ...]``:
+    the plain loop alone, at every batch and precision given, each with the GPU's busy % (a JSON line each).
+
+    What a GPU check compares the pipeline's epochs against: the default run trains at batch 64 with
+    ``train.precision: auto`` (bf16 on a GPU that has it)."""
     import argparse
+    import json
 
     parser = argparse.ArgumentParser(description="the plain loop of the GPU rows, on one device")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--batch", type=int, nargs="+", default=[512])
+    parser.add_argument("--precision", nargs="+", default=["auto"], choices=["auto", "bf16", "fp16", "fp32"])
     args = parser.parse_args(argv)
-    result = plain_images_per_s_on(args.device, args.steps, args.batch)
-    print(f"{device_name(args.device)}: {result['images_per_s']:.1f} img/s at batch {args.batch}, {result['precision']}")
+    for batch in args.batch:
+        for precision in args.precision:
+            with BusySampler(every=0.2) as busy:
+                result = plain_images_per_s_on(args.device, args.steps, batch, precision)
+            print(json.dumps({"device": device_name(args.device), "batch": batch, "precision": result["precision"],
+                              "steps": args.steps, "images_per_s": round(result["images_per_s"], 1),
+                              "gpu_busy_percent": busy.result()}), flush=True)
     return 0
 
 
