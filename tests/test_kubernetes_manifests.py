@@ -320,3 +320,122 @@ def test_a_credential_in_the_work_pool_command_fails_without_its_value():
     text = "\n".join(work_pool.check_work_pool_template(template))
     assert "work-pool template (resolved) job_manifest.spec.template.spec.containers[0].args" in text, text
     assert "--password=<redacted>" in text and "hunter2" not in text, text
+
+
+# Issue 60: credentials in the places the first check did not look. Each (how to put the secret in the
+# parsed documents, the secret, words the output must hold); the secret itself must never be printed.
+LOCK_IMAGE = image_reference()
+SECRET = "Zq8hunter2wXk"  # no '-': it must survive a label value's and an image reference's syntax
+
+
+def _image_with_a_token(docs, secret):
+    _head(docs)["image"] = f"deploy:{secret}@registry.example.com/{LOCK_IMAGE}"
+
+
+def _image_with_a_token_and_a_bad_tag(docs, secret):
+    _worker(docs)["image"] = f"deploy:{secret}@registry.example.com/mnist-ray-prefect:0123456789ab"
+
+
+def _annotation(docs, secret):
+    ray_object(docs)["metadata"]["annotations"] = {"example.com/api-token": secret}
+
+
+def _annotation_url(docs, secret):
+    ray_object(docs)["metadata"]["annotations"] = {"example.com/dashboard": f"https://grafana.example.com/d/x?sig={secret}"}
+
+
+def _label(docs, secret):
+    cluster_spec(ray_object(docs))["workerGroupSpecs"][0]["template"]["metadata"]["labels"]["ray-token"] = secret
+
+
+def _ray_start_params(docs, secret):
+    cluster_spec(ray_object(docs))["headGroupSpec"]["rayStartParams"]["redis-password"] = secret
+
+
+def _ray_start_params_not_a_string(docs, secret):
+    """A number where the schema wants a string: the schema's message would echo it."""
+    cluster_spec(ray_object(docs))["headGroupSpec"]["rayStartParams"]["redis-password"] = int(secret)
+
+
+def _config_map(docs, secret):
+    docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "run-settings"},
+                 "data": {"MNIST_TRAIN__EPOCHS": "3", "MLFLOW_TRACKING_TOKEN": secret}})
+
+
+def _config_map_used_by_env_from(docs, secret):
+    _config_map(docs, secret)
+    _head(docs)["envFrom"] = [{"configMapRef": {"name": "run-settings"}}]
+
+
+def _secret_string_data(docs, secret):
+    docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pipeline-s3-credentials"}, "type": "Opaque",
+                 "stringData": {"AWS_ACCESS_KEY_ID": "minio", "AWS_SECRET_ACCESS_KEY": secret}})
+
+
+def _secret_data(docs, secret):
+    import base64
+
+    docs.append({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "pipeline-s3-credentials"},
+                 "data": {"AWS_SECRET_ACCESS_KEY": base64.b64encode(secret.encode()).decode()}})
+
+
+def _env_url_auth(docs, secret):
+    _head(docs)["env"] = [*_head(docs)["env"], {"name": "RUN_REPORTS", "value": f"https://x.example.com/?auth={secret}"}]
+
+
+def _args_url_key(docs, secret):
+    _worker(docs)["args"] = ["--webhook", f"https://hooks.example.com/in?key={secret}&channel=runs"]
+
+
+CLUSTER = "spec.rayClusterSpec"
+HIDDEN = [
+    (_image_with_a_token, SECRET, [f"RayJob mnist-train {HEAD}.image: ", "<redacted>@registry.example.com"]),
+    (_image_with_a_token_and_a_bad_tag, SECRET, [f"{WORKER}.image", "0123456789ab", "<redacted>@registry.example.com"]),
+    (_annotation, SECRET, ["RayJob mnist-train metadata.annotations.example.com/api-token", "Secret"]),
+    (_annotation_url, SECRET, ["metadata.annotations.example.com/dashboard", "sig=<redacted>"]),
+    (_label, SECRET, [f"{CLUSTER}.workerGroupSpecs[0].template.metadata.labels.ray-token"]),
+    (_ray_start_params, SECRET, [f"{CLUSTER}.headGroupSpec.rayStartParams.redis-password"]),
+    (_ray_start_params_not_a_string, "4242424242", [f"{CLUSTER}.headGroupSpec.rayStartParams.redis-password", "<redacted>"]),
+    (_config_map, SECRET, ["ConfigMap run-settings data.MLFLOW_TRACKING_TOKEN", "Secret"]),
+    (_config_map_used_by_env_from, SECRET, [f"{HEAD}.envFrom[0].configMapRef run-settings", "MLFLOW_TRACKING_TOKEN"]),
+    (_secret_string_data, SECRET, ["Secret pipeline-s3-credentials stringData", "an inline Secret", "AWS_SECRET_ACCESS_KEY"]),
+    (_secret_data, SECRET, ["Secret pipeline-s3-credentials data", "an inline Secret"]),
+    (_env_url_auth, SECRET, [f"{HEAD}.env[5].value (RUN_REPORTS)", "auth=<redacted>"]),
+    (_args_url_key, SECRET, [f"{WORKER}.args", "key=<redacted>"]),
+]
+
+
+@pytest.mark.parametrize(("put", "secret", "words"), HIDDEN, ids=[put.__name__.strip("_") for put, *_ in HIDDEN])
+def test_a_credential_anywhere_in_a_manifest_fails_without_its_value(tmp_path, capsys, put, secret, words):
+    import base64
+
+    docs = copy.deepcopy(documents(RAYJOB))
+    put(docs, secret)
+    path = write_manifest(tmp_path, docs)
+    code, out = run_check(capsys, path)
+    assert code == 1 and all(word in out for word in words), out
+    assert secret not in out and base64.b64encode(secret.encode()).decode() not in out, out
+    assert "no schema" not in out, out  # a ConfigMap, a Secret and envFrom are checked, not refused unread
+
+
+def test_a_config_map_without_credentials_and_env_from_a_secret_pass(tmp_path, capsys):
+    docs = copy.deepcopy(documents(RAYJOB))
+    docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "run-settings", "annotations": {"note": "epochs"}},
+                 "data": {"MNIST_TRAIN__EPOCHS": "3", "AWS_SHARED_CREDENTIALS_FILE": "/var/run/secrets/aws"}})
+    _head(docs)["envFrom"] = [{"configMapRef": {"name": "run-settings"}}, {"secretRef": {"name": "pipeline-s3-credentials"}}]
+    _head(docs)["env"] = [*_head(docs)["env"], {"name": "RUN_REPORTS", "value": "https://x.example.com/?page=2&sort=desc"}]
+    cluster_spec(ray_object(docs))["headGroupSpec"]["rayStartParams"]["redis-password"] = "$(RAY_REDIS_PASSWORD)"
+    code, out = run_check(capsys, write_manifest(tmp_path, docs))
+    assert code == 0 and out.startswith("ok: "), out
+
+
+def test_the_url_parameters_checked_are_the_redaction_rules():
+    """deployments.kubernetes.credentials takes its secret parameter names from storage_io.redact, not a copy."""
+    from deployments.kubernetes import credentials
+    from storage_io import redact
+
+    for name in ("auth", "sig", "code", "session", "X-Amz-Signature", "api_key", "token"):
+        assert redact.is_secret_name(name)
+        found = credentials.find_credentials(f"see https://h.example.com/p?{name}=Zq8hunter2wXk&page=1")
+        assert found and all("Zq8hunter2wXk" not in line for line in found), (name, found)
+    assert credentials.find_credentials("https://h.example.com/p?page=1&sort=asc") == []

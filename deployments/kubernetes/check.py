@@ -3,13 +3,16 @@
 No cluster is needed, nor the KubeRay CRDs (which cannot be fetched here): each object is checked
 
 1. against our own JSON Schema of the fields we use (schemas/, written from KubeRay v1.6.2's
-   ray.io/v1 API reference and the Kubernetes policy/v1 reference; additionalProperties false, so
+   ray.io/v1 API reference and the Kubernetes policy/v1 and core v1 (ConfigMap, Secret) references;
+   additionalProperties false, so
    a misspelt field fails here instead of being pruned in silence by the API server);
 2. against the rules the KubeRay operator applies when it reconciles, which no schema expresses
    (a TTL needs shutdownAfterJobFinishes, name lengths, authOptions' Ray version, ...);
 3. against this project: rayVersion is the lock's ray, every image is `<name>:<lock hash>`
-   (deployments/images.py), credentials come only from Secrets (no credential written inline in
-   an entrypoint, command, args or env value: `deployments.kubernetes.credentials`), each pod's
+   (deployments/images.py), credentials come only from Secrets created outside the manifests (none
+   written inline anywhere: entrypoint, command, args, env and envFrom, image references,
+   annotations, labels, rayStartParams, a ConfigMap's data, a Secret's data or stringData; every
+   secret value masked in every message: `deployments.kubernetes.credentials`), each pod's
    grace period outlasts the drain plus a checkpoint upload, and a PodDisruptionBudget protects
    each Ray head;
 4. the work-pool template with Prefect's own functions: the server's base-job-template validation,
@@ -39,12 +42,13 @@ import jsonschema
 import yaml
 
 from deployments.images import LOCK, image_reference
-from deployments.kubernetes.credentials import credential_errors
+from deployments.kubernetes.credentials import config_map_credentials, document_findings, mask
 from deployments.kubernetes.rules import image_errors, lock_version
 
 HERE = Path(__file__).resolve().parent
 SCHEMAS = HERE / "schemas"
 MANIFEST_SUFFIXES = (".yaml", ".yml", ".json")
+SCHEMA_FILES = ("ray.io-v1.schema.json", "policy-v1.schema.json", "core-v1.schema.json")
 KUBERAY_VERSION = "v1.6.2"  # the release whose ray.io/v1 API reference schemas/ follows
 
 # The grace-period budget of a Ray pod. DRAIN: what Ray needs after SIGTERM to stop its processes
@@ -70,7 +74,7 @@ def load_documents(path: Path) -> list[dict]:
 
 
 def _validator(kind: str) -> jsonschema.Draft202012Validator | None:
-    for name in ("ray.io-v1.schema.json", "policy-v1.schema.json"):
+    for name in SCHEMA_FILES:
         schema = json.loads((SCHEMAS / name).read_text())
         if kind in schema["$defs"]:
             return jsonschema.Draft202012Validator({"$ref": f"#/$defs/{kind}", "$defs": schema["$defs"]})
@@ -252,23 +256,27 @@ def budget_errors(docs: list[dict]) -> list[str]:
 
 
 def check_documents(docs: list, lock: Path = LOCK) -> list[str]:
-    """Every problem in one manifest file's documents."""
-    found = []
+    """Every problem in one manifest file's documents; a credential found anywhere is masked in every message."""
+    found, secrets = [], set()
+    config_maps = config_map_credentials(docs)  # what an envFrom's configMapRef takes in
     for index, doc in enumerate(docs):
         if not isinstance(doc, dict):
             found.append(f"document {index + 1}: not a Kubernetes object (a mapping with apiVersion and kind)")
             continue
         found += schema_errors(doc)
-        found += credential_errors(f"{doc.get('kind')} {(doc.get('metadata') or {}).get('name')}", doc)
+        credentials = document_findings(f"{doc.get('kind')} {(doc.get('metadata') or {}).get('name')}", doc, config_maps)
+        found += [finding.message for finding in credentials]
+        secrets.update(secret for finding in credentials for secret in finding.secrets)
         try:
             found += rule_errors(doc, lock)
         except (AttributeError, KeyError, TypeError, ValueError):  # a shape the schema errors above already name
             found.append(f"{doc.get('kind')}: the operator's and the project's rules not checked; fix the above first")
     objects = [doc for doc in docs if isinstance(doc, dict)]
     try:
-        return found + budget_errors(objects)
+        found += budget_errors(objects)
     except (AttributeError, KeyError, TypeError, ValueError):
-        return found + ["PodDisruptionBudget: not checked; fix the errors above first"]
+        found += ["PodDisruptionBudget: not checked; fix the errors above first"]
+    return mask(found, secrets)  # a schema error echoes a value of the wrong type: never a secret's
 
 
 def shown(path: Path) -> str:
@@ -313,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m deployments.kubernetes.check",
         description="Check Kubernetes manifests (KubeRay RayJob and RayCluster, PodDisruptionBudget) and a Prefect "
         "Kubernetes work-pool template offline: our schemas, KubeRay's rules, the lock's Ray and image tag, "
-        "credentials only from Secrets (none inline in entrypoint, command, args or env values), grace periods.",
+        "credentials only from Secrets (none inline anywhere: commands, env, envFrom, images, annotations, labels, "
+        "rayStartParams, ConfigMaps, a Secret's own values; never printed), grace periods.",
     )
     parser.add_argument(
         "path",

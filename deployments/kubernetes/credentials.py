@@ -1,22 +1,35 @@
 """Credentials written inline in a manifest: found by name and by pattern, reported without their values.
 
-Credentials come only from Secrets (``env`` with ``valueFrom.secretKeyRef``); a command refers to
-them as ``$(VAR)`` (Kubernetes) or ``${VAR}`` / ``$VAR`` (a shell), a Prefect template as
-``{{ variable }}``. Anything else that looks like a credential is an error:
+Credentials come only from Secrets created outside the manifests (``env`` with
+``valueFrom.secretKeyRef``, ``envFrom`` with ``secretRef``); a command refers to them as ``$(VAR)``
+(Kubernetes) or ``${VAR}`` / ``$VAR`` (a shell), a Prefect template as ``{{ variable }}``. Anything
+else that looks like a credential is an error:
 
-- an ``env`` variable whose name says credential (``*SECRET*``, ``*TOKEN*``, ...) with a value;
-- in the text of ``entrypoint``, ``command``, ``args``, ``runtimeEnvYAML`` and every ``env`` value:
-  ``NAME=value`` / ``name: value`` / ``--name value`` with such a name, a URL with
-  ``user:password@``, an AWS access key id, a private key block, an ``Authorization`` header.
+- an ``env`` variable whose name says credential (``*SECRET*``, ``*TOKEN*``, ...) with a value; the
+  same for a key of ``metadata.annotations``, ``metadata.labels``, ``rayStartParams`` (``redis-password``)
+  and a ConfigMap's ``data``;
+- a Secret written in the manifest (``data`` or ``stringData`` with values): it would be in git;
+- ``envFrom`` with ``configMapRef`` to a ConfigMap of the file that holds a credential, or named for one;
+- an ``image`` with a user and password or token in front of the registry (``user:TOKEN@registry/...``);
+- in the text of ``entrypoint``, ``command``, ``args``, ``runtimeEnvYAML``, ``image``, every ``env``
+  value and every value of those maps: ``NAME=value`` / ``name: value`` / ``--name value`` with such
+  a name, a URL with ``user:password@``, a URL parameter that `storage_io.redact` hides (``?token=``,
+  ``?auth=``, ``?sig=``, ...: found with its `redact_url`, so the rules are its own), an AWS access key
+  id, a private key block, an ``Authorization`` header.
 
-Messages name the field and what was found (``AWS_SECRET_ACCESS_KEY=<redacted>``), never the value.
+Messages name the field and what was found (``AWS_SECRET_ACCESS_KEY=<redacted>``), never the value;
+`credential_secrets` gives the values found, so that the check can mask them in every other message
+too (a schema error echoes a value of the wrong type).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from typing import Any, NamedTuple
+from urllib.parse import unquote, urlsplit
+
+from storage_io.redact import redact_url
 
 # Names that hold a credential, in env variables, assignments and flags.
 SECRET_NAME = re.compile(
@@ -27,6 +40,10 @@ POINTER_NAME = re.compile(r"[-_.](?:FILE|PATH|DIR|NAME|URL|URI|ENDPOINT)S?$", re
 # A value that refers to a credential held elsewhere: $(VAR), ${VAR}, $VAR, {{ prefect_variable }}.
 REFERENCE = re.compile(r"\$\([A-Za-z_]\w*\)|\$\{[A-Za-z_]\w*\}|\$[A-Za-z_]\w*|\{\{\s*[\w.]+\s*\}\}")
 TEXT_FIELDS = ("entrypoint", "command", "args", "runtimeEnvYAML")
+# Maps of name -> value whose names and values are checked as an env list's are.
+NAMED_VALUES = ("annotations", "labels", "rayStartParams")
+MASK = "<redacted>"
+_SHORTEST_MASKED = 4  # a shorter value ("1", "no") is not hunted for in the other messages
 
 # A value: a $(VAR) or ${VAR} reference, a quoted string, or a word up to a space or shell punctuation.
 _VALUE = r"""(?P<secret>\$\(\w+\)|\$\{\w+\}|"[^"]*"|'[^']*'|[^\s"',;&|)]+)"""
@@ -35,9 +52,19 @@ _FLAG_VALUE = _VALUE.replace(r"|[^\s", r"|[^-\s", 1)  # after `--name `: not ano
 _ASSIGNMENT = re.compile(r"(?=(?<![\w.-])(?P<key>-{0,2}[A-Za-z_][\w.-]*)[\"']?(?:[ \t]*=[ \t]*|:[ \t]*)" + _VALUE + ")")
 _FLAG = re.compile(r"(?=(?<![\w.-])(?P<key>--?[A-Za-z][\w.-]*)[ \t]+" + _FLAG_VALUE + ")")
 _URL = re.compile(r"\b(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://[^/\s:@'\"]*:(?P<secret>[^/\s@'\"]+)@")
+_ANY_URL = re.compile(r"\b(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://[^\s'\"<>`]+")  # storage_io.redact's URL
 _AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(?P<secret>(?:AKIA|ASIA)[0-9A-Z]{16})(?![A-Z0-9])")
-_PRIVATE_KEY = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----")
+_PRIVATE_KEY = re.compile(r"-----BEGIN (?:[A-Z0-9]+ )*PRIVATE KEY-----(?P<secret>.*?)(?:-----END|$)", re.DOTALL)
 _AUTHORIZATION = re.compile(r"\bauthorization\s*[:=]\s*[\"']?(?P<scheme>bearer|basic|token)\s+" + _VALUE, re.IGNORECASE)
+# An image's digest (`name@sha256:...`): the one '@' an image reference may hold.
+_DIGEST = re.compile(r"@[a-z0-9]+(?:[+._-][a-z0-9]+)*:[0-9a-fA-F]{32,}$")
+
+
+class Finding(NamedTuple):
+    """One inline credential: the message (no value in it) and the values it found, to mask elsewhere."""
+
+    message: str
+    secrets: tuple[str, ...]
 
 
 def is_credential_name(name: str) -> bool:
@@ -50,20 +77,82 @@ def is_reference(value: Any) -> bool:
     return isinstance(value, str) and REFERENCE.sub("", value.strip().strip("\"'")).strip() == ""
 
 
-def find_credentials(text: str) -> list[str]:
-    """What in ``text`` looks like an inline credential, each described with its value redacted."""
-    found = []
+def _unquoted(value: str) -> str:
+    return value.strip().strip("\"'")
+
+
+def _url_parameters(text: str) -> Iterator[tuple[str, str | None, str]]:
+    """(scheme, name, value) of each query or fragment parameter of the URLs in ``text`` that `storage_io.redact`
+    hides (``?token=``, ``?auth=``, ``?sig=``, ...: whatever its rules call a credential; name None for a value
+    without a name), its value not a reference. The rules are redact's own, applied by `redact_url`: not a copy."""
+    for match in _ANY_URL.finditer(text):
+        url = match.group(0)
+        try:
+            parts, hidden = urlsplit(url), urlsplit(redact_url(url))
+        except ValueError:  # e.g. a bracketed host that is no IPv6 address
+            continue
+        for params, masked in ((parts.query, hidden.query), (parts.fragment, hidden.fragment)):
+            for part, shown in zip(params.split("&"), masked.split("&")):
+                if part == shown:
+                    continue
+                name, equals, value = part.partition("=")
+                secret = value if equals else part
+                if not is_reference(unquote(secret)):
+                    yield match["scheme"], unquote(name) if equals else None, secret
+
+
+def _found_in(text: str) -> list[tuple[str, str | None]]:
+    """(description, value) of what in ``text`` looks like an inline credential; the description never holds the value."""
+    found: list[tuple[str, str | None]] = []
     for pattern in (_ASSIGNMENT, _FLAG):
         for match in pattern.finditer(text):
             if is_credential_name(match["key"]) and not is_reference(match["secret"]):
-                found.append(f"{match['key']}{'=' if pattern is _ASSIGNMENT else ' '}<redacted>")
-    urls = [m for m in _URL.finditer(text) if not is_reference(m["secret"])]
-    found += [f"a password in a {m['scheme']}:// URL (:<redacted>@)" for m in urls]
-    found += ["an AWS access key id (AKIA/ASIA...)"] * bool(_AWS_KEY_ID.search(text))
-    found += ["a private key block (-----BEGIN ... PRIVATE KEY-----)"] * bool(_PRIVATE_KEY.search(text))
-    headers = [m for m in _AUTHORIZATION.finditer(text) if not is_reference(m["secret"])]
-    found += [f"an Authorization: {m['scheme']} <redacted> header" for m in headers]
-    return list(dict.fromkeys(found))
+                found.append((f"{match['key']}{'=' if pattern is _ASSIGNMENT else ' '}{MASK}", _unquoted(match["secret"])))
+    said = {description for description, _ in found}
+    for scheme, name, value in _url_parameters(text):
+        if name is None:
+            found.append((f"a value without a name in a {scheme}:// URL's query or fragment ({MASK})", value))
+        elif f"{name}={MASK}" not in said:  # `token=x` in a URL is an assignment already
+            found.append((f"{name}={MASK} in a {scheme}:// URL", value))
+    found += [(f"a password in a {m['scheme']}:// URL (:{MASK}@)", m["secret"]) for m in _URL.finditer(text)
+              if not is_reference(m["secret"])]
+    found += [("an AWS access key id (AKIA/ASIA...)", m["secret"]) for m in _AWS_KEY_ID.finditer(text)]
+    for m in _PRIVATE_KEY.finditer(text):
+        found += [("a private key block (-----BEGIN ... PRIVATE KEY-----)", None)]
+        found += [("a private key block (-----BEGIN ... PRIVATE KEY-----)", line.strip()) for line in m["secret"].splitlines()]
+    found += [(f"an Authorization: {m['scheme']} {MASK} header", _unquoted(m["secret"])) for m in _AUTHORIZATION.finditer(text)
+              if not is_reference(m["secret"])]
+    return found
+
+
+def find_credentials(text: str) -> list[str]:
+    """What in ``text`` looks like an inline credential, each described with its value redacted."""
+    return list(dict.fromkeys(description for description, _ in _found_in(text)))
+
+
+def _finding(where: str, text: str) -> Finding | None:
+    found = _found_in(text)
+    if not found:
+        return None
+    described = list(dict.fromkeys(description for description, _ in found))
+    return Finding(_advice(where, described), tuple(value for _, value in found if value))
+
+
+def image_credentials(image: Any) -> str | None:
+    """The user and password (or token) written in front of an image's registry (``user:TOKEN@registry/...``), or None."""
+    if not isinstance(image, str):
+        return None
+    reference = _DIGEST.sub("", image.strip())
+    userinfo, at, _ = reference.rpartition("@")
+    return userinfo if at and userinfo else None
+
+
+def shown_image(image: Any) -> str:
+    """An image reference as messages show it: a user and password in front of its registry as ``<redacted>@``."""
+    userinfo = image_credentials(image)
+    if userinfo is None:
+        return repr(image)
+    return repr(f"{MASK}@{image.strip().split(userinfo + '@', 1)[1]}")
 
 
 def _text(value: Any) -> str:
@@ -89,30 +178,180 @@ def _env_entries(path: str, env: Any) -> Iterator[tuple[str, str, dict]]:
                 yield f"{path}[{index}]", str(var.get("name", "")), var
 
 
-def env_errors(where: str, env: Any) -> list[str]:
-    """Credential variables with a value instead of a Secret, and credentials inside any variable's value."""
+def _env_findings(where: str, env: Any) -> list[Finding]:
     found = []
     for at, name, var in _env_entries(where, env):
         source = var.get("valueFrom")
         from_secret = isinstance(source, dict) and bool(source.get("secretKeyRef"))
-        referred = "value" in var and is_reference(var["value"])
+        value = var.get("value")
+        referred = "value" in var and is_reference(value)
         if is_credential_name(name) and not from_secret and not referred:
-            found.append(f"{at} {name}: holds a credential as a value; take it from a Secret (valueFrom.secretKeyRef)")
-        elif inline := find_credentials(_text(var.get("value"))):
-            found.append(_advice(f"{at}.value ({name})", inline))
+            found.append(Finding(
+                f"{at} {name}: holds a credential as a value; take it from a Secret (valueFrom.secretKeyRef)",
+                (str(value),) if value not in (None, "") else (),
+            ))
+        elif finding := _finding(f"{at}.value ({name})", _text(value)):
+            found.append(finding)
     return found
 
 
-def credential_errors(where: str, obj: Any, path: str = "") -> list[str]:
-    """Inline credentials anywhere in ``obj`` (a manifest's object, a resolved job template), named by field path."""
+def _named_value_findings(where: str, values: dict, what: str) -> list[Finding]:
+    """A map of name -> value (annotations, labels, rayStartParams, a ConfigMap's data): a credential's name
+    with a value, or a credential inside a value."""
+    found = []
+    for name, value in values.items():
+        at = f"{where}.{name}"
+        text = value if isinstance(value, str) else "" if value is None else str(value)
+        if is_credential_name(str(name)) and text.strip() and not is_reference(text):
+            found.append(Finding(
+                f"{at}: holds a credential as a value ({what} are stored and shown as plain text); put it in a "
+                f"Secret and take it into env with valueFrom.secretKeyRef",
+                (text,),
+            ))
+        elif finding := _finding(at, text):
+            found.append(finding)
+    return found
+
+
+def _scan(where: str, obj: Any, path: str = "", config_maps: dict[str, list[str]] | None = None) -> list[Finding]:
+    """Inline credentials anywhere in ``obj``, named by field path. ``config_maps``: the ConfigMaps of the
+    file, name -> the credentials' keys in its data (what an ``envFrom`` with ``configMapRef`` takes in)."""
     found = []
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
     for key, value in items:
         at = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
-        if key in TEXT_FIELDS and (inline := find_credentials(_text(value))):
-            found.append(_advice(f"{where} {at}", inline))
+        if key in TEXT_FIELDS:
+            if finding := _finding(f"{where} {at}", _text(value)):
+                found.append(finding)
+        elif key == "image" and isinstance(value, str):
+            found += _image_findings(f"{where} {at}", value)
         elif key == "env" and isinstance(value, (dict, list)):
-            found += env_errors(f"{where} {at}", value)
+            found += _env_findings(f"{where} {at}", value)
+        elif key in NAMED_VALUES and isinstance(value, dict):
+            found += _named_value_findings(f"{where} {at}", value, key)
+        elif key == "envFrom" and isinstance(value, list):
+            found += _env_from_findings(f"{where} {at}", value, config_maps or {})
         else:
-            found += credential_errors(where, value, at)
+            found += _scan(where, value, at, config_maps)
     return found
+
+
+def _image_findings(where: str, image: str) -> list[Finding]:
+    found = []
+    userinfo = image_credentials(image)
+    if userinfo is not None:
+        user, colon, password = userinfo.partition(":")
+        found.append(Finding(
+            f"{where}: a user and password or token in the image reference {shown_image(image)}; give the pods registry "
+            f"credentials with imagePullSecrets (a Secret of type kubernetes.io/dockerconfigjson), never in the reference",
+            tuple(part for part in (password if colon else user, userinfo) if part),
+        ))
+    if finding := _finding(where, image.split(userinfo + "@", 1)[1] if userinfo else image):
+        found.append(finding)
+    return found
+
+
+def _env_from_findings(where: str, sources: list, config_maps: dict[str, list[str]]) -> list[Finding]:
+    found = []
+    for index, source in enumerate(sources):
+        ref = source.get("configMapRef") if isinstance(source, dict) else None
+        name = ref.get("name") if isinstance(ref, dict) else None
+        if not isinstance(name, str):
+            continue
+        at = f"{where}[{index}].configMapRef {name}"
+        if config_maps.get(name):
+            found.append(Finding(
+                f"{at}: takes credentials into the environment from a ConfigMap ({', '.join(config_maps[name])}); "
+                f"put them in a Secret and use envFrom.secretRef",
+                (),
+            ))
+        elif is_credential_name(name):
+            found.append(Finding(
+                f"{at}: a ConfigMap named for credentials; a ConfigMap is stored and shown as plain text: "
+                f"put credentials in a Secret and use envFrom.secretRef",
+                (),
+            ))
+    return found
+
+
+def _secret_findings(where: str, doc: dict) -> list[Finding]:
+    """A Secret written in the manifest: its values would be in the repository and in every copy of the file."""
+    found = []
+    for field in ("stringData", "data"):
+        values = doc.get(field)
+        if not isinstance(values, dict) or not values:
+            continue
+        secrets = []
+        for value in values.values():
+            text = "" if value is None else str(value)
+            secrets.append(text)
+            if field == "data":  # base64: the decoded value is the secret too
+                import base64
+                import binascii
+
+                try:
+                    secrets.append(base64.b64decode(text, validate=True).decode())
+                except (binascii.Error, UnicodeDecodeError, ValueError):
+                    pass
+        found.append(Finding(
+            f"{where} {field}: an inline Secret ({', '.join(str(key) for key in values)}: {MASK}); its values would be in "
+            f"the repository: create it with `kubectl create secret generic ... --from-literal` or a secret manager, "
+            f"and keep only the reference (secretKeyRef, envFrom.secretRef) here",
+            tuple(secrets),
+        ))
+    return found
+
+
+def config_map_credentials(docs: Iterable[Any]) -> dict[str, list[str]]:
+    """The ConfigMaps among ``docs``: name -> the keys of its ``data`` that hold a credential."""
+    found = {}
+    for doc in docs:
+        if isinstance(doc, dict) and doc.get("kind") == "ConfigMap":
+            name = (doc.get("metadata") or {}).get("name")
+            data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
+            found[str(name)] = [str(key) for key, value in data.items()
+                                if _named_value_findings("", {key: value}, "ConfigMaps")]
+    return found
+
+
+def document_findings(where: str, doc: Any, config_maps: dict[str, list[str]] | None = None) -> list[Finding]:
+    """Inline credentials in one manifest's object: its fields (`credential_errors`), a Secret's values, a ConfigMap's data."""
+    found = []
+    if isinstance(doc, dict) and doc.get("kind") == "Secret":
+        found += _secret_findings(where, doc)
+        doc = {key: value for key, value in doc.items() if key not in ("data", "stringData")}
+    elif isinstance(doc, dict) and doc.get("kind") == "ConfigMap":
+        for field in ("data", "binaryData"):
+            if isinstance(doc.get(field), dict):
+                found += _named_value_findings(f"{where} {field}", doc[field], "ConfigMaps")
+        doc = {key: value for key, value in doc.items() if key not in ("data", "binaryData")}
+    return found + _scan(where, doc, config_maps=config_maps)
+
+
+def env_errors(where: str, env: Any) -> list[str]:
+    """Credential variables with a value instead of a Secret, and credentials inside any variable's value."""
+    return [finding.message for finding in _env_findings(where, env)]
+
+
+def credential_errors(where: str, obj: Any, path: str = "") -> list[str]:
+    """Inline credentials anywhere in ``obj`` (a manifest's object, a resolved job template), named by field path."""
+    return [finding.message for finding in _scan(where, obj, path)]
+
+
+def credential_secrets(where: str, obj: Any) -> set[str]:
+    """The values `credential_errors` found in ``obj``: what no message may show."""
+    return {secret for finding in _scan(where, obj) for secret in finding.secrets}
+
+
+def mask(messages: list[str], secrets: Iterable[str]) -> list[str]:
+    """``messages`` with every found secret value replaced by ``<redacted>`` (longest first, so a value that
+    holds another is masked whole)."""
+    hidden = sorted({s for s in secrets if len(s) >= _SHORTEST_MASKED}, key=len, reverse=True)
+    if not hidden:
+        return messages
+    out = []
+    for message in messages:
+        for secret in hidden:
+            message = message.replace(secret, MASK)
+        out.append(message)
+    return out

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from deployments.images import LOCK
+from deployments.kubernetes.credentials import shown_image
 
 
 def lock_version(package: str, lock: Path = LOCK) -> str:
@@ -22,10 +23,11 @@ def lock_version(package: str, lock: Path = LOCK) -> str:
 
 
 def image_errors(where: str, image: Any, expected: str) -> list[str]:
-    """An image that is not ``[registry/]<name>:<lock hash>``."""
+    """An image that is not ``[registry/]<name>:<lock hash>``; a user and password in front of its registry are shown
+    as ``<redacted>@`` (the credential itself is `deployments.kubernetes.credentials`' finding)."""
     if isinstance(image, str) and image.rsplit("/", 1)[-1] == expected:
         return []
     return [
-        f"{where}: image {image!r} is not {expected!r} (<name>:<lock hash> of requirements.lock, "
+        f"{where}: image {shown_image(image)} is not {expected!r} (<name>:<lock hash> of requirements.lock, "
         f"deployments/images.py; a registry prefix is fine): rebuild with `make image` and set the new tag"
     ]

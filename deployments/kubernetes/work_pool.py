@@ -19,7 +19,7 @@ from prefect.workers.base import BaseJobConfiguration
 from pydantic import ConfigDict, ValidationError
 
 from deployments.images import LOCK, image_reference
-from deployments.kubernetes.credentials import credential_errors
+from deployments.kubernetes.credentials import credential_errors, credential_secrets, mask
 from deployments.kubernetes.rules import image_errors
 
 WORK_POOL_TEMPLATE = Path(__file__).resolve().parent / "prefect-work-pool.json"
@@ -109,4 +109,4 @@ def check_work_pool_template(template: dict, lock: Path = LOCK, values: dict | N
     found += image_errors("work-pool template image (variables.image default)", container.get("image"), image_reference(lock))
     # The resolved configuration: job_manifest's containers, and `env` and `command` from the variables.
     found += credential_errors("work-pool template (resolved)", resolved)
-    return found
+    return mask(found, credential_secrets("work-pool template (resolved)", resolved))
