@@ -53,7 +53,18 @@ from pipeline_config import (
     registry_model_name,
 )
 from runner.runtime import local_gcs_port, ray_init_args
-from storage_io import StorageLayout, atomic_write_bytes, exists, has_control_characters, is_dir, is_file, is_remote, join
+from storage_io import (
+    StorageLayout,
+    atomic_write_bytes,
+    exists,
+    has_control_characters,
+    is_dir,
+    is_file,
+    is_remote,
+    join,
+    redact_error,
+    redact_text,
+)
 from training import registry_files
 from training.models import ModelSpec
 
@@ -235,7 +246,7 @@ def field_lines(exc: ValidationError) -> str:
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
         flag = _FLAGS.get(field, "--" + field.replace("_", "-")) if field else "arguments"
-        lines.append(f"{flag}: {error['msg'].removeprefix('Value error, ')}")
+        lines.append(f"{flag}: {redact_text(error['msg']).removeprefix('Value error, ')}")
     return "\n".join(lines)
 
 
@@ -273,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid input:\n{field_lines(exc)}", file=sys.stderr)
         return 2
     except ValueError as exc:
-        print(f"invalid input:\n{exc}", file=sys.stderr)
+        print(f"invalid input:\n{redact_error(exc)}", file=sys.stderr)
         return 2
     noun = "digits" if list(data["classes"]) == list(MNIST_CLASSES) else "images"
     print(f"Scoring {len(table):,} {noun} from {settings.input} with {model} v{version} (run {card.get('run_name')})", flush=True)

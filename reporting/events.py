@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage_io import redact_url
+from storage_io import redact_url, redact_value
 
 DATA_CHECKED = "pipeline.data.checked"  # after the conversion: the data's fingerprint, changed or not since the champion's
 NOTHING_NEW = "pipeline.run.nothing-new"  # a run ended before training: data, model and recipe are the champion's
@@ -49,8 +49,8 @@ def emit(name: str, resource: dict[str, str], payload: dict[str, Any]) -> str | 
     """
     from prefect.events import emit_event
 
-    try:
-        event = emit_event(event=name, resource=resource, payload=payload)
+    try:  # every value without a URL's credentials (a storage root, a folder, a mirror), as in the logs
+        event = emit_event(event=name, resource=redact_value(resource), payload=redact_value(payload))
     except Exception:  # noqa: BLE001 - the events client is best-effort by design
         return None
     return str(event.id) if event is not None else None

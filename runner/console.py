@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from runner.summary import RunSummary
-from storage_io import join, redact_text, redact_url
+from storage_io import join, redact_error, redact_text, redact_url
 
 # flows.predict's --model when unset: the default workload's default model (mnist-resnet18).
 DEFAULT_MODEL = registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)
@@ -130,7 +130,7 @@ def summary_lines(
     else:
         stage, _ = summary.failed_stage()
         where = f" in stage {stage}" if stage else ""
-        lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {redact_text(str(error))}")
+        lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {redact_error(error)}")
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"

@@ -28,7 +28,7 @@ from runner.runtime import cli_runtime, ray_task_runner
 from runner.stages import StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
 from runner.tracking import tracking_uri
-from storage_io import StorageLayout, atomic_write_json, redact_text, run_lease, storage_writes
+from storage_io import StorageLayout, atomic_write_json, redact_error, run_lease, storage_writes
 from training import model_trust
 from training.resources import DoesNotFit
 
@@ -172,7 +172,7 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     try:
         settings, config, layout = checked_settings(argv, settings_class)
     except (ValidationError, ValueError) as exc:
-        print(f"invalid configuration:\n{redact_text(str(exc))}", file=sys.stderr)  # a refused URL's credentials too
+        print(f"invalid configuration:\n{redact_error(exc)}", file=sys.stderr)  # redacted before pydantic shortens an input
         return 2
     started = time.perf_counter()
     named = "MNIST" if config.workload == DEFAULT_WORKLOAD else config.workload
@@ -236,7 +236,7 @@ def close_cli(
     if summary is not None and settings.print_json:
         print(json.dumps(summary.to_json(config=False), indent=2))
     if summary is None and isinstance(failed, DoesNotFit):  # refused before any work: nothing to resume
-        print(f"invalid configuration:\n{redact_text(str(failed))}", file=sys.stderr)
+        print(f"invalid configuration:\n{redact_error(failed)}", file=sys.stderr)
         return 2
     shown = summary or RunSummary(run_name=config.run_name, storage_root=config.storage_root, module=module)
     if stop.requested and shown.status != "completed":

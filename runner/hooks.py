@@ -19,12 +19,13 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+from pydantic import ValidationError
 
 from pipeline_config import DEFAULT_WORKLOAD
 from reporting.artifacts import artifact_keys, gate_verdict
 from runner.console import resume_command
 from runner.summary import SEARCH_MODULE, RunSummary, outcome_of
-from storage_io import redact_text
+from storage_io import redact_error, redact_text, redact_value
 
 WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
 WEBHOOK_TIMEOUT_S = 10.0
@@ -122,8 +123,11 @@ def report_failure(flow, flow_run, state) -> None:
     from prefect.logging.loggers import flow_run_logger
 
     logger = flow_run_logger(flow_run=flow_run, flow=flow)
-    summary, _ = outcome_of(state)  # the one the failed run's exception carries, built even when writing it failed
-    report = failure_summary(flow_run.name, state.message, summary, flow_run.parameters)
+    summary, error = outcome_of(state)  # the one the failed run's exception carries, built even when writing it failed
+    message = state.message
+    if isinstance(error, ValidationError):  # its text in the state is shortened already: redacted again from the error
+        message = f"{type(error).__name__}: {redact_error(error)}"
+    report = redact_value(failure_summary(flow_run.name, message, summary, flow_run.parameters))
     logger.error(report["text"])
     url = os.environ.get(WEBHOOK_ENV, "").strip()
     if not url:

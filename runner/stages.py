@@ -18,7 +18,7 @@ from pipeline_config import PipelineConfig, TrainConfig
 from runner import console, stopping, watchers
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
-from storage_io import StorageLayout, atomic_write_json, join, read_json, storage_writes
+from storage_io import StorageLayout, atomic_write_json, join, read_json, redact_error, storage_writes
 from training.records import HISTORY_FILE
 from training.trainer import latest_checkpoint
 from training.tuning import TRIALS_DIR
@@ -90,7 +90,7 @@ class StageRecorder:
                 record.status = "cancelled"
                 self.record_stop("cancelled", name, "cancelled from Prefect")
             else:
-                record.status, record.error = "failed", f"{type(exc).__name__}: {exc}"
+                record.status, record.error = "failed", f"{type(exc).__name__}: {redact_error(exc)}"
             raise
         finally:
             record.seconds = round(time.perf_counter() - start, 2)

@@ -34,7 +34,7 @@ from pipeline_config import PipelineConfig
 from pipeline_config.tracking import TRACKING_URI_ENV, check_tracking_uri
 from reporting import pictures
 from runner.summary import RunSummary
-from storage_io import StorageLayout, join, list_dirs, list_files, read_bytes, redact_text, redact_url
+from storage_io import StorageLayout, join, list_dirs, list_files, read_bytes, redact_error, redact_text, redact_url
 from training.records import HISTORY_FILE, read_history
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,8 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 - a tracker outage must never fail training
             self.given_up = True
             self.not_recorded.append(what)
-            self.error = redact_text(f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+            said = redact_error(exc)  # redacted first, shortened after
+            self.error = f"{type(exc).__name__}: {said.splitlines()[0][:160] if said else ''}"
             logger.warning(
                 "MLflow at %s failed (%s) while recording %s; the run goes on without tracking, and its summary "
                 "lists what was not recorded (a resume of the same run records it)", redact_url(self.uri), self.error, what,

@@ -68,8 +68,10 @@ from storage_io.locks import (
 )
 from storage_io.redact import (
     has_credentials,
+    redact_error,
     redact_text,
     redact_url,
+    redact_value,
 )
 from storage_io.writes import (
     MANIFEST,
@@ -137,6 +139,8 @@ __all__ = [
     "run_lease",
     "lease_uses",
     "has_credentials",
+    "redact_error",
     "redact_text",
     "redact_url",
+    "redact_value",
 ]

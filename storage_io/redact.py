@@ -1,15 +1,24 @@
 """URLs as they may be shown or stored: without the credentials some of them carry.
 
-A URL's user and password (``https://user:pw@host/``) and its credential-looking query or fragment
-parameters (``?token=...``, ``X-Amz-Signature=...``) are replaced by ``***``; everything else is
-kept as it was, so a URL without credentials comes back unchanged. `redact_text` does the same to
-every URL inside a message (an exception's text, a validation error that echoes its input).
+A URL's user and password (``https://user:pw@host/``), its credential-looking query or fragment
+parameters (``?token=...``, ``X-Amz-Signature=...``) and a bare value in its query or fragment
+(``#s3cret``, ``?s3cret``: a token without a name; a route such as ``#/experiments/1`` is kept) are
+replaced by ``***``; everything else is kept as it was, so a URL without credentials comes back
+unchanged. `redact_text` does the same to every URL inside a message (an exception's text, a
+validation error that echoes its input).
+
+The one rule for every value a refusal, log line, summary, report, event or webhook carries: redact
+first, shorten after. `redact_error` is an exception's text made so: a pydantic ``ValidationError``
+shortens each input it echoes to about 50 characters by cutting out its middle
+(``'https://mirror.example/m...uvwxyz'``), which drops ``?access_token=`` and keeps the token's tail,
+so its text is rebuilt from its errors with every input and message redacted before pydantic shortens them.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Collection
+from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
 MASK = "***"
@@ -27,11 +36,16 @@ def is_secret_name(name: str) -> bool:
 
 
 def _redact_params(params: str) -> str:
-    """``a=1&token=x`` -> ``a=1&token=***``: each credential's value masked, the rest as written."""
+    """``a=1&token=x`` -> ``a=1&token=***``: each credential's value masked, the rest as written. A part
+    without ``=`` (``#s3cret``, ``?s3cret``) is a value without a name, a token as likely as not: masked,
+    unless it is a path (``#/experiments/1/runs/abc``, a web app's route)."""
     parts = []
     for part in params.split("&"):
         name, equals, value = part.partition("=")
-        parts.append(f"{name}={MASK}" if equals and value and is_secret_name(name) else part)
+        if equals:
+            parts.append(f"{name}={MASK}" if value and is_secret_name(name) else part)
+        else:
+            parts.append(MASK if part and not part.startswith("/") else part)
     return "&".join(parts)
 
 
@@ -71,6 +85,62 @@ def _redact_found(url: str, hide_hosts: set[str]) -> str:
         if host in hide_hosts:
             return MASK
     return redact_url(url)
+
+
+def redact_value(value: Any) -> Any:
+    """``value`` with every URL in it redacted: a string (`redact_text`), or the strings in a dict, list,
+    tuple or set, at any depth (a validation error's input may be a whole section of the config)."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {redact_value(key): redact_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return type(value)(redact_value(item) for item in value)
+    return value
+
+
+def redact_error(exc: BaseException) -> str:
+    """``str(exc)`` with every URL's credentials masked, redacted before anything shortens it.
+
+    A pydantic ``ValidationError`` is rebuilt from its errors, each input and message redacted first,
+    so the text pydantic then shortens holds no part of a secret; any other exception's text is
+    `redact_text`'s. Shorten the result, never the text before it."""
+    from pydantic_core import ValidationError
+
+    if isinstance(exc, ValidationError):
+        try:
+            return str(_redacted_validation_error(exc))
+        except Exception:  # an error pydantic will not rebuild: its fields and messages, without the inputs
+            lines = [f"{exc.error_count()} validation error(s) for {exc.title}"]
+            for error in exc.errors():
+                lines += [".".join(str(part) for part in error["loc"]) or "(input)", f"  {redact_text(error['msg'])}"]
+            return "\n".join(lines)
+    return redact_text(str(exc))
+
+
+def _redacted_validation_error(exc):
+    """``exc`` (a pydantic ``ValidationError``) again, with each error's input and message redacted: an error
+    of a type pydantic knows keeps it (its text and link are pydantic's own), any other becomes a custom error
+    of the same type name and message."""
+    from pydantic_core import PydanticCustomError, ValidationError
+
+    lines = []
+    for error in exc.errors():
+        kind, ctx, msg = error["type"], dict(error.get("ctx") or {}), redact_text(error["msg"])
+        if isinstance(ctx.get("error"), BaseException):  # value_error, assertion_error: the validator's own words
+            said = redact_text(str(ctx["error"]))
+            ctx["error"] = AssertionError(said) if kind == "assertion_error" else ValueError(said)
+        line = {"type": kind, "loc": error["loc"], "input": redact_value(error.get("input"))}
+        if ctx:
+            line["ctx"] = ctx
+        try:
+            rebuilt = ValidationError.from_exception_data(exc.title, [line]).errors()[0]["msg"]
+        except Exception:  # a custom type (PydanticCustomError), or a context pydantic does not take back
+            rebuilt = None
+        if rebuilt != msg:
+            line = {"type": PydanticCustomError(kind, msg), "loc": error["loc"], "input": line["input"]}
+        lines.append(line)
+    return ValidationError.from_exception_data(exc.title, lines)
 
 
 def has_credentials(url: str) -> bool:

@@ -60,6 +60,7 @@ from storage_io import (
     publish_dir,
     read_bytes,
     read_json,
+    redact_error,
     remove,
     sha256_file,
     stored_places,
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         layout = StorageLayout.create(PipelineConfig(storage_root=args.storage_root).storage_root, "registry")
         layout.check_reachable()
     except (ValidationError, ValueError) as exc:
-        print(f"invalid input:\n{exc}", file=sys.stderr)
+        print(f"invalid input:\n{redact_error(exc)}", file=sys.stderr)
         return 2
     with file_lock(layout, f"models-{args.model}", timeout_s=600):
         damage = problems(layout.root, args.model)

@@ -32,7 +32,7 @@ from ray.tune.search.basic_variant import BasicVariantGenerator
 
 from dataset.transform import TransformSpec
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig
-from storage_io import basename, filesystem, is_remote, join
+from storage_io import basename, filesystem, is_remote, join, redact_error
 from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
 from training.resources import GPU_WORKER_CPUS, DoesNotFit, plan_cluster
@@ -309,7 +309,7 @@ def trial_records(grid, tune_cfg: TuneConfig, trials_dir: str) -> list[TrialReco
                 last_metric=values[-1] if values else None,
                 history=history,
                 run_dir=run_dir,
-                error=f"{type(result.error).__name__}: {result.error}"[:500] if result.error is not None else None,
+                error=f"{type(result.error).__name__}: {redact_error(result.error)}"[:500] if result.error is not None else None,
             )
         )
     return sorted(records, key=lambda record: record.trial_id)
