@@ -15,8 +15,12 @@ short, or one of more than ``download.max_image_pixels`` pixels (from its header
 name. With a storage root, what earlier runs learned (each file's sha256, that it decoded in full,
 and its header) is kept in a `dataset.listing.ListingCache` and reused while a file keeps its size
 and mtime: the checks after the first one and the conversion take the shape from it (`image_shape`).
-Files that are not images, hidden files and links to missing files are passed over and counted
-(`FolderLayout.skipped`; the conversion's terminal line names the first few).
+Files that are not images and links to missing files are passed over and counted (`FolderLayout.skipped`;
+the conversion's terminal line names the first few). Hidden entries (a name starting with ``.``: a
+``.ipynb_checkpoints/`` or ``.git/`` folder, a ``.DS_Store`` or ``._x.png`` file) are never a class or an
+image, wherever they are: each is counted once (a hidden folder as one entry, whatever it holds), and the
+line says how many ("2 hidden entries skipped"). The dataset's fingerprint and the listing cache are made
+of the images only, so a hidden entry added or removed changes neither.
 
 The conversion (`convert_folder`) reads the files with Ray Data in one pass over every split (its
 start paid once per run; each row sent to its split's writer by its path), decodes them as
@@ -28,7 +32,6 @@ conversion's Parquet layout (`dataset.parquet`): row_id, image (H x W x C uint8)
 from __future__ import annotations
 
 import os
-import posixpath
 from pathlib import Path
 from typing import NamedTuple
 
@@ -51,7 +54,8 @@ class FolderError(ValueError):
 
 class FolderLayout(NamedTuple):
     """What `check_folder` found: the class names, every split's images (relative paths, labels), and the
-    files it passed over (relative paths, each with why: not an image, hidden, a link to a missing file)."""
+    files it passed over (relative paths, each with why: not an image, hidden, a link to a missing file; a hidden
+    folder once, as ``train/.ipynb_checkpoints/``)."""
 
     path: str
     classes: list[str]
@@ -62,27 +66,65 @@ class FolderLayout(NamedTuple):
     def has_val(self) -> bool:
         return bool(self.files.get("val"))
 
+    @property
+    def hidden(self) -> tuple[str, ...]:
+        """The hidden entries passed over (``train/.ipynb_checkpoints/``, ``train/cat/.DS_Store``)."""
+        return tuple(entry.removesuffix(HIDDEN) for entry in self.skipped if entry.endswith(HIDDEN))
+
     def skipped_note(self, shown: int = 3) -> str | None:
-        """The files the check passed over, counted and the first ``shown`` named; None when there are none."""
-        if not self.skipped:
-            return None
-        more = f" and {len(self.skipped) - shown} more" if len(self.skipped) > shown else ""
-        return f"{len(self.skipped)} file(s) in {self.path} skipped: {', '.join(self.skipped[:shown])}{more}"
+        """What the check passed over: the hidden entries counted (``2 hidden entries skipped``), the other
+        files counted and the first ``shown`` named; None when there are none."""
+        notes = []
+        if self.hidden:
+            notes.append(f"{len(self.hidden)} hidden {'entry' if len(self.hidden) == 1 else 'entries'} skipped")
+        others = [entry for entry in self.skipped if not entry.endswith(HIDDEN)]
+        if others:
+            more = f" and {len(others) - shown} more" if len(others) > shown else ""
+            notes.append(f"{len(others)} file(s) in {self.path} skipped: {', '.join(others[:shown])}{more}")
+        return "; ".join(notes) or None
+
+
+HIDDEN = " (hidden)"
+
+
+def _hidden_part(rel: str) -> str | None:
+    """The hidden entry ``rel`` lies in or is: the path up to its first name that starts with ``.`` (a folder
+    with a trailing ``/``), or None when no name in it does."""
+    parts = rel.split("/")
+    for depth, part in enumerate(parts):
+        if part.startswith("."):
+            return "/".join(parts[: depth + 1]) + ("/" if depth < len(parts) - 1 else "")
+    return None
 
 
 def _is_image(name: str) -> bool:
-    return name.lower().endswith(IMAGE_EXTENSIONS) and not posixpath.basename(name).startswith(".")
+    return name.lower().endswith(IMAGE_EXTENSIONS) and _hidden_part(name) is None
 
 
-def _passed_over(name: str) -> str:
-    return f"{name} (hidden)" if posixpath.basename(name).startswith(".") else f"{name} (not .png/.jpg/.jpeg)"
+def _passed_over(split: str, listed: list[str], hidden_dirs: list[str]) -> list[str]:
+    """What one split's listing passes over, each with why: a hidden entry once (a hidden folder for all it
+    holds, ``hidden_dirs``: the split's hidden subfolders, listed even when empty), any other file that is
+    not a .png/.jpg/.jpeg."""
+    hidden = {f"{name}/" for name in hidden_dirs}
+    others = []
+    for rel in listed:
+        part = _hidden_part(rel)
+        if part is not None:
+            hidden.add(part)
+        elif not _is_image(rel):
+            others.append(f"{split}/{rel} (not .png/.jpg/.jpeg)")
+    return others + [f"{split}/{part}{HIDDEN}" for part in sorted(hidden)]
 
 
 def _dangling_links(folder: str) -> list[str]:
-    """Relative paths of the symbolic links under a local ``folder`` whose target is missing (listings omit them)."""
+    """Relative paths of the symbolic links under a local ``folder`` whose target is missing (listings omit them);
+    a hidden folder is not looked into, and a hidden link is passed over as hidden."""
     found = []
-    for where, _, names in os.walk(folder):
+    for where, dirs, names in os.walk(folder):
+        dirs[:] = [name for name in dirs if not name.startswith(".")]
         for name in names:
+            if name.startswith("."):
+                continue
             full = os.path.join(where, name)
             if os.path.islink(full) and not os.path.exists(full):
                 found.append(os.path.relpath(full, folder).replace(os.sep, "/"))
@@ -92,7 +134,8 @@ def _dangling_links(folder: str) -> list[str]:
 def _check_split(path: str, split: str, classes: list[str], field: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
     """(class folder names, images as (relative path, label), files passed over) of one split; FolderError naming the path."""
     split_dir = join(path, split)
-    names = list_dirs(split_dir)
+    folders = list_dirs(split_dir)
+    names = [name for name in folders if not name.startswith(".")]  # a hidden folder is never a class
     listed = list_files(split_dir)
     loose = [name for name in listed if "/" not in name and _is_image(name)]
     if loose:
@@ -116,7 +159,7 @@ def _check_split(path: str, split: str, classes: list[str], field: str) -> tuple
             raise FolderError(f"{join(split_dir, name)}: no images (*.png, *.jpg, *.jpeg) in this class folder")
         label = (names if split == "train" else classes).index(name)
         rows += [(f"{split}/{rel}", label) for rel in by_class[name]]
-    skipped = [_passed_over(f"{split}/{rel}") for rel in listed if not _is_image(rel)]
+    skipped = _passed_over(split, listed, [name for name in folders if name.startswith(".")])
     if not is_remote(path):
         skipped += [f"{split}/{rel} (a link to a missing file)" for rel in _dangling_links(split_dir)]
     return names, rows, skipped
@@ -147,7 +190,8 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
     with images outside them, a class folder without images, a class in ``test/`` or ``val/``
     that ``train/`` does not have, a ``train/`` of one class, and (without ``val/``) a ``train/``
     whose classes have one image each, which leaves nothing for validation. Files that are not
-    images, hidden files and links to missing files are passed over and listed in ``skipped``.
+    images, hidden entries (any name that starts with ``.``) and links to missing files are passed over and
+    listed in ``skipped``.
     """
     if not is_dir(path):
         raise FolderError(f"{field} {path}: no such folder")

@@ -221,7 +221,9 @@ def read_folder(
     if not root.is_dir():
         raise InputError(f"input {root}: not a folder")
     try:
-        parquet = sorted(p for p in root.rglob("*.parquet") if p.is_file() and not p.name.startswith("."))
+        parquet = sorted(  # none in a hidden folder (.ipynb_checkpoints/) either
+            p for p in root.rglob("*.parquet") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+        )
         idx = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(IMAGE_SUFFIXES))
         images = _image_files(root, classes) if not parquet and not idx else []
     except OSError as exc:

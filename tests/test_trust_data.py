@@ -100,3 +100,78 @@ def test_a_whole_section_echoed_by_a_model_level_error_is_redacted_too():
          "ctx": {"error": ValueError(f"download: {url} is refused")}},
     ])
     assert leaked(str(error)) and leaked(redact_error(error)) == []
+
+
+# -- 2. Hidden entries are never classes or images -------------------------------------------------------------------
+
+def write_png(path: Path, size: int = 20, seed: int = 0, gray: bool = False) -> Path:
+    """A real PNG of ``size`` x ``size`` random pixels, written with PIL."""
+    import numpy as np
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pixels = np.random.default_rng(seed).integers(0, 256, (size, size) if gray else (size, size, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path)
+    return path
+
+
+def add_hidden_entries(root: Path) -> None:
+    """What notebooks, git and macOS leave in a folder: each holds a real PNG, so only its name hides it."""
+    write_png(root / "train" / ".ipynb_checkpoints" / "red_square-000-checkpoint.png")  # would be a class
+    write_png(root / "train" / "red_square" / ".hidden.png", seed=1)  # would be an image
+    write_png(root / "train" / "green_disc" / ".git" / "objects" / "a.png", seed=2)  # a hidden folder inside a class
+    write_png(root / "test" / ".ipynb_checkpoints" / "x.png", seed=3)  # would be a class train/ lacks: refused
+    (root / "test" / "blue_cross" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+
+
+def test_hidden_folders_and_files_are_never_classes_or_images(tmp_path):
+    from dataset import folder
+    from tests.support.images import CLASSES, write_image_folder
+
+    root = write_image_folder(tmp_path / "shapes", {"train": 3, "test": 1})
+    before = folder.check_folder(str(root))
+    add_hidden_entries(root)
+    after = folder.check_folder(str(root))
+    assert after.classes == before.classes == list(CLASSES)
+    assert after.files == before.files and not any("/." in rel for rel in folder.image_paths(after))
+    assert after.hidden == (
+        "train/.ipynb_checkpoints/", "train/green_disc/.git/", "train/red_square/.hidden.png",
+        "test/.ipynb_checkpoints/", "test/blue_cross/.DS_Store",
+    )
+    assert after.skipped_note() == "5 hidden entries skipped"
+
+
+def test_hidden_entries_change_neither_the_fingerprint_nor_the_listing_cache_and_the_conversion_line_counts_them(tmp_path):
+    """The download stage lists the folder (the images' sha256: the dataset's fingerprint); the conversion
+    stage's line says what was passed over. A stored dataset of this fingerprint is reused, so no Ray."""
+    import json
+
+    import numpy as np
+
+    from dataset.parquet import SPLITS, _SplitWriter, build_manifest, schema_for, to_table
+    from pipeline_config import DownloadConfig, ParquetConfig
+    from storage_io import MANIFEST, StorageLayout, atomic_write_json
+    from tasks.download import download
+    from tasks.to_parquet import dataset_fingerprint, to_parquet
+    from tests.support.images import write_image_folder
+
+    root = write_image_folder(tmp_path / "shapes", {"train": 3, "test": 1})
+    layout = StorageLayout.create(str(tmp_path / "storage"), "test-run")
+    cfg = ParquetConfig()
+    raw = download.fn(DownloadConfig(source="folder", path=str(root)), layout)
+    listings = sorted((tmp_path / "storage" / "listings").glob("*.json"))
+    cached = json.loads(listings[0].read_text())["files"]
+    add_hidden_entries(root)
+    again = download.fn(DownloadConfig(source="folder", path=str(root)), layout)
+    assert again.files == raw.files and dataset_fingerprint(again, cfg) == dataset_fingerprint(raw, cfg)
+    assert set(json.loads(listings[0].read_text())["files"]) == set(cached)
+
+    final = Path(layout.dataset_dir(dataset_fingerprint(raw, cfg), "mnist"))
+    for row_id, split in enumerate(SPLITS):
+        writer = _SplitWriter(final / split, cfg, schema_for(20 * 20 * 3))
+        writer.write(to_table(np.array([row_id]), np.zeros((1, 20 * 20 * 3), np.uint8), np.array([0])))
+        writer.close()
+    shape, classes = (3, 20, 20), ["blue_cross", "green_disc", "red_square"]
+    atomic_write_json(final / MANIFEST, build_manifest(final, dataset_fingerprint(raw, cfg), raw.files, dict.fromkeys(SPLITS, 1), shape, classes))
+    dataset = to_parquet.fn(again, cfg, layout)
+    assert dataset.skipped and dataset.terminal_detail().endswith("(verified on storage, reused); 5 hidden entries skipped")
