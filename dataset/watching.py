@@ -4,7 +4,8 @@ The listing is one recursive directory walk (local) or one paginated LIST (``s3:
 opened, so it costs about the same at ten thousand images as the folder's metadata does. A file
 counts as changed when it was added, removed, or its size or modification time differs; an edit
 that keeps both is not seen (as with ``make`` and ``rsync``'s default check). The last listing is
-kept on the storage root, ``<root>/watch/<12 hex of sha256(folder)>.json``, never in the folder.
+kept on the storage root, ``<root>/watch/<12 hex of sha256(folder)>.json``, never in the folder;
+`compare` keeps nothing, so that a sender keeps the new listing (`keep`) only once the change was told.
 """
 
 from __future__ import annotations
@@ -69,16 +70,28 @@ def state_path(storage_root: str, folder: str) -> str:
     return join(storage_root, WATCH_DIR, hashlib.sha256(folder.encode()).hexdigest()[:12] + ".json")
 
 
-def look(storage_root: str, folder: str) -> Change:
-    """List ``folder``, compare with the listing kept from the last look, and keep the new one.
+def compare(storage_root: str, folder: str) -> tuple[Change, dict[str, list[int]], bool]:
+    """List ``folder`` and compare with the listing kept from the last look, keeping nothing: (the change,
+    the new listing, whether it should be kept: `keep`). The sender keeps it once the change was told.
 
     The first look at a folder compares with an empty listing: everything in it is new.
-    A kept listing that cannot be read counts as empty (the next look rebuilds it).
+    A kept listing that cannot be read counts as empty (the next kept one replaces it).
     """
     kept = read_json(state_path(storage_root, folder))
     old = kept.get("files") if isinstance(kept, dict) and kept.get("folder") == folder else None
     new = listing(folder)
     change = diff(old if isinstance(old, dict) else {}, new)
-    if change.any or not isinstance(old, dict):
-        atomic_write_json(state_path(storage_root, folder), {"folder": folder, "digest": change.digest, "files": new})
+    return change, new, change.any or not isinstance(old, dict)
+
+
+def keep(storage_root: str, folder: str, change: Change, new: dict[str, list[int]]) -> None:
+    """Keep ``new`` as the folder's last listing: the next look compares with it."""
+    atomic_write_json(state_path(storage_root, folder), {"folder": folder, "digest": change.digest, "files": new})
+
+
+def look(storage_root: str, folder: str) -> Change:
+    """`compare`, then `keep` the new listing: a look whose change needs no telling."""
+    change, new, changed = compare(storage_root, folder)
+    if changed:
+        keep(storage_root, folder, change, new)
     return change

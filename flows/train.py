@@ -39,7 +39,7 @@ from storage_io import StorageLayout, exists, is_remote, lease_uses, redact_url
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
-from tasks.promote import promote
+from tasks.promote import PromotionOutcome, promote
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
@@ -91,15 +91,27 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
     # Evaluation publishes its reports (confusion matrix, predictions, metrics) and the gate's verdict;
     # promotion records the run, makes a better model the champion, and fails a run below the gate.
     evaluation = stage(evaluate, trained=trained, spec=spec, cfg=config.evaluate, layout=layout, workload=workload)
+    promote_and_announce(stage, config, layout, evaluation, trained, spec, config.model_dump(mode="json"), raw.directory)
+    stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+
+
+def promote_and_announce(
+    stage: StageRecorder, config: PipelineConfig, layout: StorageLayout, evaluation, trained, spec, run_config: dict,
+    raw_dir: str | None,
+) -> PromotionOutcome:
+    """The promote stage and its events, for every flow that promotes (this one, and `flows.tune`'s
+    ``tune.train_best``): ``pipeline.gate.failed`` before the stage fails a run below the gate, and
+    ``pipeline.model.promoted`` after a new champion, which ``score/on-promotion`` scores.
+    ``run_config``: what the model card records (the search's: the winner's recipe)."""
     if not evaluation.passed_gate:
         announce(config, events.GATE_FAILED, run=layout.run_name, test_accuracy=evaluation.accuracy, min_accuracy=evaluation.min_accuracy)
     outcome = stage(
         promote, evaluation=evaluation, trained=trained, spec=spec, cfg=config.promote, evaluate_cfg=config.evaluate,
-        layout=layout, run_config=config.model_dump(mode="json"), raw_dir=raw.directory, workload=workload,
+        layout=layout, run_config=run_config, raw_dir=raw_dir, workload=config.workload,
     )
     if outcome.promotion is not None and outcome.promotion.promoted:
         announce_promotion(config, layout, outcome.promotion, evaluation.accuracy)
-    stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+    return outcome
 
 
 def nothing_new(config: PipelineConfig, layout: StorageLayout, module: str) -> RunSummary | None:

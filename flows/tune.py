@@ -9,14 +9,15 @@ Download, conversion and transform are the main flow's stages, unchanged (output
 storage are reused). The tune stage runs the trials, each a Ray Train run of the real training
 loop, and writes the best trial's recipe as ``best_config.yaml`` in the run folder, which
 ``python -m flows.mnist --config-file`` trains (``flows.train`` for another workload: the file names it). With ``tune.train_best`` the same flow run then
-trains that recipe with ``train.epochs`` and evaluates it through the normal stages, gate included.
+trains that recipe with ``train.epochs`` and evaluates it through the normal stages, gate included,
+and promotes it as the training flow does, with the same events (`flows.train.promote_and_announce`).
 """
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.train import STAGE_CPUS, train_with_retries
+from flows.train import STAGE_CPUS, promote_and_announce, train_with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
 from reporting import artifacts
@@ -28,7 +29,6 @@ from storage_io import StorageLayout, lease_uses
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
-from tasks.promote import promote
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures
 from tasks.transform import transform
@@ -87,10 +87,9 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipeline
         artifacts.publish_training_report(trained, workload)
         recipe = config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")}  # what the model card names
         evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout, workload=workload)
-        stage(
-            promote, evaluation=evaluation, trained=trained, spec=best_spec, cfg=config.promote, evaluate_cfg=config.evaluate,
-            layout=layout, run_config=recipe, raw_dir=raw.directory, workload=workload,
-        )
+        # The training flow's promotion with its events: a new champion sends pipeline.model.promoted, which
+        # score/on-promotion scores, whichever flow made it.
+        promote_and_announce(stage, config, layout, evaluation, trained, best_spec, recipe, raw.directory)
         stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 
 

@@ -9,6 +9,10 @@ added, removed or changed sends one ``pipeline.data.landed`` event about the fol
 (``pipeline.folder.<path>``) with the counts in its payload. The deployment ``train/on-data``
 (`deployments.reacting`) is triggered by it; several events within its window start one run.
 
+The new listing is kept only once the Prefect API accepted the event (`reporting.events.send`): an
+event that was not (the API unreachable, or refusing it) is said, "not sent: ...; will retry on the
+next look", and the next look finds the same change and sends it again. The command then exits 1.
+
 The command needs the Prefect server that serves the deployments (``PREFECT_API_URL``): an event
 sent to a temporary server would start nothing.
 """
@@ -45,20 +49,29 @@ def look(path: str, workload: str | None = None, storage_root: str = "storage") 
         raise ValueError(f"path {folder}: no such folder")
     workload = PipelineConfig(workload=workload or folder_workload(folder)).workload  # the flows' name rules
     root = StorageLayout.create(PipelineConfig(storage_root=storage_root).storage_root, "watch").root
-    change = watching.look(root, folder)
+    change, listing, to_keep = watching.compare(root, folder)
     result = {"path": folder, "workload": workload, "files": change.files, "added": change.added, "removed": change.removed,
               "changed": change.modified, "digest": change.digest, "examples": list(change.examples)}
     if not change.any:
-        return result | {"event": None}
-    return result | {"event": events.emit(events.DATA_LANDED, events.folder_resource(folder, workload), result)}
+        if to_keep:  # a first look at an empty folder, or a kept listing that could not be read
+            watching.keep(root, folder, change, listing)
+        return result | {"event": None, "not_sent": None}
+    # Kept only once Prefect accepted the event: a change whose event was lost is news again at the next look.
+    event, not_sent = events.send(events.DATA_LANDED, events.folder_resource(folder, workload), result)
+    if event is not None:
+        watching.keep(root, folder, change, listing)
+    return result | {"event": event, "not_sent": not_sent}
 
 
 def describe(result: dict[str, Any]) -> str:
-    """One line on a look: what changed, and whether the event went out."""
+    """One line on a look: what changed, and whether the event went out (and if not, why)."""
     if not (result["added"] or result["removed"] or result["changed"]):
         return f"{result['path']}: no change ({result['files']} images)"
     counts = f"{result['added']} added, {result['removed']} removed, {result['changed']} changed of {result['files']} images"
-    sent = f"sent {events.DATA_LANDED}" if result["event"] else f"{events.DATA_LANDED} NOT sent (no Prefect API)"
+    if result["event"]:
+        sent = f"sent {events.DATA_LANDED}"
+    else:
+        sent = f"{events.DATA_LANDED} not sent: {result.get('not_sent') or 'no Prefect API'}; will retry on the next look"
     return f"{result['path']}: {counts}; {sent}"
 
 
@@ -84,11 +97,11 @@ def main(argv: list[str] | None = None) -> int:
               "(python -m deployments.serve), or the event starts nothing", file=sys.stderr)
         return 2
     try:
-        watch_folder(args.path, args.workload, args.storage_root)
+        result = watch_folder(args.path, args.workload, args.storage_root)
     except ValueError as exc:
         print(f"invalid input:\n{exc}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if result.get("not_sent") else 0  # a change whose event was not accepted: run the command again
 
 
 if __name__ == "__main__":

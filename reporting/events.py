@@ -7,14 +7,17 @@ The figures go in the payload. Prefect adds the flow run (and its deployment) as
 so an automation or a deployment trigger can match on any of them.
 
 Events are sent by the process that runs the flow (never from a Ray task), so they leave with the
-flow run's own Prefect client; where no Prefect API is configured, nothing is sent.
+flow run's own Prefect client; where no Prefect API is configured, nothing is sent. `emit` queues an
+event for Prefect's events worker and returns at once (a run's news: best effort); `send` posts one
+and returns only once the API accepted it, for a sender that keeps state by it (the watcher keeps a
+folder's listing only after its ``pipeline.data.landed`` was accepted).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from storage_io import redact_url, redact_value
+from storage_io import redact_text, redact_url, redact_value
 
 DATA_CHECKED = "pipeline.data.checked"  # after the conversion: the data's fingerprint, changed or not since the champion's
 NOTHING_NEW = "pipeline.run.nothing-new"  # a run ended before training: data, model and recipe are the champion's
@@ -54,3 +57,48 @@ def emit(name: str, resource: dict[str, str], payload: dict[str, Any]) -> str | 
     except Exception:  # noqa: BLE001 - the events client is best-effort by design
         return None
     return str(event.id) if event is not None else None
+
+
+def send(name: str, resource: dict[str, str], payload: dict[str, Any], timeout_s: float = 10.0) -> tuple[str | None, str | None]:
+    """Send one event and wait for the Prefect API's answer: (its id, None) once the API accepted it, or
+    (None, why not) when it could not be sent (no API, the API unreachable or refusing it).
+
+    Prefect's events worker (`emit`) sends in the background and only logs a failure ("EventsWorker
+    failed with N pending items"), so its caller cannot know; this posts the event to the API's
+    ``POST /events`` (the events REST endpoint, which answers 204 once the server took it) with the
+    process's Prefect client, with the flow run and its deployment as related resources and every value
+    redacted, as `emit` does.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    if not api:
+        return None, "no Prefect API (PREFECT_API_URL is not set)"
+
+    import anyio
+    from prefect.client.orchestration import get_client
+    from prefect.events import Event
+    from prefect.events.related import related_resources_from_run_context
+    from prefect.utilities.asyncutils import run_coro_as_sync
+
+    async def post() -> str:
+        with anyio.fail_after(timeout_s):
+            async with get_client() as client:
+                related = await related_resources_from_run_context(client, exclude={resource["prefect.resource.id"]})
+                event = Event(event=name, resource=redact_value(resource), payload=redact_value(payload), related=related)
+                response = await client.request("POST", "/events", json=[event.model_dump(mode="json")])
+                response.raise_for_status()
+                return str(event.id)
+
+    try:
+        return run_coro_as_sync(post()), None
+    except TimeoutError:
+        return None, f"the Prefect API at {redact_text(api)} did not answer within {timeout_s:g}s"
+    except Exception as exc:  # noqa: BLE001 - unreachable, refused, an HTTP error: said, never raised
+        import httpx
+
+        text = redact_text(str(exc).splitlines()[0] if str(exc) else "")
+        why = f"{type(exc).__name__}{': ' + text if text else ''}"
+        if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+            return None, f"the Prefect API at {redact_text(api)} cannot be reached ({why})"
+        return None, f"the Prefect API at {redact_text(api)} did not accept it ({why})"

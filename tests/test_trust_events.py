@@ -1,0 +1,109 @@
+"""Issue 60: every flow that promotes sends the promotion event, the watcher keeps a listing only once its
+event was accepted, scoring imports only allowed model modules, and "nothing new" compares contents.
+
+Real parts: a real ``prefect server start`` on 127.0.0.1 (the session's shared server; its events read
+back over the REST API) and a closed port on 127.0.0.1 as a Prefect API that cannot be reached, real
+image folders and listings on a real storage root, a real model registry with real ResNet-18 weights.
+What cannot run here is said where it is replaced: a whole search (minutes, the slow tier) is replaced
+by its stages' recorded outputs, so that only the flow's own code between the stages runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from dataset import watching
+from flows.watch import describe, look
+from reporting import events
+from tests.support.images import write_image_folder
+from tests.support.prefect_server import free_port, using_api, wait_for
+
+
+def server_events(server, name: str) -> list[dict]:
+    """The events called ``name`` that the server holds, oldest first."""
+    body = {"filter": {"event": {"name": [name]}, "order": "ASC"}, "limit": 50}
+    return server.post("/events/filter", body)["events"]
+
+
+def arrived(server, name: str, event_id: str, timeout_s: float = 30) -> dict:
+    """The event ``event_id`` once the server has it (events are written by the server's own services)."""
+    found = wait_for(lambda: [e for e in server_events(server, name) if e["id"] == event_id], timeout_s, f"{name} {event_id}")
+    return found[0]
+
+
+# --- 2. the watcher: a listing is kept only once Prefect accepted its event -----------------------------------
+
+
+def test_the_watcher_keeps_a_listing_only_once_prefect_accepted_its_event(tmp_path, shared_server):
+    folder = write_image_folder(tmp_path / "uploads", {"train": 2, "test": 1})
+    root = str(tmp_path / "root")
+    kept = Path(watching.state_path(root, str(folder)))
+
+    closed = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there: the API cannot be reached
+    with using_api(closed):
+        refused = look(str(folder), "uploads", root)
+    line = describe(refused)
+    assert refused["event"] is None and refused["added"] == 9, refused
+    assert f"{events.DATA_LANDED} not sent: " in line and "will retry on the next look" in line, line
+    assert f"sent {events.DATA_LANDED}" not in line.replace("not sent", ""), line
+    assert not kept.exists()  # the change is still news: the next look sees it again
+
+    with using_api(shared_server.api):
+        sent = look(str(folder), "uploads", root)
+    assert sent["event"] and sent["added"] == 9 and describe(sent).endswith(f"; sent {events.DATA_LANDED}"), sent
+    event = arrived(shared_server, events.DATA_LANDED, sent["event"])
+    assert event["payload"]["path"] == str(folder) and event["payload"]["added"] == 9
+    assert kept.is_file()  # accepted: now the listing is the last look's
+
+    with using_api(shared_server.api):
+        quiet = look(str(folder), "uploads", root)
+    assert quiet["event"] is None and not (quiet["added"] or quiet["removed"] or quiet["changed"]), quiet
+
+
+# --- 2. the search's train_best promotes, so it sends the promotion event --------------------------------------
+
+
+def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_server, run_tree):
+    """flows.tune's stage list with ``tune.train_best``: its promotion sends ``pipeline.model.promoted`` as the
+    training flow's does, to a real Prefect server. A real search takes minutes (the slow tier): the stages
+    are replaced by their recorded outputs (`stage` below), so only the flow's code between them runs."""
+    from dataset.transform import TransformSpec
+    from flows import tune
+    from pipeline_config import TransformConfig, TunePipelineConfig
+    from tasks.promote import PromotionOutcome
+    from training.registry import Promotion
+
+    layout, raw, dataset, trained, evaluation = run_tree
+    config = TunePipelineConfig.model_validate({"storage_root": layout.root, "tune": {"train_best": True}})
+    model = config.registry_name
+    spec = TransformSpec.model_construct(dataset=dataset, config=TransformConfig(), checks={}, manifest="m")
+    sampled = {"learning_rate": 0.01, "weight_decay": 0.0001, "global_batch_size": 64, "label_smoothing": 0.0, "augmentation": 1.0}
+    promotion = Promotion(model=model, promoted=True, reason="better", version=3, champion_before=2, champion_accuracy=0.5)
+    outputs = {
+        "download": raw, "to-parquet": dataset, "transform": spec, "tune": SimpleNamespace(best=SimpleNamespace(config=sampled)),
+        "train": trained, "evaluate": evaluation, "promote": PromotionOutcome(promotion=promotion), "cleanup": None,
+    }
+    ran = []
+
+    def stage(task, **kwargs):
+        ran.append(task.name)
+        return outputs[task.name]
+
+    before = {e["id"] for e in server_events(shared_server, events.PROMOTED)}
+    with using_api(shared_server.api):
+        tune.run_stages(stage, layout, config)
+    assert ran == ["download", "to-parquet", "transform", "tune", "train", "evaluate", "promote", "cleanup"], ran
+
+    def new() -> list[dict]:
+        return [e for e in server_events(shared_server, events.PROMOTED) if e["id"] not in before
+                and e["payload"].get("run") == layout.run_name]
+
+    (event,) = wait_for(new, 30, f"the search's {events.PROMOTED} event")
+    assert event["resource"]["prefect.resource.id"] == f"pipeline.model.{model}"
+    assert event["payload"] | {"storage_root": None} == {
+        "model": model, "version": 3, "test_accuracy": evaluation.accuracy, "run": layout.run_name, "replaced_version": 2,
+        "replaced_accuracy": 0.5, "storage_root": None,
+    }
