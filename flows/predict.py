@@ -65,7 +65,7 @@ from storage_io import (
     redact_error,
     redact_text,
 )
-from training import registry_files
+from training import model_trust, registry_files
 from training.models import ModelSpec
 
 if TYPE_CHECKING:
@@ -181,8 +181,14 @@ class CardScoring(NamedTuple):
     data: dict[str, Any]  # `training.registry_files.card_data`: shape, classes, mean, std, image_size
 
 
-def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int) -> CardScoring:
-    """The card's scoring configuration; RegistryDamaged naming the card in ``folder`` when it does not validate."""
+def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, deployed: bool = False) -> CardScoring:
+    """The card's scoring configuration; RegistryDamaged naming the card in ``folder`` when it does not validate.
+
+    ``deployed``: a run started through a deployment (``score/on-promotion``), whose parameters chose the
+    card: its architecture, a ``module:function``, is imported only from the modules ``PIPELINE_MODEL_MODULES``
+    allows (`training.model_trust.check_allowed`, on the name: nothing is imported); ValueError naming the
+    card and the setting. The command line trusts its user, as ``flows.train``'s does.
+    """
     run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
     try:
         transform = TransformConfig.model_validate(run_config.get("transform") or {})
@@ -194,6 +200,11 @@ def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int) -> C
         transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
     except (ValidationError, KeyError, TypeError, ValueError) as exc:
         raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
+    try:  # before any model is built: the scoring below builds it, in this process or on a Ray worker
+        model_trust.check_allowed(model_spec.name, deployed=deployed)
+    except ValueError as exc:
+        named = f"{card.get('model')} v{card.get('version')}" if card.get("model") else join(folder, registry_files.CARD_FILE)
+        raise ValueError(f"the model card of {named} ({folder}) names its architecture; {exc}") from None
     return CardScoring(transform, evaluate, model_spec, data)
 
 

@@ -9,7 +9,9 @@ without asking which model made them:
 
 Scoring is `flows.predict`'s (the model card's normalization and test-time augmentation, the
 evaluation stage's actor pool); this flow adds where the file goes, the pointer and the event
-``pipeline.predictions.written``.
+``pipeline.predictions.written``. Its parameters choose the model card, so a run started through a
+deployment builds the card's architecture only from the modules ``PIPELINE_MODEL_MODULES`` allows, as
+a training run's ``model.name`` (`flows.predict.card_scoring`); the refusal comes before any model is built.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataset.inputs import NO_LABEL, read_folder
 from flows.predict import card_scoring, predictions_parquet, score_table
 from pipeline_config import PipelineConfig, RayConfig
 from reporting import events
+from runner.harness import started_by_deployment
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, basename, join, to_stored
 from training import registry_files
 
@@ -45,7 +48,9 @@ def score_with_champion(
     storage root, versioned, and point ``latest.json`` at them."""
     root = StorageLayout.create(PipelineConfig(storage_root=storage_root).storage_root, "score").root
     version, folder, card = registry_files.resolve(root, model, version)
-    scoring = card_scoring(card, folder, 1, 250)
+    # The card's architecture is code: a deployment's run (model and storage_root are its parameters) imports
+    # it only from PIPELINE_MODEL_MODULES, checked on the name before any model is built.
+    scoring = card_scoring(card, folder, 1, 250, deployed=started_by_deployment())
     data = scoring.data
     table = read_folder(Path(images), data["shape"], data["classes"], data["image_size"])
     print(f"Scoring {len(table):,} images from {images} with {model} v{version} (run {card.get('run_name')})")

@@ -107,3 +107,51 @@ def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_
         "model": model, "version": 3, "test_accuracy": evaluation.accuracy, "run": layout.run_name, "replaced_version": 2,
         "replaced_accuracy": 0.5, "storage_root": None,
     }
+
+
+# --- 3. scoring started from a deployment imports only allowed model modules -------------------------------------
+
+
+def test_score_on_promotion_refuses_a_card_naming_a_module_that_is_not_allowed_before_importing_it(tmp_path, monkeypatch):
+    """``score/on-promotion`` takes ``model`` and ``storage_root`` as run parameters: whoever starts it picks the
+    model card, and the card's architecture is code. In a deployment's flow run it is held to
+    ``PIPELINE_MODEL_MODULES`` before any model is built; nothing of the refused module runs."""
+    import sys
+    import uuid
+
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.context import FlowRunContext
+
+    from flows.predict import card_scoring
+    from flows.score import score_with_champion
+    from storage_io import StorageLayout
+    from tests.support.cli import ROOT
+    from tests.support.registry import candidate, make_dataset
+    from training import registry, registry_files
+    from training.model_trust import MODULES_ENV
+
+    marker = tmp_path / "team_scorers-was-imported"
+    (tmp_path / "team_scorers.py").write_text(
+        f"from pathlib import Path\nPath({str(marker)!r}).write_text('top-level code ran')\n"
+        "def build(in_channels, num_classes):\n    raise RuntimeError('built')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(MODULES_ENV, raising=False)
+    root = str(tmp_path / "root")
+    layout = StorageLayout.create(root, "setup")
+    planted = candidate(layout, "planted", 0.99, make_dataset(layout, "mnist-abc")).model_copy(
+        update={"model": {"name": "team_scorers:build", "in_channels": 1, "num_classes": 10}}
+    )
+    assert registry.promote(layout, "planted-model", planted).promoted
+
+    deployed = FlowRunContext.model_construct(flow_run=FlowRun(flow_id=uuid.uuid4(), deployment_id=uuid.uuid4()))
+    with deployed, pytest.raises(ValueError, match=rf"planted-model v1.*'team_scorers:build'.*{MODULES_ENV}.*nothing was imported"):
+        score_with_champion.fn(model="planted-model", images=str(ROOT / "data" / "mnist-sample"), storage_root=root)
+    assert not marker.exists() and "team_scorers" not in sys.modules  # its top level never ran
+    assert not (tmp_path / "root" / "predictions").exists()
+
+    version, folder, card = registry_files.resolve(root, "planted-model")
+    card_scoring(card, folder, 1, 250)  # the command line (flows.predict) trusts its user, as flows.train's does
+    monkeypatch.setenv(MODULES_ENV, "team_scorers")
+    assert card_scoring(card, folder, 1, 250, deployed=True).model.name == "team_scorers:build"  # allowed by the operator
+    assert not marker.exists()  # still nothing imported: the check reads the name only
