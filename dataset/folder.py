@@ -38,7 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dataset import images
-from dataset.listing import ListingCache
+from dataset.listing import ListingCache, save_held
 from dataset.parquet import SPLITS, _SplitWriter, schema_for, to_table
 from pipeline_config import ParquetConfig
 from storage_io import StorageLayout, filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
@@ -232,7 +232,8 @@ def check_source(cfg, image_size: int | None = None, storage_root: str | None = 
     ``transform.image_size``. An ``s3://`` folder's images are opened by the conversion stage only:
     reading every image over the network before any work is too much to spend. ``storage_root``: where
     the listing cache lives (`listing_cache`); an image it says decoded in full at this limit or a
-    stricter one, and unchanged since (size, mtime), has its header read only."""
+    stricter one, and unchanged since (size, mtime), has its header read only. What the check learns is
+    held in this process, not written (`keep_checks` writes it once the run is past every check)."""
     if cfg.source != "folder" or not cfg.path:
         return None
     remote = is_remote(cfg.path)
@@ -245,8 +246,16 @@ def check_source(cfg, image_size: int | None = None, storage_root: str | None = 
     if not remote:
         cache = listing_cache(layout, storage_root)
         scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
-        cache.save()  # only once every image passed: a refused run writes nothing
+        cache.hold()  # written by `keep_checks` once the run is past every check: a refused run writes nothing
     return layout
+
+
+def keep_checks(cfg, storage_root: str | None) -> None:
+    """Once the run is past every check before its work: write what `check_source` learned of
+    ``download.path``'s images (held in this process until now) to the listing cache on ``storage_root``,
+    so the next run's checks and the download stage's hashing reuse it. Nothing for other sources."""
+    if cfg.source == "folder" and cfg.path and storage_root and not is_remote(cfg.path):
+        save_held(storage_root, cfg.path)
 
 
 def image_shape(

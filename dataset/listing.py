@@ -20,6 +20,12 @@ that writes the same number of bytes and then restores the old mtime) is NOT not
 reuses the old sha256 and the old check. Touch the file, or delete the cache file, to have it read
 again. A damaged or foreign cache file is ignored (treated as empty), never an error; one that
 cannot be read or written only costs the work it would have saved.
+
+The checks before a run (`dataset.folder.check_source`) do not write the file: what they learn is
+held in this process (`ListingCache.hold`) and written once the run is past every check
+(`save_held`, or the download stage's `ListingCache.save` in this process), so a run refused before
+any work (exit 2) leaves the storage root as it was. Every `ListingCache` of that folder on that root
+made in this process meanwhile starts from what is held.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ FOLDER = "listings"
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # checked_max_pixels of a file decoded in full with no pixel limit (None), stored as 0 in the cache.
 NO_LIMIT = 0
+# What the checks before a run learned and did not write yet (`ListingCache.hold`): cache file -> (folder key, entries).
+_HELD: dict[str, tuple[str, dict[str, list]]] = {}
 
 
 def folder_key(path: str) -> str:
@@ -123,13 +131,15 @@ class ListingCache:
         self.path, self.key = path, folder_key(path)
         self.where = cache_path(storage_root, path) if storage_root else None
         self.stats = stat_files(path, rels)
-        old = read_entries(self.where, self.key) if self.where else {}
+        held = _HELD.get(self.where) if self.where else None
+        held = held[1] if held is not None and held[0] == self.key else None
+        old = held if held is not None else read_entries(self.where, self.key) if self.where else {}
         self.entries: dict[str, list] = {}
         for rel, stat in self.stats.items():
             entry = old.get(rel)
             same = entry is not None and (entry[0], entry[1]) == stat
             self.entries[rel] = list(entry) if same else [stat[0], stat[1], None, None, None]
-        self.changed = self.entries != old
+        self.changed = held is not None or self.entries != old  # what is held is not on the storage root yet
 
     def sha256(self, rel: str) -> str:
         """The file's sha256: the cached one when the file is unchanged, else read and hashed (and kept)."""
@@ -173,8 +183,28 @@ class ListingCache:
         """Write the entries (only when something changed); a root that cannot be written is passed over."""
         if self.where is None or not self.changed:
             return
+        _HELD.pop(self.where, None)  # these entries start from what was held: written now, or not at all
         try:
             atomic_write_json(self.where, {"version": VERSION, "folder": self.key, "files": self.entries})
         except (OSError, StorageWriteError):  # a full or read-only root: the next run redoes the work
             return
         self.changed = False
+
+    def hold(self) -> None:
+        """Keep the entries in this process instead of writing them (only when something changed): the checks
+        before a run write nothing on the storage root. `save_held` writes them once the run goes on."""
+        if self.where is not None and self.changed:
+            _HELD[self.where] = (self.key, {rel: list(entry) for rel, entry in self.entries.items()})
+
+
+def save_held(storage_root: str, path: str) -> None:
+    """Write what the checks before a run held for the folder ``path`` on ``storage_root`` (`ListingCache.hold`);
+    nothing when nothing is held. A root that cannot be written is passed over, as by `ListingCache.save`."""
+    where = cache_path(storage_root, path)
+    held = _HELD.pop(where, None)
+    if held is None or held[0] != folder_key(path):
+        return
+    try:
+        atomic_write_json(where, {"version": VERSION, "folder": held[0], "files": held[1]})
+    except (OSError, StorageWriteError):
+        return

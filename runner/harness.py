@@ -69,8 +69,9 @@ def run_flow(
     """What every flow does around its stage list ``stages(stage, layout, config)``.
 
     The run folder (when ``run_name`` is unset, the flow run's name: `flow_run_name`), the Ray task
-    runner, ``check_fits`` before anything is written, the run's lease, and summary.json however it
-    ends. The run's `RunSummary` is the flow's return value; on a stop request (Ctrl-C, SIGTERM) the
+    runner, ``check_fits`` before anything is written, the run's lease, then the listing cache the data
+    checks held (`dataset.folder.keep_checks`: a run refused before any work leaves the storage root as it
+    was), and summary.json however it ends. The run's `RunSummary` is the flow's return value; on a stop request (Ctrl-C, SIGTERM) the
     summary says interrupted and the flow run ends Cancelled with it as data; a failed run's
     exception carries it (`runner.summary.attach`). ``module``: the flow's CLI module, what the
     summary's resume command runs. ``nothing_new(config, layout, module)``: before Ray starts, the summary of
@@ -91,6 +92,7 @@ def run_flow(
         with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
             check_fits(config)  # before anything is written
             with run_lease(layout):  # refuses a live run of the same name
+                folder.keep_checks(config.download, config.storage_root)  # past every check: the listing cache now
                 env = environment.describe()
                 artifacts.publish_environment_report(env, config.workload)
                 stage = StageRecorder(runner, layout, config, env, plan, module)

@@ -117,11 +117,14 @@ def test_a_file_cut_short_after_a_clean_check_is_refused_by_name(tmp_path, count
 def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_opening_a_file(tmp_path, counted):
     """What the model check, the flow's data check and the conversion ask (`image_shape`) comes from the
     headers `check_source` recorded; a changed file is opened again, and so is one that is now over a
-    stricter pixel limit (whose own read names the limit). `image_shape` never writes the cache."""
+    stricter pixel limit (whose own read names the limit). `image_shape` never writes the cache; what
+    `check_source` learned is written once the run is past its checks (`keep_checks`)."""
     data = write_image_folder(tmp_path / "images", PER_CLASS)
     root = str(tmp_path / "storage")
-    layout = folder.check_source(DownloadConfig(source="folder", path=str(data)), None, root)
+    cfg = DownloadConfig(source="folder", path=str(data))
+    layout = folder.check_source(cfg, None, root)
     assert counted["opened"] == 18
+    folder.keep_checks(cfg, root)
     for image_size in (None, 32):
         counted["opened"] = 0
         assert folder.image_shape(layout, image_size, root) == (3, image_size or 20, image_size or 20)
@@ -137,6 +140,7 @@ def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_ope
     where = listing.cache_path(root, str(data))
     assert read_json(where)["files"]["train/red_square/red_square-000.png"][4] == ["RGB", 20, 20]  # not written
     folder.check_source(DownloadConfig(source="folder", path=str(data)), 16, root)  # resized: the sizes may differ
+    folder.keep_checks(cfg, root)
     assert read_json(where)["files"]["train/red_square/red_square-000.png"][4] == ["L", 24, 20]
     counted["opened"] = 0
     assert folder.image_shape(layout, 16, root) == (3, 16, 16) and counted["opened"] == 0  # the others are still RGB

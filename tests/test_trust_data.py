@@ -175,3 +175,83 @@ def test_hidden_entries_change_neither_the_fingerprint_nor_the_listing_cache_and
     atomic_write_json(final / MANIFEST, build_manifest(final, dataset_fingerprint(raw, cfg), raw.files, dict.fromkeys(SPLITS, 1), shape, classes))
     dataset = to_parquet.fn(again, cfg, layout)
     assert dataset.skipped and dataset.terminal_detail().endswith("(verified on storage, reused); 5 hidden entries skipped")
+
+
+# -- 4. Exit 2 creates nothing on the storage root -------------------------------------------------------------------
+
+def tiny_folder(root: Path, size: int, gray: bool = True) -> Path:
+    """Two classes of real ``size`` x ``size`` PNGs: three to train on and one to test, each."""
+    for split, count in (("train", 3), ("test", 1)):
+        for label in ("dots", "lines"):
+            for i in range(count):
+                write_png(root / split / label / f"{label}-{i}.png", size, seed=hash((split, label, i)) % 1000, gray=gray)
+    return root
+
+
+@pytest.fixture
+def refused(monkeypatch, capsys, tmp_path):
+    """``refused(*args)``: flows.train's CLI on ``args`` in this process -> (exit code, stderr), on a storage root
+    that does not exist yet and must not afterwards. Reaching Prefect and Ray fails the test."""
+    import ray
+
+    from flows import train as cli
+    from runner import harness
+
+    def tripwire(*_args, **_kwargs):
+        raise AssertionError("the run got past its checks: Prefect and Ray would start now")
+
+    monkeypatch.setattr(harness, "cli_runtime", tripwire)
+    storage = tmp_path / "storage"
+
+    def run(*args: str) -> tuple[int, str]:
+        code = cli.main(["--storage-root", str(storage), "--download.source", "folder", *args])
+        assert not ray.is_initialized()
+        assert not storage.exists(), sorted(str(p.relative_to(storage)) for p in storage.rglob("*"))
+        return code, capsys.readouterr().err
+
+    return run
+
+
+@pytest.mark.parametrize(("args", "said"), [
+    (["--model.name", "no_such_team_module:net"], "model.name 'no_such_team_module:net'"),
+    (["--model.name", "training.models:small_cnn"], "model.name 'training.models:small_cnn'"),  # 4x4 images: too small
+    (["--transform.mean", "[0.1, 0.2, 0.3]"], "transform.mean has 3 values; the images have 1 channels"),
+], ids=["a-model-that-does-not-import", "a-model-the-images-are-too-small-for", "a-mean-per-channel-of-other-images"])
+def test_a_refusal_after_the_folder_check_leaves_the_storage_root_as_it_was(tmp_path, refused, args, said):
+    """The folder's images are listed and decoded first (what the listing cache keeps); the refusal after it
+    wrote listings/<folder>.json on the root before."""
+    data = tiny_folder(tmp_path / "tiny", 4)
+    code, err = refused("--download.path", str(data), *args)
+    assert code == 2 and said in err, err
+
+
+def test_a_deployments_run_refused_before_any_work_writes_nothing_either(tmp_path):
+    """`run_flow`, what a deployment's run does first: the same checks, the same empty root."""
+    from runner.harness import run_flow
+
+    storage = tmp_path / "storage"
+    config = PipelineConfig.model_validate({
+        "storage_root": str(storage), "model": {"name": "training.models:small_cnn"},
+        "download": {"source": "folder", "path": str(tiny_folder(tmp_path / "tiny", 4))},
+    })
+    with pytest.raises(ValueError, match="model.name 'training.models:small_cnn'"):
+        run_flow(config, "flows.train", lambda _: pytest.fail("got past the checks"), {}, None)
+    assert not storage.exists()
+
+
+def test_what_the_checks_learned_is_written_once_the_run_goes_on(tmp_path):
+    """Held in this process until `keep_checks` (the run is past its checks): then every image is on record as
+    decoded in full, so the next run's checks decode none of them."""
+    import json
+
+    from dataset import folder, listing
+    from pipeline_config import DownloadConfig
+
+    data, storage = tiny_folder(tmp_path / "tiny", 8), tmp_path / "storage"
+    cfg = DownloadConfig(source="folder", path=str(data))
+    layout = folder.check_source(cfg, None, str(storage))
+    assert not storage.exists()
+    assert folder.image_shape(layout, None, str(storage)) == (1, 8, 8)  # from what is held: no file opened
+    folder.keep_checks(cfg, str(storage))
+    entries = json.loads(Path(listing.cache_path(str(storage), str(data))).read_text())["files"]
+    assert sorted(entries) == sorted(folder.image_paths(layout)) and all(entry[3] is not None for entry in entries.values())
