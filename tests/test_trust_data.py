@@ -255,3 +255,47 @@ def test_what_the_checks_learned_is_written_once_the_run_goes_on(tmp_path):
     folder.keep_checks(cfg, str(storage))
     entries = json.loads(Path(listing.cache_path(str(storage), str(data))).read_text())["files"]
     assert sorted(entries) == sorted(folder.image_paths(layout)) and all(entry[3] is not None for entry in entries.values())
+
+
+# -- 1. Images too small for the model are refused before any work --------------------------------------------------
+
+def test_images_too_small_for_the_model_are_refused_naming_transform_image_size_and_the_smallest_size(tmp_path, refused):
+    """training.models:small_cnn halves its input three times: 4x4 images leave nothing to pool. The smallest
+    size comes from running the model, not from a table."""
+    code, err = refused("--download.path", str(tiny_folder(tmp_path / "tiny", 4)), "--model.name", "training.models:small_cnn")
+    assert code == 2, err
+    assert "transform.image_size: images of 4x4 pixels are too small for model.name 'training.models:small_cnn'" in err
+    assert "the smallest size it runs on is 8x8: set transform.image_size to 8 or more" in err
+
+
+def test_an_image_size_too_small_for_the_model_is_refused_too(tmp_path, refused):
+    """20x20 RGB pictures resized to transform.image_size=5: the field named is the one that made them too small."""
+    from tests.support.images import write_image_folder
+
+    data = write_image_folder(tmp_path / "shapes", {"train": 2, "test": 1})
+    code, err = refused("--download.path", str(data), "--model.name", "training.models:small_cnn", "--transform.image-size", "5")
+    assert code == 2 and "images of 5x5 pixels are too small" in err and "set transform.image_size to 8 or more" in err, err
+
+
+def test_the_smallest_size_is_the_models_own():
+    """Found by forward passes in train mode on two images: small_cnn needs 8x8; ResNet-18's global pooling
+    takes 1x1 pixels, so its images are never too small (its batch norm needs two images, which the training
+    loop always gives it). A model that fails at every size is refused as it was, naming model.name."""
+    import torch
+
+    from training.model_trust import smallest_size, try_model
+    from training.models import build_model
+
+    small = build_model("training.models:small_cnn", in_channels=3, num_classes=2)
+    assert smallest_size(small, 3, 2, 1) == 8 and smallest_size(small, 3, 2, 5) == 8
+    try_model("resnet18", (1, 1, 1), 2)  # runs: nothing to refuse
+    try_model("training.models:small_cnn", (1, 8, 8), 2)
+
+    class Broken(torch.nn.Module):
+        def forward(self, images):
+            raise RuntimeError("broken at any size")
+
+    assert smallest_size(Broken(), 1, 2, 28) is None
+    with pytest.raises(ValueError, match=r"model.name 'training.models:small_cnn': images of 28x4 pixels are too small for "
+                                         r"it .*smallest size it runs on is 8x8, and these images are not resized"):
+        try_model("training.models:small_cnn", (1, 4, 28), 2, resizable=False)

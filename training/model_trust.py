@@ -11,8 +11,15 @@ imported. Torchvision models by name are always allowed (nothing is imported by 
 `try_model` builds the model for the data's channels and classes and runs one forward pass on
 two images of the data's shape, before download, conversion and training: a function with the
 wrong signature, one that returns no ``nn.Module``, one that raises, or a model whose output is
-not one score per class is refused naming ``model.name`` and what it did. `data_for_trial` says
-what shape and classes are known before any work.
+not one score per class is refused naming ``model.name`` and what it did. Images too small for the
+model (a forward pass that raises on them and runs on larger ones: `smallest_size` finds the smallest
+square size that works, by running the model) are refused naming ``transform.image_size`` and that
+size. `data_for_trial` says what shape and classes are known before any work.
+
+What "too small" means is the model's own: ResNet-18 and MobileNet-V3 run on two images of 1x1 pixels in
+train mode (their global pooling takes any size; batch norm needs two values per channel, and the
+training loop never steps on fewer than two images), ``training.models:small_cnn`` needs 8x8 (three 2x2
+max-pools).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ import re
 from dataset import folder
 from dataset.idx import IMAGE_SHAPE
 from dataset.parquet import MNIST_CLASSES
-from pipeline_config import PipelineConfig
+from pipeline_config import PipelineConfig, TransformConfig
 from storage_io import is_remote
 from training import weights
 from training.models import ModelNameError, build_model, check_name, said
@@ -33,6 +40,8 @@ MODULES_ENV = "PIPELINE_MODEL_MODULES"
 DEFAULT_MODULES = ("training.models",)
 _MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _TRIAL_IMAGES = 2  # train-mode batch norm needs more than one value per channel
+# The largest square size `smallest_size` tries: a model that runs on no size up to it is refused as it is.
+MAX_TRIED_SIZE = 512
 
 
 def allowed_modules() -> tuple[str, ...]:
@@ -93,17 +102,20 @@ def check_model(config: PipelineConfig, layout: folder.FolderLayout | None) -> N
     data = data_for_trial(config, layout)
     if data is not None:
         config.transform.per_channel(data[0][0])  # a per-channel mean or std must have one value per channel
-        try_model(config.model.name, *data)
+        try_model(config.model.name, *data, resizable=config.download.source == "folder")
     if config.model.weights:  # an s3:// folder's shape comes with its conversion: any channels fit the names
         weights.check(config.model.weights, config.storage_root, config.model.name, *(data or ((3, 32, 32), 2)))
 
 
 @functools.lru_cache(maxsize=16)
-def try_model(name: str, shape: tuple[int, int, int], num_classes: int) -> None:
+def try_model(name: str, shape: tuple[int, int, int], num_classes: int, resizable: bool = True) -> None:
     """Build ``name`` for ``shape``'s channels and ``num_classes`` classes and run one forward pass (train mode,
     no gradients) on two random images of ``shape``. ValueError naming model.name and what the function
-    or the model returned or raised. Torch's random state is left as it was. A model that passed is not
-    tried again in this process (the CLI checks before Ray starts, the flow again in its body)."""
+    or the model returned or raised; when the pass raised and the model runs on larger images, naming
+    ``transform.image_size`` and the smallest size it runs on (`smallest_size`; ``resizable``: the images
+    can be resized, an image folder's; MNIST's IDX digits cannot). Torch's random state is left as it was.
+    A model that passed is not tried again in this process (the CLI checks before Ray starts, the flow
+    again in its body)."""
     import torch
 
     channels, height, width = shape
@@ -117,10 +129,13 @@ def try_model(name: str, shape: tuple[int, int, int], num_classes: int) -> None:
         except Exception as exc:  # a torchvision builder's own error
             raise ValueError(f"model.name {name!r}: building it raised {said(exc)}") from None
         try:
-            with torch.no_grad():
-                out = model.train()(torch.randn(_TRIAL_IMAGES, *shape))
+            out = _forward(model, shape)
         except Exception as exc:
-            raise ValueError(f"model.name {name!r}: the model's forward pass on {images} raised {said(exc)}") from None
+            raised = f"the model's forward pass on {images} raised {said(exc)}"
+            smallest = smallest_size(model, channels, num_classes, min(height, width))
+            if smallest is None:
+                raise ValueError(f"model.name {name!r}: {raised}") from None
+            raise ValueError(_too_small(name, (width, height), smallest, raised, resizable)) from None
     wanted = (_TRIAL_IMAGES, num_classes)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != wanted:
         got = f"a tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
@@ -129,6 +144,56 @@ def try_model(name: str, shape: tuple[int, int, int], num_classes: int) -> None:
             f"{wanted}: one score per class, and the data has {num_classes} classes"
         )
 
+
+def _forward(model, shape: tuple[int, int, int]):
+    """``model`` in train mode, without gradients, on `_TRIAL_IMAGES` random images of ``shape`` (C, H, W)."""
+    import torch
+
+    with torch.no_grad():
+        return model.train()(torch.randn(_TRIAL_IMAGES, *shape))
+
+
+def smallest_size(model, channels: int, num_classes: int, failed: int, largest: int = MAX_TRIED_SIZE) -> int | None:
+    """The smallest square size above ``failed`` (a size the model does not run on) on which ``model`` runs
+    (`_forward` returns one score per class), or None when it runs on none up to ``largest``.
+
+    Found by running the model: sizes doubled from ``failed`` until one works, then halved back to the first
+    that does (a dozen passes at most; the larger a size, the fewer are tried). A model that runs on a size
+    runs on every larger one, as a network of convolutions, pools and a global pooling does."""
+    import torch
+
+    def runs(size: int) -> bool:
+        try:
+            out = _forward(model, (channels, size, size))
+        except Exception:
+            return False
+        return isinstance(out, torch.Tensor) and tuple(out.shape) == (_TRIAL_IMAGES, num_classes)
+
+    low = failed
+    if low >= largest:
+        return None
+    high = min(max(2 * low, low + 1), largest)
+    while not runs(high):
+        if high >= largest:
+            return None
+        low, high = high, min(2 * high, largest)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if runs(middle) else (middle, high)
+    return high
+
+
+def _too_small(name: str, size: tuple[int, int], smallest: int, raised: str, resizable: bool) -> str:
+    """The refusal of images of ``size`` (width, height) that are too small for the model ``name``."""
+    if not resizable:
+        return (f"model.name {name!r}: images of {size[0]}x{size[1]} pixels are too small for it ({raised}); the smallest "
+                f"size it runs on is {smallest}x{smallest}, and these images are not resized (transform.image_size is for "
+                "download.source=folder): choose a model that runs on them")
+    images = f"images of {size[0]}x{size[1]} pixels are too small for model.name {name!r} ({raised})"
+    bounds = TransformConfig.model_fields["image_size"].metadata  # the field's own least value (4)
+    least = max([smallest, *(bound.ge for bound in bounds if getattr(bound, "ge", None) is not None)])
+    return (f"transform.image_size: {images}; the smallest size it runs on is {smallest}x{smallest}: set "
+            f"transform.image_size to {least} or more to resize every image to it, or choose a model for smaller images")
 
 
 def try_on_dataset(config: PipelineConfig, dataset) -> None:
