@@ -1,5 +1,6 @@
 # Two commands for a fresh machine: `make run` (set up + the default pipeline run) and
-# `make test` (set up + the whole test suite). Both create the virtual environment themselves.
+# `make test` (set up + the tests CI runs: every fast test and the spine of end-to-end runs, each
+# user path once). `make test-all` runs everything. All create the virtual environment themselves.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -12,7 +13,7 @@ LOCK := requirements.lock
 PIP_VERSION := 26.3
 PIP_TOOLS_VERSION := 7.6.2
 
-.PHONY: install lock run smoke tune test test-fast test-cluster bench image clean
+.PHONY: install lock run smoke tune test test-all test-fast test-cluster bench image clean
 
 install: $(STAMP)
 
@@ -43,7 +44,11 @@ smoke: install
 tune: install
 	$(PY) -m flows.tune $(ARGS)
 
+# The tiers (docs/testing.md, Tiers): `slow` marks an end-to-end test, `spine` the slow ones CI runs.
 test: install
+	$(PY) -m pytest -m "not slow or spine" $(ARGS)
+
+test-all: install
 	$(PY) -m pytest $(ARGS)
 
 test-fast: install

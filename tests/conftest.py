@@ -39,11 +39,15 @@ CLUSTER_OPT_IN = "RUN_CLUSTER_TESTS"
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cluster`` run only with RUN_CLUSTER_TESTS=1 (`make test-cluster`); a skip otherwise, by design.
+    A test marked ``spine`` must be marked ``slow`` too (docs/testing.md, Tiers).
 
     They need Docker and the image `make image` builds, and take minutes, so neither `make test`
     (CI) nor `make test-fast` runs them. A hook rather than addopts' ``-m "not cluster"``, which the
     ``-m "not slow"`` of `make test-fast` would replace.
     """
+    loose = [item.nodeid for item in items if "spine" in item.keywords and "slow" not in item.keywords]
+    if loose:  # the spine is the part of the slow tier CI runs: a spine test outside it would be a third tier
+        raise pytest.UsageError(f"marked spine but not slow: {loose}")
     if os.environ.get(CLUSTER_OPT_IN) == "1":
         return
     skip = pytest.mark.skip(reason=f"cluster test: opt in with `make test-cluster` ({CLUSTER_OPT_IN}=1), needs Docker")

@@ -289,6 +289,7 @@ def served(server, work, webhook) -> Iterator[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_served_deployments_have_schedule_presets_and_the_typed_form(server, served):
     nightly, manual = server.deployment("nightly"), server.deployment("manual")
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == [served["cron"]]
@@ -304,6 +305,7 @@ def test_served_deployments_have_schedule_presets_and_the_typed_form(server, ser
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_served_tune_deployment_has_no_schedule_the_tune_preset_and_the_tune_form(server, served):
     tune = server.deployment("manual", TUNE_FLOW)
     assert tune["id"] != server.deployment("manual")["id"]  # the same name, another flow
@@ -316,6 +318,7 @@ def test_served_tune_deployment_has_no_schedule_the_tune_preset_and_the_tune_for
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_served_generic_deployment_has_no_schedule_and_the_form_with_workload_and_model(server, served):
     train = server.deployment("manual", TRAIN_FLOW)
     assert train["id"] not in {server.deployment("manual")["id"], server.deployment("manual", TUNE_FLOW)["id"]}
@@ -326,6 +329,7 @@ def test_served_generic_deployment_has_no_schedule_and_the_form_with_workload_an
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_invalid_parameters_are_refused_naming_the_field(server, served, work):
     deployment = server.deployment("manual")
     # Runs of the manual deployment only: the scheduler adds the nightly's upcoming runs at any moment.
@@ -347,6 +351,7 @@ def test_invalid_parameters_are_refused_naming_the_field(server, served, work):
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_invalid_tune_parameters_are_refused_naming_the_field(server, served, work):
     deployment = server.deployment("manual", TUNE_FLOW)
     tune_runs = {"deployments": {"id": {"any_": [deployment["id"]]}}}
@@ -507,6 +512,7 @@ def test_the_generic_deployment_trains_the_second_workload_from_its_image_folder
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_ui_style_tune_run_completes_with_the_best_config_and_the_trial_reports(server, tune_run, work, shapes_images):
     run = tune_run["run"]
     print(f"API-triggered tune smoke run: {tune_run['seconds']:.0f}s")

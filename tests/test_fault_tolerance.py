@@ -176,6 +176,7 @@ def run_cli(
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path, mirror_flags, shared_server, mlflow_server):
     """Both runs are tracked in MLflow. The interrupted one keeps one MLflow run with one point per
     epoch through a worker restart and a Prefect retry, and its promoted model is the registered

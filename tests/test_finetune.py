@@ -253,6 +253,7 @@ def two_shapes_folder(root: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_fine_tuning_from_another_workloads_champion_beats_the_start_from_scratch(tmp_path, shared_server):
     """One epoch on 2-class images from scratch, and the same run (same seed, same data) from the champion of a
     3-class workload: its head starts fresh, the rest loads, and the test accuracy is higher."""

@@ -54,6 +54,7 @@ def busy_cores(count: int = 2) -> Iterator[list[subprocess.Popen]]:
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_path):
     """The cores are busy through the start (the temporary server's migrations, Ray's start, the
     first stage); the run then finishes on a machine of its own, since what follows is not the start."""

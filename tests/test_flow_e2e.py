@@ -66,6 +66,7 @@ def smoke_run(storage, shared_server):
     return state, summary, flow_run, task_runs
 
 
+@pytest.mark.spine
 def test_smoke_run_completes_every_stage(smoke_run, storage):
     state, summary, _, _ = smoke_run
     assert state.is_completed(), state.message
@@ -84,6 +85,7 @@ def test_smoke_run_completes_every_stage(smoke_run, storage):
     assert pointer["run_name"] == "smoke-e2e" and pointer["test_accuracy"] == metrics["accuracy"]
 
 
+@pytest.mark.spine
 def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
     """The Ray workers reported to the flow's own Prefect API, not to private temporary servers."""
     _, _, flow_run, task_runs = smoke_run
@@ -94,6 +96,7 @@ def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
     assert all(run.state.is_completed() for run in task_runs)
 
 
+@pytest.mark.spine
 def test_ray_train_checkpoints_record_the_model_they_hold_and_load_back(smoke_run, storage):
     """The Ray Train run and its checkpoint files, with the model named by ``model.name`` recorded in
     extra_state.pt and rebuilt from it. (On ResNet-18, the seeds' contract: tests/test_default_recipe.py.)"""

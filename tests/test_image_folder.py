@@ -263,6 +263,7 @@ def guide_blocks() -> dict[str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_the_extending_guide_runs_as_written(tmp_path, shared_server, monkeypatch):
     """docs/extending.md, run as written on the tests' own RGB workload: the user's model module and
     config file as the page shows them, `python -m flows.train --config-file shapes.yaml` from their

@@ -225,6 +225,7 @@ def flow_runs_of(server, deployment: dict) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_new_images_are_trained_promoted_and_scored_with_no_manual_step(server, work):
     """`deployments.serve --watch --score` against ``prefect server start`` (its event, trigger and action
     services on): the watcher's data event, one training run for a burst of two changes, the promotion

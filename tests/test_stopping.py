@@ -108,6 +108,7 @@ def test_too_many_workers_are_refused_before_anything_is_created(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_ctrl_c_stops_training_keeps_the_checkpoint_and_the_same_command_resumes(tmp_path):
     # Paused at the first step of epoch 2 (index 1): epoch 1's checkpoint is committed by then.
     data = [*small_mirror(tmp_path), "--evaluate.min-accuracy", "0"]  # 2 epochs on 570 digits: no gate to meet

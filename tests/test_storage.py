@@ -141,6 +141,7 @@ def test_lease_records_the_folders_a_run_reads(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.spine
 def test_two_runs_at_once_on_s3_share_one_dataset_build_and_keep_their_runs_apart(tmp_path, s3_root, shared_server):
     """A scheduled run overlapping a manual one: same storage root, same data, started together.
 

@@ -43,7 +43,7 @@ from tests.support.prefect_server import (
     wait_for,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.spine]  # the UI form's run is the spine's served-deployment run
 ROOT = Path(__file__).resolve().parent.parent
 
 CHROMIUM = "/usr/bin/chromium"
