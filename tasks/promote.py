@@ -2,7 +2,8 @@
 
 Every evaluated run, gate passed or not, adds its row to the model's run-comparison table under
 ``<root>/models/<promote.model_name>/`` (unset: ``<workload>-<model>``), published to the Prefect
-UI under keys stable across runs. A model that passed ``evaluate.min_accuracy`` replaces the
+UI under keys stable across runs, and is remembered as the last trained run there
+(`training.unchanged.remember`: what ``promote.skip_unchanged`` compares a run with besides the champion). A model that passed ``evaluate.min_accuracy`` replaces the
 champion only when it is better on the same test set (`training.registry`). The decision is
 added to the run's ``evaluation/metrics.json``.
 
@@ -28,7 +29,7 @@ from reporting import artifacts, environment, pictures
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_json, join, lease_path, read_json, storage_writes
 from tasks.evaluate import Evaluation
-from training import registry, registry_files
+from training import registry, registry_files, unchanged
 from training.inference import predict
 from training.trainer import TrainedModel
 
@@ -114,6 +115,7 @@ def promote_model(
     promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, version_pictures, rescore)
     with storage_writes("promote"):
         registry.record_run(layout.root, model_name, run_row(result, trained, candidate, promotion, layout))
+        unchanged.remember(layout.root, model_name, candidate, promotion)  # promote.skip_unchanged compares with it too
     runs = registry.recent_runs(layout.root, model_name, promote.recent_runs)
     artifacts.publish_run_comparison(model_name, runs, promotion.model_dump())
     return promotion

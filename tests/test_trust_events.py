@@ -155,3 +155,116 @@ def test_score_on_promotion_refuses_a_card_naming_a_module_that_is_not_allowed_b
     monkeypatch.setenv(MODULES_ENV, "team_scorers")
     assert card_scoring(card, folder, 1, 250, deployed=True).model.name == "team_scorers:build"  # allowed by the operator
     assert not marker.exists()  # still nothing imported: the check reads the name only
+
+
+# --- 4. nothing new: model.weights by content, and the last trained run remembered -----------------------------
+
+MODEL = "mnist-resnet18"
+
+
+def nightly(root: str, **changes):
+    """The nightly preset's configuration on ``root`` with the bundled sample."""
+    from pipeline_config import PipelineConfig, load_preset
+
+    values = load_preset("nightly") | {"storage_root": root, "download": {"source": "sample"}}
+    for section, fields in changes.items():
+        values[section] = values.get(section, {}) | fields
+    return PipelineConfig.model_validate(values).model_dump(mode="json")
+
+
+def champion(layout, run: str, dataset: str, config: dict, weights: dict | None = None, model: str = MODEL, seed: int = 0,
+             accuracy: float = 0.9):
+    from tests.support.registry import candidate
+    from training import registry
+
+    promoted = candidate(layout, run, accuracy, dataset, seed=seed).model_copy(update={"config": config, "weights": weights})
+    assert registry.promote(layout, model, promoted).promoted
+
+
+def test_nothing_new_compares_what_model_weights_holds_not_its_name(tmp_path):
+    import shutil
+
+    from storage_io import StorageLayout, sha256_file
+    from tests.support.registry import make_checkpoint, make_dataset
+    from training import unchanged
+
+    root = str(tmp_path / "root")
+    layout = StorageLayout.create(root, "setup")
+    dataset = make_dataset(layout, "mnist-abc")
+    start = Path(make_checkpoint(str(tmp_path / "start"), seed=1)) / "model.pt"
+    record = {"source": str(start), "file": str(start), "sha256": sha256_file(str(start))}
+    config = nightly(root, model={"weights": str(start)})
+    champion(layout, "champion-run", dataset, config, record)
+    assert unchanged.compare(root, MODEL, dataset, True, config).unchanged
+
+    moved = tmp_path / "elsewhere" / "same.pt"  # the same bytes under another name: nothing new
+    moved.parent.mkdir()
+    shutil.copy(start, moved)
+    assert unchanged.compare(root, MODEL, dataset, True, nightly(root, model={"weights": str(moved)})).unchanged
+
+    make_checkpoint(str(tmp_path / "start"), seed=2)  # the same name, other weights: something new
+    verdict = unchanged.compare(root, MODEL, dataset, True, config)
+    assert not verdict.unchanged and verdict.reason == f"model.weights differ from {MODEL} v1's", verdict.reason
+    start.unlink()
+    assert not unchanged.compare(root, MODEL, dataset, True, config).unchanged  # gone: not "nothing new" either
+
+    # A registry name: the champion it names is what counts, so a new champion of it is something new.
+    champion(layout, "base-run", dataset, {"train": {"epochs": 1}}, model="base-resnet18", seed=3)
+    from training import registry_files
+
+    _, folder, _ = registry_files.resolve(root, "base-resnet18")
+    named = nightly(root, model={"weights": "base-resnet18"})
+    base = {"source": "base-resnet18", "file": f"{folder}/model.pt", "sha256": sha256_file(f"{folder}/model.pt")}
+    champion(layout, "champion-2", dataset, named, base, seed=4, accuracy=0.95)
+    assert unchanged.compare(root, MODEL, dataset, True, named).unchanged
+    champion(layout, "base-run-2", dataset, {"train": {"epochs": 1}}, model="base-resnet18", seed=5, accuracy=0.95)  # base v2
+    verdict = unchanged.compare(root, MODEL, dataset, True, named)
+    assert not verdict.unchanged and verdict.reason == f"model.weights differ from {MODEL} v2's", verdict.reason
+
+
+def test_a_run_not_promoted_is_remembered_so_its_data_is_not_trained_again_until_something_changes(tmp_path, shared_server):
+    """The promote stage (the real `tasks.promote.promote_model`, whose run failed its gate: no Ray needed; its
+    run-comparison report goes to the shared Prefect server) remembers what the run trained on; the next night
+    with nothing changed since is nothing new."""
+    from dataset.parquet import ParquetDataset
+    from dataset.transform import TransformSpec
+    from pipeline_config import EvaluateConfig, PromoteConfig, TransformConfig
+    from storage_io import StorageLayout
+    from tasks.evaluate import Evaluation
+    from tasks.promote import promote_model
+    from tests.support.registry import make_checkpoint, make_dataset
+    from training import unchanged
+    from training.model import SEEDS_MODEL
+    from training.trainer import CheckpointInfo, TrainedModel
+
+    root = str(tmp_path / "root")
+    setup = StorageLayout.create(root, "setup")
+    old, new = make_dataset(setup, "mnist-old"), make_dataset(setup, "mnist-new")
+    config = nightly(root)
+    champion(setup, "champion-run", old, config)
+
+    first = unchanged.compare(root, MODEL, new, True, config)
+    assert not first.unchanged and first.reason == f"the data differs from {MODEL} v1's"  # new data: night 1 trains
+
+    night = StorageLayout.create(root, "night-1")
+    checkpoint = make_checkpoint(f"{night.run_dir}/checkpoint_000000")
+    trained = TrainedModel(run_dir=night.run_dir, model=SEEDS_MODEL, best_checkpoint=checkpoint, best_val_accuracy=0.5,
+                           checkpoints=[CheckpointInfo(path=checkpoint, epoch=0, val_accuracy=0.5)], history=[],
+                           num_workers=1, cpus_per_worker=1.0)
+    evaluation = Evaluation(checkpoint=checkpoint, accuracy=0.5, precision=[0.5] * 10, recall=[0.5] * 10,
+                            confusion=[[1] * 10 for _ in range(10)], rows=100, metrics_path=f"{night.run_dir}/m.json",
+                            predictions_path="p", passed_gate=False, min_accuracy=0.9)
+    spec = TransformSpec.model_construct(dataset=ParquetDataset(directory=new, fingerprint="new", rows={}),
+                                         config=TransformConfig(), checks={}, manifest="m")
+    with using_api(shared_server.api):
+        promotion = promote_model(evaluation, trained, spec, EvaluateConfig(), night, PromoteConfig(), config, None, MODEL)
+    assert not promotion.promoted
+
+    again = unchanged.compare(root, MODEL, new, True, config)  # night 2: nothing changed since night 1
+    assert again.unchanged, again.reason
+    assert again.reason.startswith(f"data, model and recipe are those of run night-1, trained last (not promoted: gate failed"), again.reason
+    assert again.payload()["changed_since_champion"] is True and again.payload()["nothing_new"] is True
+    assert not unchanged.compare(root, MODEL, new, True, nightly(root, train={"epochs": 5})).unchanged  # the recipe changed
+    assert not unchanged.compare(root, MODEL, make_dataset(setup, "mnist-newer"), True, config).unchanged  # the data changed
+    assert not unchanged.compare(root, MODEL, new, False, config).unchanged  # its dataset is gone
+    assert unchanged.compare(root, MODEL, old, True, config).unchanged  # the champion's data: nothing new, as before

@@ -6,20 +6,30 @@ to train on", when all three equal those of the champion of its registry name:
 - the data: the Parquet dataset the run would train on, named by its fingerprint (the raw inputs'
   checksums and every conversion setting, `tasks.to_parquet.dataset_fingerprint`), is the one the
   champion was trained on, and it is still on storage and verifies against its manifest;
-- the model: the ``model`` section (``model.name``, ``model.weights``);
+- the model: the ``model`` section: ``model.name``, and ``model.weights`` by what it holds, not by how
+  it is written: the sha256 of the file it names now against the one the champion's card records
+  (a registry name: its champion's model.pt now, so a new champion of that name is something new);
 - the recipe: the ``transform`` and ``train`` sections, less the fields that change how a run is
   carried out but not what it learns (`OPERATIONAL`: workers, retries, timeouts, checkpoints kept).
 
+Or when all three equal those of the last run of that registry name that trained and was evaluated,
+promoted or not (`remember`, written by the promote stage: ``models/<name>/last_trained.json``): new
+data whose model lost to the champion, or failed the gate, is not trained again every night while
+nothing changed since.
+
 Anything else (a first run, a damaged registry, a champion whose card does not record its
-configuration) is "changed": the run trains.
+configuration) is "changed": the run trains. What is not seen: an image folder's file replaced with
+the same size and modification time (the listing cache, `dataset.listing`, trusts both), and the code
+of a ``module:function`` model whose name did not change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
-from storage_io import from_stored
+from storage_io import atomic_write_json, from_stored, join, read_json, sha256_file, to_stored
 from training import registry_files
 
 # Fields of the train section that do not change what a run learns: how many workers and where,
@@ -31,7 +41,10 @@ OPERATIONAL = {
         "hang_timeout_s", "checkpoint_every_steps", "num_to_keep",
     },
 }
+# Fields compared by what they hold, not by how they are written (`weights_sha256`).
+BY_CONTENT = {"model": {"weights"}}
 RECIPE_SECTIONS = ("model", "transform", "train")
+LAST_TRAINED_FILE = "last_trained.json"  # in models/<registry name>/: the last run that trained and was evaluated
 
 
 @dataclass(frozen=True)
@@ -57,22 +70,61 @@ class Verdict:
 
 
 def recipe(config: dict[str, Any]) -> dict[str, Any]:
-    """The sections of a run's configuration (as JSON) that decide what it learns, operational fields left out."""
+    """The sections of a run's configuration (as JSON) that decide what it learns, operational fields and
+    those compared by content (``model.weights``) left out."""
     out = {}
     for section in RECIPE_SECTIONS:
         values = config.get(section) if isinstance(config.get(section), dict) else {}
-        out[section] = {key: value for key, value in values.items() if key not in OPERATIONAL.get(section, set())}
+        skip = OPERATIONAL.get(section, set()) | BY_CONTENT.get(section, set())
+        out[section] = {key: value for key, value in values.items() if key not in skip}
     return out
 
 
 def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """``section.field`` of every recipe value that differs between two configurations."""
+    """``section.field`` of every recipe value that differs between two configurations (``model.weights``:
+    by content, `compare`)."""
     a, b = recipe(ours), recipe(theirs)
     return [f"{s}.{k}" for s in RECIPE_SECTIONS for k in sorted(set(a[s]) | set(b[s])) if a[s].get(k) != b[s].get(k)]
 
 
+def weights_sha256(root: str, config: dict[str, Any]) -> str | None:
+    """The sha256 of the file ``model.weights`` names now (a registry name: its champion's model.pt), None
+    without one; ``"unreadable"`` when it cannot be found or read (which no recorded sha256 equals)."""
+    source = (config.get("model") if isinstance(config.get("model"), dict) else {}).get("weights")
+    if not source:
+        return None
+    from training.weights import locate  # torch: only for a run that starts from weights
+
+    try:
+        return sha256_file(locate(source, root))
+    except (OSError, ValueError):  # WeightsError (no such file, no champion, damaged), an unreachable bucket
+        return "unreadable"
+
+
+def _recorded_weights(record: dict[str, Any]) -> str | None:
+    weights = record.get("weights")
+    return weights.get("sha256") if isinstance(weights, dict) else None
+
+
+def _against(root: str, record: dict[str, Any], name: str, dataset_dir: str, verified: bool, config: dict[str, Any],
+             weights: str | None) -> tuple[bool, str | None]:
+    """(same data, why not the same) of a run against ``record`` (a model card, or `remember`'s record):
+    why None when data, model and recipe are the record's."""
+    if _trained_on(root, record) != dataset_dir.rstrip("/"):
+        return False, f"the data differs from {name}'s"
+    if not verified:
+        return True, f"{name}'s dataset {dataset_dir} is gone or does not verify"
+    differ = differences(config, record.get("config") if isinstance(record.get("config"), dict) else {})
+    if weights != _recorded_weights(record):
+        differ = sorted([*differ, "model.weights"], key=lambda field: (RECIPE_SECTIONS.index(field.split(".")[0]), field))
+    if differ:
+        return True, f"{', '.join(differ)} differ from {name}'s"
+    return True, None
+
+
 def compare(root: str, registry_name: str, dataset_dir: str, dataset_verified: bool, config: dict[str, Any]) -> Verdict:
-    """The run's data (``dataset_dir``: where its dataset is or would be), model and recipe against the champion's."""
+    """The run's data (``dataset_dir``: where its dataset is or would be), model and recipe against the champion's,
+    then against the last trained run's (`remember`)."""
     def changed(reason: str, champion: dict | None = None, same_data: bool | None = None) -> Verdict:
         return Verdict(False, reason, dataset_dir, champion, same_data)
 
@@ -81,18 +133,42 @@ def compare(root: str, registry_name: str, dataset_dir: str, dataset_verified: b
         card = registry_files.read_card(root, registry_name, champion["version"]) if champion else None
     except registry_files.RegistryDamaged as exc:
         return changed(f"the registry of {registry_name} is damaged ({exc})")
+    weights = weights_sha256(root, config)
     if champion is None or card is None:
-        return changed(f"{registry_name} has no champion yet")
-    name = f"{registry_name} v{champion['version']}"
-    if _trained_on(root, card) != dataset_dir.rstrip("/"):
-        return changed(f"the data differs from {name}'s", champion, False)
-    if not dataset_verified:
-        return changed(f"{name}'s dataset {dataset_dir} is gone or does not verify", champion, True)
-    differ = differences(config, card.get("config") if isinstance(card.get("config"), dict) else {})
-    if differ:
-        return changed(f"{', '.join(differ)} differ from {name}'s", champion, True)
-    reason = f"data, model and recipe are those of {name} (run {champion['run_name']})"
-    return Verdict(True, reason, dataset_dir, champion, True)
+        verdict = changed(f"{registry_name} has no champion yet")
+    else:
+        name = f"{registry_name} v{champion['version']}"
+        same_data, why = _against(root, card, name, dataset_dir, dataset_verified, config, weights)
+        if why is None:
+            reason = f"data, model and recipe are those of {name} (run {champion['run_name']})"
+            return Verdict(True, reason, dataset_dir, champion, True)
+        verdict = changed(why, champion, same_data)
+    last = read_json(join(registry_files.model_dir(root, registry_name), LAST_TRAINED_FILE))
+    if not isinstance(last, dict) or not isinstance(last.get("run_name"), str) or (champion or {}).get("run_name") == last["run_name"]:
+        return verdict
+    _, why = _against(root, last, f"run {last['run_name']}", dataset_dir, dataset_verified, config, weights)
+    if why is not None:
+        return verdict
+    outcome = f"promoted as v{last.get('version')}" if last.get("promoted") else f"not promoted: {last.get('reason')}"
+    reason = (f"data, model and recipe are those of run {last['run_name']}, trained last ({outcome}); "
+              "nothing changed since")
+    return Verdict(True, reason, dataset_dir, verdict.champion, verdict.same_data)
+
+
+def remember(root: str, registry_name: str, candidate, promotion) -> str:
+    """Record what the run that was just evaluated trained on, promoted or not (a `training.registry.Candidate`
+    and its `Promotion`): the next run with the same data, model and recipe has nothing new to train on."""
+    record = {
+        "run_name": candidate.run_name,
+        "evaluated_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "data": {"dataset_dir": to_stored(root, candidate.dataset_dir)},
+        "config": candidate.config,
+        "weights": candidate.weights,
+        "promoted": promotion.promoted,
+        "version": promotion.version,
+        "reason": promotion.reason,
+    }
+    return atomic_write_json(join(registry_files.model_dir(root, registry_name), LAST_TRAINED_FILE), record)
 
 
 def _trained_on(root: str, card: dict[str, Any]) -> str | None:
