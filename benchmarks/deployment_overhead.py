@@ -33,12 +33,10 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import datetime
@@ -103,43 +101,15 @@ def one_run(api_url: str, storage: Path, name: str, ray_address: str | None = No
 
 @contextmanager
 def running_ray_cluster(temp: Path) -> Iterator[tuple[str, dict]]:
-    """A Ray head node (``ray start --head --block``, 2 CPUs, 127.0.0.1) for the block; yields (address, env).
+    """A Ray head node (`runner.ray_head.ray_head`: 2 CPUs, 127.0.0.1, the worker-pool settings a run's local
+    Ray gets) for the block; yields (address, env). Token authentication is off in its processes and the
+    runs' (it is about who may join, not what is measured here)."""
+    from runner.ray_head import ray_head
 
-    Stopped by ending its ``ray start`` process group, not ``ray stop``, which would stop every
-    Ray on the machine. The worker-pool settings are the ones a run's local Ray gets
-    (``runner.runtime.LOCAL_RAY_SYSTEM_CONFIG``); token authentication is off in its processes and
-    the runs' (it is about who may join, not what is measured here).
-    """
-    from benchmarks.ddp import free_port
-    from runner.runtime import LOCAL_RAY_SYSTEM_CONFIG
-
-    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env |= {"RAY_AUTH_MODE": "disabled", "RAY_TMPDIR": str(temp)}
-    env |= {f"RAY_{key}": str(value) for key, value in LOCAL_RAY_SYSTEM_CONFIG.items()}
-    head = subprocess.Popen(
-        [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block", f"--port={port}",
-         "--node-ip-address=127.0.0.1", "--num-cpus=2", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    try:
-        address = f"127.0.0.1:{port}"
-        probe = f"import ray; ray.init(address='{address}'); print(ray.cluster_resources().get('CPU'))"
-        for _ in range(60):  # until a driver can join it
-            joined = subprocess.run([sys.executable, "-c", probe], check=False, env=env, capture_output=True, text=True, timeout=120)
-            if joined.returncode == 0:
-                break
-            time.sleep(1)
-        else:
-            raise RuntimeError(f"the Ray head on {address} did not come up: {joined.stderr[-1500:]}")
+    with ray_head(temp / "head.log", num_cpus=2, env=env, auth=False) as address:
         yield address, env
-    finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
 
 
 def measure(reused_runs: int = 2, ray_cluster: bool = False) -> dict:

@@ -18,8 +18,10 @@ Registers and serves, until Ctrl-C:
   the same fields, ``workload`` and ``model.name`` among them, starting from ``--manual-preset``.
 
 Runs of all four execute one at a time (``--limit 1``: on a small machine two runs, a search
-included, would fight over the same CPUs and Ray would start two local clusters) in subprocesses
-of this process, with its environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
+included, would fight over the same CPUs) in subprocesses of this process. They join one Ray
+cluster: a Ray head this process starts on 127.0.0.1 when it starts and stops when it stops
+(``--ray-address`` names a running cluster instead), so no run pays for starting a Ray of its
+own (`runner.ray_head`). The runs get this process's environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
 ``PIPELINE_MODEL_MODULES``: the modules a run's ``model.name`` may import) and working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
@@ -37,13 +39,19 @@ image folder every ``--watch-every`` seconds, ``train/on-data`` trains when it c
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from deployments import reacting
 from pipeline_config import PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
+from runner.ray_head import SERVED_RAY_ENV, RayHeadError, ray_head
 from training import model_trust
 
 if TYPE_CHECKING:
@@ -182,6 +190,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--debounce", type=float, default=reacting.DEBOUNCE_S, metavar="S",
                         help=f"changes within this many seconds start one training run, when they end (default: {reacting.DEBOUNCE_S:g})")
     parser.add_argument("--score", metavar="FOLDER", help="score this image folder with each new champion (score/on-promotion)")
+    parser.add_argument(
+        "--ray-address", metavar="ADDRESS",
+        help="the Ray cluster every run joins ('auto', 'host:port'; a run's own ray.address wins); "
+             "default: a Ray head started with this process on 127.0.0.1 and stopped with it",
+    )
+    parser.add_argument("--ray-cpus", type=int, metavar="N", help="CPUs of the Ray head it starts (default: the machine's)")
     return parser.parse_args(argv)
 
 
@@ -202,11 +216,35 @@ def main(argv: list[str] | None = None) -> int:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
     print(f"model.name functions these deployments' runs may import: modules under {', '.join(allowed)} ({model_trust.MODULES_ENV})")
-    if folder_watcher is not None:
-        print(f"watching {folder_watcher.config.download.path} every {args.watch_every:g}s ({folder_watcher.config.workload})")
-        folder_watcher.start()
-    serve(*build_deployments(args.cron, args.timezone, args.manual_preset, args.tune_preset), *more, limit=args.limit)
+    # SIGTERM before Prefect's runner takes it over (it stops serving gracefully): exit through the
+    # `with` below, which stops the Ray head, instead of dying at once.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    try:
+        with runs_cluster(args.ray_address, args.ray_cpus) as address:
+            os.environ[SERVED_RAY_ENV] = address  # the runs this process executes inherit it and join that cluster
+            if folder_watcher is not None:
+                print(f"watching {folder_watcher.config.download.path} every {args.watch_every:g}s ({folder_watcher.config.workload})")
+                folder_watcher.start()
+            serve(*build_deployments(args.cron, args.timezone, args.manual_preset, args.tune_preset), *more, limit=args.limit)
+    except RayHeadError as exc:
+        print(exc, file=sys.stderr)
+        return 3
     return 0
+
+
+@contextmanager
+def runs_cluster(address: str | None, cpus: int | None) -> Iterator[str]:
+    """The Ray cluster the served runs join: ``address``, or a head started here for the block (`runner.ray_head`)."""
+    if address:
+        print(f"Ray: every run joins the cluster at {address}", flush=True)
+        yield address
+        return
+    log = Path(tempfile.gettempdir()) / f"pipeline-serve-ray-{os.getpid()}.log"
+    print("Ray: starting a local cluster for the runs ...", flush=True)
+    with ray_head(log, num_cpus=cpus) as started:
+        os.environ["RAY_AUTH_MODE"] = "token"  # the head checks the token in ~/.ray/auth_token: the runs present it
+        print(f"Ray: every run joins the local cluster at {started} (stopped with this process; log {log})", flush=True)
+        yield started
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from prefect.settings import (
 from prefect_ray import RayTaskRunner
 
 from pipeline_config import RayConfig
+from runner.ray_head import served
 from runner.server_process import TIMEOUT_SETTING, ServerStartError, owned_server_class
 from runner.stopping import STOP, sigterm_handler_kept
 from storage_io import S3_ENV_VARS
@@ -335,6 +336,8 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
     else:
         address = cfg.address
         init_kwargs.pop("include_dashboard")
+        if address != "auto" and "://" not in address:  # a GCS address: the workers look this cluster up by it too
+            env_vars["RAY_ADDRESS"] = address
     return address, init_kwargs
 
 
@@ -390,7 +393,8 @@ def local_gcs_port(init_kwargs: dict) -> Iterator[None]:
 
 
 def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
-    """A RayTaskRunner for ``cfg``: a fresh local Ray when no address is set, else that cluster.
+    """A RayTaskRunner for ``cfg``: a fresh local Ray when no address is set, else that cluster; with no
+    address in a run a serving process executes, its cluster (`runner.ray_head.SERVED_RAY_ENV`).
 
     When this process already runs Ray (`cli_runtime` started it), the runner uses that one.
     """
@@ -400,8 +404,22 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
             "no Prefect API URL: set PREFECT_API_URL or start the flow with `python -m flows.mnist`, "
             "which starts a local Prefect server; Ray workers must report to the flow's API"
         )
+    cfg = served(cfg)  # a run that deployments.serve executes joins the serving process's cluster
+    if cfg.address is not None:
+        _log_in_run(f"Ray: joining the cluster at {cfg.address}")
     address, init_kwargs = ray_init_args(cfg, api_url)
     return SignalKeepingRayTaskRunner(address=address, init_kwargs=init_kwargs)
+
+
+def _log_in_run(message: str) -> None:
+    """``message`` in the flow run's log (the Prefect UI), when there is a flow run."""
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        get_run_logger().info(message)
+    except MissingContextError:
+        pass
 
 
 class SignalKeepingRayTaskRunner(RayTaskRunner):

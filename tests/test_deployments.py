@@ -16,7 +16,11 @@ The server, serve-process and UI-body helpers are in ``tests/support/prefect_ser
 from __future__ import annotations
 
 import json
+import os
+import re
+import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -286,6 +290,50 @@ def served(server, work, webhook) -> Iterator[dict]:
         stop.set()
         stop_group(proc)
         releaser.join(5)
+
+
+def _answers(address: str) -> bool:
+    host, port = address.split(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.spine
+def test_the_serving_process_starts_one_ray_cluster_for_its_runs_and_stops_it_with_itself(shared_server, tmp_path):
+    """`deployments.serve` starts a Ray head on 127.0.0.1 before serving, which a driver can join; SIGTERM to the
+    serving process (an operator's stop, systemd) stops it and everything it started. (That its runs join it and
+    leave it running: the UI form's run, tests/test_ui_browser.py.)"""
+    proc = serve_deployments(shared_server, tmp_path, "--cron", far_cron())
+    try:
+        log = (tmp_path / "serve.log").read_text()
+        (address,) = re.findall(r"every run joins the local cluster at (127\.0\.0\.1:\d+)", log)
+        joined = subprocess.run(
+            [sys.executable, "-c", f"import ray; ray.init(address='{address}'); print(int(ray.cluster_resources()['CPU']))"],
+            env=clean_env(RAY_AUTH_MODE="token"), capture_output=True, text=True, timeout=120, check=False,
+        )
+        assert joined.returncode == 0 and int(joined.stdout.split()[-1]) == os.cpu_count(), joined.stderr[-2000:]
+        port = address.split(":")[1]
+        assert any(f"--port={port}" in " ".join(cmd) for cmd in _command_lines())  # the `ray start` it started
+    finally:
+        stop_group(proc)
+    assert proc.returncode == 0, log_tail(tmp_path / "serve.log")  # a graceful stop, not the SIGKILL that follows a hang
+    wait_for(lambda: not _answers(address), 60, f"the Ray head at {address} to stop with the serving process")
+    assert not [cmd for cmd in _command_lines() if f"--port={port}" in " ".join(cmd) or f"{address}" in " ".join(cmd)]
+
+
+def _command_lines() -> list[list[str]]:
+    """Every process's command line, read from /proc."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            found.append([part.decode(errors="replace") for part in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") if part])
+        except OSError:
+            continue
+    return found
 
 
 @pytest.mark.slow

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 from collections.abc import Iterator
 from datetime import datetime
 from pathlib import Path
@@ -256,6 +257,11 @@ def test_run_from_the_form_completes_with_the_changed_parameters_every_stage_and
         assert artifacts[KEYS[key]]["type"] == "markdown" and embedded_png(artifacts[KEYS[key]]["data"]).width > 100
     rows = json.loads(artifacts[KEYS["metrics"]]["data"])
     assert rows[0]["class"] == "all" and rows[0]["support"] == 1000 and len(rows) == 11
+    # The run joined the Ray cluster the serving process started (no local Ray of its own), and left it running
+    (cluster,) = re.findall(r"every run joins the local cluster at (127\.0\.0\.1:\d+)", (work / "serve.log").read_text())
+    assert any(f"Ray: joining the cluster at {cluster}" in line["message"] for line in server.logs(form_run["id"]))
+    host, port = cluster.split(":")
+    socket.create_connection((host, int(port)), timeout=5).close()  # its GCS still answers after the run
     (summary_file,) = work.glob("**/runs/ui-run/summary.json")  # the form's storage root, under the serve folder
     summary = json.loads(summary_file.read_text())
     assert summary["config"]["train"]["seed"] == 5 and summary["status"] == "completed"
