@@ -60,6 +60,9 @@ def head_env(base: dict[str, str] | None = None, auth: bool = True) -> dict[str,
     env = {k: v for k, v in (os.environ if base is None else base).items() if k != "RAY_ADDRESS"}
     env |= {f"RAY_{key}": str(value) for key, value in LOCAL_RAY_SYSTEM_CONFIG.items()}
     env["RAY_AUTH_MODE"] = "token" if auth else "disabled"
+    # On SIGTERM `ray start` first drains its node for up to 30 s (for Ray Serve replicas behind proxies);
+    # its workers here are idle once the serving process stops, and the drain only held the stop 30 s.
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     return env
 
 
