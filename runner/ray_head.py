@@ -89,6 +89,10 @@ def ray_head(log: Path, num_cpus: int | None = None, env: dict[str, str] | None 
     if auth:
         ensure_token(env)
     port = _free_port()
+    # Every worker process of the head inherits this from its raylet: code in them that looks the cluster up
+    # without an address (Ray Train's placement group cleaner) finds this one, even beside another Ray on the
+    # machine, as a run's own local Ray arranges it (`runner.runtime.local_gcs_port`).
+    env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [_ray_command(), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                "--disable-usage-stats", *([f"--num-cpus={num_cpus}"] if num_cpus else [])]

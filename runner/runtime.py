@@ -336,8 +336,6 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
     else:
         address = cfg.address
         init_kwargs.pop("include_dashboard")
-        if address != "auto" and "://" not in address:  # a GCS address: the workers look this cluster up by it too
-            env_vars["RAY_ADDRESS"] = address
     return address, init_kwargs
 
 
