@@ -48,8 +48,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from deployments import reacting
-from pipeline_config import PipelineConfig, TunePipelineConfig
+from pipeline_config import PipelineConfig, RayConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
 from runner.ray_head import SERVED_RAY_ENV, RayHeadError, ray_head
 from training import model_trust
@@ -208,6 +210,11 @@ def main(argv: list[str] | None = None) -> int:
         allowed = model_trust.allowed_modules()  # what the runs of these deployments may import as model.name
     except ValueError as exc:
         print(exc, file=sys.stderr)
+        return 2
+    try:
+        RayConfig(address=args.ray_address)  # the checks a run's ray.address gets, before anything starts
+    except ValidationError as exc:
+        print(f"invalid configuration:\n--ray-address: {exc.errors()[0]['msg']}", file=sys.stderr)
         return 2
     try:
         more = reacting.build(args.watch, args.score, common_options(), args.watch_every, args.debounce)

@@ -632,3 +632,12 @@ def test_prefect_yaml_deploys_the_four_deployments_to_a_process_work_pool(tmp_pa
     assert tune["entrypoint"] == TUNE_ENTRYPOINT and tune["parameters"] == {}
     assert tune["parameter_openapi_schema"] == _tune_schema()  # built from the file entrypoint
     assert PipelineConfig.model_validate(nightly["parameters"]["config"]) == PipelineConfig.model_validate(load_preset(NIGHTLY_PRESET))
+
+
+def test_a_bad_ray_address_for_the_served_runs_is_refused_before_anything_starts(capsys):
+    """`--ray-address` gets the checks a run's ray.address gets: exit 2 naming the option; no Ray head, no serving."""
+    from deployments import serve
+
+    assert serve.main(["--ray-address", "bad addr!"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("invalid configuration:\n--ray-address: ") and "cannot parse Ray address 'bad addr!'" in err
