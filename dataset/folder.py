@@ -1,4 +1,4 @@
-"""A labelled image folder (``download.source=folder``): its checks, its files, its conversion to Parquet.
+"""A labelled image folder (``download.source=folder``): its checks, its files, its listing cache.
 
 Layout, as torchvision's ``ImageFolder`` and Hugging Face's ``imagefolder`` read it::
 
@@ -10,7 +10,8 @@ Layout, as torchvision's ``ImageFolder`` and Hugging Face's ``imagefolder`` read
 subfolders, sorted; label i is the i-th. Every check (`check_folder`) runs before any work and
 names the path that is wrong. The folder is only read: never copied, modified or deleted.
 
-A local folder's images are decoded in full before any work (`check_source`): a file that stops
+A local folder's images are decoded in full before any work (`scan_images`, from `dataset.folder_source`'s
+check): a file that stops
 short, or one of more than ``download.max_image_pixels`` pixels (from its header), is refused by
 name. With a storage root, what earlier runs learned (each file's sha256, that it decoded in full,
 and its header) is kept in a `dataset.listing.ListingCache` and reused while a file keeps its size
@@ -22,11 +23,9 @@ image, wherever they are: each is counted once (a hidden folder as one entry, wh
 line says how many ("2 hidden entries skipped"). The dataset's fingerprint and the listing cache are made
 of the images only, so a hidden entry added or removed changes neither.
 
-The conversion (`convert_folder`) reads the files with Ray Data in one pass over every split (its
-start paid once per run; each row sent to its split's writer by its path), decodes them as
-`dataset.images` does (16-bit grayscale scaled to 8 bits), in grayscale when every image is
-grayscale and RGB otherwise, resized to ``transform.image_size`` when set, and writes the IDX
-conversion's Parquet layout (`dataset.parquet`): row_id, image (H x W x C uint8), label.
+The folder as a run's data source (its checks before any work, listing, fingerprint, conversion) is
+`dataset.folder_source`; its conversion to Parquet, with Ray Data, `dataset.folder_convert`.
+`check_source` and `keep_checks` here check any run's data (`dataset.source.source_for`).
 """
 
 from __future__ import annotations
@@ -38,10 +37,9 @@ from typing import NamedTuple
 import numpy as np
 
 from dataset import images
-from dataset.listing import ListingCache, save_held
-from dataset.parquet import SPLITS, _SplitWriter, schema_for, to_table
-from pipeline_config import ParquetConfig
-from storage_io import StorageLayout, filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
+from dataset.listing import ListingCache
+from dataset.source import source_for
+from storage_io import filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 # PIL modes read as one channel; any other (RGB, RGBA, P, CMYK, ...) makes the dataset RGB.
@@ -214,48 +212,19 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
     return layout
 
 
-def _check_reachable(path: str, field: str) -> None:
-    """An ``s3://`` folder's bucket answers; FolderError with the storage root check's message, naming ``field``."""
-    try:
-        StorageLayout.create(path, "download-path-check").check_reachable()
-    except ValueError as exc:
-        raise FolderError(str(exc).replace(f"storage_root {path.rstrip('/')}", f"{field} {path}", 1)) from None
+def check_source(cfg, image_size: int | None = None, storage_root: str | None = None):
+    """Before any work: the checks of the run's data source (`dataset.source.Source.check`): for
+    ``download.source=folder``, the `FolderLayout` of ``download.path`` (`dataset.folder_source`); None for MNIST.
 
-
-def check_source(cfg, image_size: int | None = None, storage_root: str | None = None) -> FolderLayout | None:
-    """Before any work: the layout of ``download.path`` when ``download.source=folder``, else None.
-
-    FolderError naming the path: an ``s3://`` folder whose endpoint or bucket does not answer (the
-    storage root's check, `StorageLayout.check_reachable`), a bad layout (`check_folder`), and for a
-    local folder every image decoded in full (`scan_images`): a file that is not a readable image or
-    stops short, one of more than ``download.max_image_pixels`` pixels, sizes that differ without
-    ``transform.image_size``. An ``s3://`` folder's images are opened by the conversion stage only:
-    reading every image over the network before any work is too much to spend. ``storage_root``: where
-    the listing cache lives (`listing_cache`); an image it says decoded in full at this limit or a
-    stricter one, and unchanged since (size, mtime), has its header read only. What the check learns is
-    held in this process, not written (`keep_checks` writes it once the run is past every check)."""
-    if cfg.source != "folder" or not cfg.path:
-        return None
-    remote = is_remote(cfg.path)
-    if remote:
-        _check_reachable(cfg.path, "download.path")
-    try:
-        layout = check_folder(cfg.path)
-    except OSError as exc:  # the listing failed half-way (network, permissions)
-        raise FolderError(f"download.path {cfg.path}: cannot list it ({type(exc).__name__}: {exc})") from None
-    if not remote:
-        cache = listing_cache(layout, storage_root)
-        scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
-        cache.hold()  # written by `keep_checks` once the run is past every check: a refused run writes nothing
-    return layout
+    Kept here, under its old name, for the callers that check any run's data before its work (the CLI and
+    `runner.harness.run_flow`)."""
+    return source_for(cfg).check(image_size, storage_root)
 
 
 def keep_checks(cfg, storage_root: str | None) -> None:
-    """Once the run is past every check before its work: write what `check_source` learned of
-    ``download.path``'s images (held in this process until now) to the listing cache on ``storage_root``,
-    so the next run's checks and the download stage's hashing reuse it. Nothing for other sources."""
-    if cfg.source == "folder" and cfg.path and storage_root and not is_remote(cfg.path):
-        save_held(storage_root, cfg.path)
+    """Once the run is past every check before its work: write what `check_source` learned (a listing cache)
+    to ``storage_root`` (`dataset.source.Source.keep_checks`); nothing for MNIST's IDX sources."""
+    source_for(cfg).keep_checks(storage_root)
 
 
 def image_shape(
@@ -294,7 +263,7 @@ def stratified_split(labels: list[int], every: int, seed: int) -> np.ndarray:
     held: list[np.ndarray] = []
     for label in np.unique(labels_arr):
         where = np.flatnonzero(labels_arr == label)
-        count = 0 if len(where) < 2 else max(1, int(round(len(where) / every)))
+        count = 0 if len(where) < 2 else max(1, round(len(where) / every))
         held.append(where[rng.permutation(len(where))[:count]])
     return np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
 
@@ -357,52 +326,6 @@ def scan_images(
     return channels, height, width
 
 
-def _key(path: str) -> str:
-    return path.lstrip("/")
-
-
-def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[str, int, int]]]:
-    """Every split's images as (relative path, row_id, label), in row_id order.
-
-    Row ids: train/ from 0 in a random order drawn from ``parquet.split_seed`` (so a window of a few
-    row groups mixes the classes, as a streamed split is read: `dataset.windows`), then val/ (when
-    there is one) and test/ in file order. Without a val/ folder, `stratified_split`
-    (``parquet.validation_every``, ``parquet.split_seed``) moves some of train/'s rows to val,
-    keeping their row ids."""
-    planned: dict[str, list[tuple[str, int, int]]] = {split: [] for split in SPLITS}
-    row_id = 0
-    train = layout.files["train"]
-    held = set(stratified_split([label for _, label in train], cfg.validation_every, cfg.split_seed).tolist()) if not layout.has_val else set()
-    for position in np.random.default_rng(cfg.split_seed).permutation(len(train)).tolist():
-        rel, label = train[position]
-        planned["val" if position in held else "train"].append((rel, row_id, label))
-        row_id += 1
-    for split in ("val", "test"):
-        if split == "val" and not layout.has_val:
-            continue
-        for rel, label in layout.files[split]:
-            planned[split].append((rel, row_id, label))
-            row_id += 1
-    return planned
-
-
-def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None,
-             num_cpus: float):
-    """A Ray Data dataset of the files at ``paths`` (on ``fs``) in their order, each task reading and decoding its
-    own files (`dataset.images.read_decode_batch`: no per-file read tasks, no bytes through the object store):
-    columns ``image`` (N, H, W, C), ``path`` and ``error``."""
-    import ray.data
-
-    channels, height, width = shape
-    rows_per_batch = max(1, min(1024, (64 << 20) // (channels * height * width)))  # at most about 64 MB of pixels
-    ds = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=-(-len(paths) // rows_per_batch))
-    kwargs = {"fs": fs, "shape": shape, "resize": resize, "max_pixels": max_pixels, "prefix": "s3://" if remote else ""}
-    ds = ds.map_batches(images.read_decode_batch, fn_kwargs=kwargs, batch_size=rows_per_batch, batch_format="numpy",
-                        num_cpus=num_cpus)
-    ds.context.execution_options.preserve_order = True
-    return ds
-
-
 def decode_task_cpus() -> float:
     """Logical CPUs each decoding task of `convert_folder` asks for: as many tasks run at once as the cluster
     has CPUs, beside the CPUs the calling process holds (the to-parquet stage holds one, and only routes and
@@ -417,77 +340,6 @@ def decode_task_cpus() -> float:
     cpus = float(ray.cluster_resources().get("CPU", 1))
     held = float(context.get_assigned_resources().get("CPU", 0)) if context.worker.mode == ray.WORKER_MODE else 0.0
     return round(max(0.25, (cpus - held) / cpus), 3)
-
-
-class _Router:
-    """Decoded rows of any split in; each split's rows out to its writer in ``group``-row tables, in arrival
-    order, so a split gets the row groups a pass over that split alone gave it."""
-
-    def __init__(self, writers: dict[str, _SplitWriter], by_path: dict[str, tuple[str, int, int]], group: int):
-        self.writers, self.by_path, self.group = writers, by_path, group
-        self.pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {split: [] for split in writers}
-        self.seen = dict.fromkeys(writers, 0)
-
-    def add(self, batch: dict) -> None:
-        """Route ``batch``; FolderError naming its first file that was not read, not decoded or not the size."""
-        if any(batch["error"]):
-            raise FolderError(next(message for message in batch["error"] if message))
-        planned = [self.by_path[_key(p)] for p in batch["path"]]
-        splits = np.array([split for split, _, _ in planned])
-        ids_labels = np.array([row[1:] for row in planned], dtype=np.int64).reshape(-1, 2)
-        pixels = batch["image"].reshape(len(planned), -1)
-        for split in dict.fromkeys(splits.tolist()):
-            where = np.flatnonzero(splits == split)
-            self.pending[split].append((ids_labels[where], pixels[where]))
-            self.seen[split] += len(where)
-            if sum(len(ids) for ids, _ in self.pending[split]) >= self.group:
-                self.flush(split, final=False)
-
-    def flush(self, split: str, final: bool = True) -> None:
-        """Write ``split``'s pending rows in ``group``-row tables: all of them (``final``) or whole groups only."""
-        if not self.pending[split]:
-            return
-        ids, pixels = (np.concatenate(part) for part in zip(*self.pending[split]))
-        full = len(ids) if final else len(ids) - len(ids) % self.group
-        for rows in (slice(start, min(start + self.group, full)) for start in range(0, full, self.group)):
-            self.writers[split].write(to_table(ids[rows, 0], pixels[rows], ids[rows, 1]))
-        self.pending[split] = [(ids[full:], pixels[full:])] if full < len(ids) else []
-
-
-def convert_folder(
-    layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float | None = None,
-    max_pixels: int | None = None, storage_root: str | None = None,
-) -> tuple[dict[str, int], tuple[int, int, int]]:
-    """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W)).
-
-    One Ray Data pass over every split's files (train, then val, then test, each in `plan_rows` order), each
-    row sent to its split's writer by its path with the row id and label `plan_rows` gave it. ``max_pixels``:
-    ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work).
-    ``storage_root``: where the listing cache is (`image_shape`): the shape comes from the headers the checks
-    before the run read, not from a pass over the files; every image's size is checked again as it is decoded.
-    ``num_cpus``: what each decoding task asks for (None: `decode_task_cpus`)."""
-    shape = image_shape(layout, image_size, storage_root, max_pixels)
-    plan = plan_rows(layout, cfg)
-    base = filesystem(layout.path)[1].rstrip("/")  # the folder on its filesystem, once (not once per image)
-    paths = [f"{base}/{rel}" for planned in plan.values() for rel, _, _ in planned]
-    routes = [(split, row_id, label) for split, planned in plan.items() for _, row_id, label in planned]
-    writers = {split: _SplitWriter(out_dir / split, cfg, schema_for(int(np.prod(shape)))) for split in plan}
-    router = _Router(writers, {_key(p): route for p, route in zip(paths, routes)}, cfg.rows_per_group)
-    try:
-        if paths:
-            fs, remote, resize = filesystem(layout.path)[0], is_remote(layout.path), image_size is not None
-            ds = _decoded(paths, fs, remote, shape, resize, max_pixels, decode_task_cpus() if num_cpus is None else num_cpus)
-            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-                router.add(batch)
-        for split, planned in plan.items():
-            router.flush(split)
-            if router.seen[split] != len(planned):
-                raise FolderError(f"{join(layout.path, split)}: Ray Data read {router.seen[split]} images, "
-                                  f"the folder lists {len(planned)}")
-    finally:
-        for writer in writers.values():
-            writer.close()
-    return {split: writer.rows for split, writer in writers.items()}, shape
 
 
 def describe(path: str) -> str:

@@ -1,10 +1,10 @@
 """The transform's settings made concrete for one dataset: normalization and augmentation.
 
-``transform.mean``/``std`` unset: an image folder is normalized by its training split's own
+``transform.mean``/``std`` unset: an image or Parquet folder is normalized by its training split's own
 per-channel mean and standard deviation, measured here in one streamed pass over the split's
 Parquet files (a row group at a time, so memory stays flat at any size); MNIST's IDX sources keep
-the seeds' 0.5 / 0.5. ``transform.augment: auto`` becomes the choice for the data's source
-(`dataset.augment.resolve_augment`). The transform stage resolves the config once; training,
+the seeds' 0.5 / 0.5. ``transform.augment: auto`` becomes the choice for the data's source. Both
+defaults are the source's (`dataset.source.defaults_for`, by the dataset's ``source``). The transform stage resolves the config once; training,
 evaluation, the checkpoint and the model card (and so ``flows.predict``) all use the resolved one.
 """
 
@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pyarrow.dataset as pads
 
-from dataset.augment import resolve_augment
 from dataset.parquet import ParquetDataset, images_from_column
+from dataset.source import defaults_for
 from pipeline_config import TransformConfig
 from storage_io import filesystem
 
@@ -47,10 +47,12 @@ def from_sums(total: np.ndarray, total_sq: np.ndarray, count: int) -> tuple[list
 def resolve(cfg: TransformConfig, dataset: ParquetDataset) -> TransformConfig:
     """``cfg`` with mean, std (one number per channel) and augment made concrete for ``dataset``."""
     channels = dataset.image_shape[0]
-    if dataset.source == "folder" and (cfg.mean is None or cfg.std is None):
+    defaults = defaults_for(dataset.source)  # the source's: measured or the seeds' 0.5 / 0.5, its augmentation
+    if defaults.measure_stats and (cfg.mean is None or cfg.std is None):
         measured = channel_stats(dataset)
         mean = measured[0] if cfg.mean is None else cfg.per_channel(channels)[0]
         std = measured[1] if cfg.std is None else cfg.per_channel(channels)[1]
     else:
         mean, std = cfg.per_channel(channels)
-    return cfg.model_copy(update={"mean": mean, "std": std, "augment": resolve_augment(cfg.augment, dataset.source)})
+    augment = defaults.augment if cfg.augment == "auto" else cfg.augment
+    return cfg.model_copy(update={"mean": mean, "std": std, "augment": augment})

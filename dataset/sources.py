@@ -29,12 +29,11 @@ from urllib.parse import urlparse
 
 import pydantic
 
+from dataset.fetch import SourceUnreachableError, verified_files
+from dataset.source import source_of
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
 from pipeline_config.data import DownloadConfig, MirrorChecksums
 from storage_io import StorageLayout, local_copy, redact_url
-
-from dataset.fetch import SourceUnreachableError, verified_files
-
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +67,7 @@ def official_md5() -> dict[str, str]:
     return dict(MNIST.resources)
 
 
-Source = Literal["official", "mirror", "sample", "folder"]
+Source = Literal["official", "mirror", "sample", "folder", "parquet"]
 
 
 class RawData(pydantic.BaseModel):
@@ -76,13 +75,20 @@ class RawData(pydantic.BaseModel):
 
     source: Source = pydantic.Field(description="Where the files came from.")
     url: str = pydantic.Field(description="Base URL the files were fetched from (or would be, when skipped).")
-    directory: str = pydantic.Field(description="Absolute folder holding the four files (source=folder: the user's image folder).")
-    files: dict[str, str] = pydantic.Field(description="File name (source=folder: path under the folder) -> sha256 of the file.")
+    directory: str = pydantic.Field(description="Absolute folder holding the four files (source=folder or parquet: the user's folder).")
+    files: dict[str, str] = pydantic.Field(description="File name (source=folder or parquet: path under the folder) -> sha256 of the file.")
     skipped: bool = pydantic.Field(description="True when all four files were already present and verified (source=folder: never, every image is listed and hashed).")
+    options: dict[str, str] = pydantic.Field(
+        default={}, description="The download settings the conversion reads besides the path (source=parquet: image_column, label_column).")
 
     def terminal_detail(self) -> str:
         """What the download stage's closing terminal line adds after its name and seconds."""
         return f": {self.source} data{' (verified on storage, reused)' if self.skipped else ''}"
+
+    def deletable(self) -> list[str]:
+        """What cleanup's ``delete_raw`` may delete of this data (`dataset.source.Source.deletable`): the IDX
+        files' folder under the storage root; nothing of a user's folder, which is read where it is."""
+        return source_of(self).deletable(self)
 
 
 class SourcePlan(NamedTuple):

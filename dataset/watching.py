@@ -1,4 +1,7 @@
-"""What changed in an image folder since it was last looked at: a listing of names, sizes and times.
+"""What changed in a user's folder since it was last looked at: a listing of names, sizes and times.
+
+The files listed are the ones a run reads from it: images (``download.source=folder``) and Parquet files
+(``download.source=parquet``).
 
 The listing is one recursive directory walk (local) or one paginated LIST (``s3://``): no image is
 opened, so it costs about the same at ten thousand images as the folder's metadata does. A file
@@ -18,18 +21,20 @@ import pyarrow.fs as pafs
 from storage_io import atomic_write_json, filesystem, join, read_json, sha256_json
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
+WATCHED_SUFFIXES = (*IMAGE_SUFFIXES, ".parquet")
 WATCH_DIR = "watch"
 
 
 def listing(path: str) -> dict[str, list[int]]:
-    """Relative path -> [size, mtime_ns] of every image under ``path`` (hidden files and other suffixes left out)."""
+    """Relative path -> [size, mtime_ns] of every image and Parquet file under ``path`` (hidden files and other
+    suffixes left out)."""
     fs, where = filesystem(path)
     infos = fs.get_file_info(pafs.FileSelector(where, recursive=True, allow_not_found=True))
     base = where.rstrip("/") + "/"
     found: dict[str, list[int]] = {}
     for info in infos:
         rel = info.path[len(base):] if info.path.startswith(base) else info.path
-        if info.type != pafs.FileType.File or not rel.lower().endswith(IMAGE_SUFFIXES):
+        if info.type != pafs.FileType.File or not rel.lower().endswith(WATCHED_SUFFIXES):
             continue
         if any(part.startswith(".") for part in rel.split("/")):
             continue

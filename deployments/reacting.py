@@ -26,6 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dataset.source import source_for
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import preset_with_file
 from reporting import events
@@ -37,14 +38,18 @@ DEBOUNCE_S = 60.0
 def watched_config(config_file: Path) -> PipelineConfig:
     """The on-data run's configuration: the default preset, the config file over it, skipping runs with nothing new.
 
-    ValueError naming the file when it does not validate or names no image folder to watch.
+    ValueError naming the file when it does not validate or names no folder to watch (an image or Parquet folder).
     """
     config = PipelineConfig.model_validate(preset_with_file("default", config_file))
-    if config.download.source != "folder" or not config.download.path:
-        raise ValueError(f"--watch {config_file}: set download.source: folder and download.path, the folder to watch")
+    watched = source_for(config.download).watched()
+    if watched is None:
+        raise ValueError(
+            f"--watch {config_file}: set download.source: folder and download.path, the folder to watch "
+            "(or download.source: parquet and download.path, a folder of Parquet files)"
+        )
     from flows.watch import watched_path
 
-    download = config.download.model_copy(update={"path": watched_path(config.download.path)})
+    download = config.download.model_copy(update={"path": watched_path(watched)})
     promote = config.promote.model_copy(update={"skip_unchanged": True})
     return config.model_copy(update={"download": download, "promote": promote})
 

@@ -24,18 +24,16 @@ from __future__ import annotations
 
 from prefect import Task, flow, get_run_logger
 
-from dataset import folder
-from dataset.idx import IMAGE_SHAPE
-from dataset.parquet import MNIST_CLASSES, manifest_problem
+from dataset.parquet import manifest_problem
+from flows.preflight import check_cluster_fits, check_registry_fits, data_to_come, workload_line  # noqa: F401 (the CLI, tests)
 from pipeline_config import PipelineConfig
-from pipeline_config.model import folder_workload
 from pipeline_config.settings import TrainSettings
 from reporting import artifacts, events
 from runner import console, hooks
 from runner.harness import ended_before_training, exit_now, flow_run_name, run_cli, run_flow
 from runner.stages import StageRecorder
 from runner.summary import RunSummary
-from storage_io import StorageLayout, exists, is_remote, lease_uses, redact_url
+from storage_io import StorageLayout, exists, lease_uses, redact_url
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
@@ -44,9 +42,8 @@ from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training import model_trust
-from training import registry_files, unchanged
+from training import unchanged
 from training.registry import Promotion
-from training.resources import plan_cluster
 
 
 # Logical CPUs the Prefect task itself holds on Ray. Download and conversion do their own work;
@@ -158,64 +155,6 @@ def announce_promotion(config: PipelineConfig, layout: StorageLayout, promotion:
 def announce(config: PipelineConfig, name: str, **payload) -> None:
     """Send one domain event about the run's model (`reporting.events`)."""
     events.emit(name, events.model_resource(config.registry_name, config.workload, config.model.name), payload)
-
-
-def check_cluster_fits(config: PipelineConfig) -> None:
-    """Refuse training workers the cluster cannot hold (`DoesNotFit`: the CLI exits 2), or a champion this run's
-    model could never be compared with (ValueError naming the field), before any work starts; say how the
-    workload was named, and how training departs from train.num_workers when train.use_gpu=auto has to."""
-    import ray
-
-    if config.download.source == "folder":
-        console.say(workload_line(config))
-    check_registry_fits(config)
-    if config.train.mode == "single":
-        return
-    resources = ray.cluster_resources()
-    plan = plan_cluster(config.train, resources.get("CPU", 0), resources.get("GPU", 0))
-    if plan.note:
-        console.say(plan.note)
-
-
-def workload_line(config: PipelineConfig) -> str:
-    """Which workload an image folder's run has, and why: ``workload shapes (from the folder's name; ...)``."""
-    if config.workload == folder_workload(config.download.path or ""):
-        return f"workload {config.workload} (from the folder's name; set --workload to change)"
-    return f"workload {config.workload} (set by workload)"
-
-
-def data_to_come(config: PipelineConfig) -> tuple[tuple[int | None, ...], list[str]]:
-    """((channels, height, width), classes) of the data the run will convert, known before any work:
-    an image folder's from its layout and (local folders) its images' headers, None where not known yet
-    (an s3:// folder's channels); MNIST's IDX sources' from their format."""
-    if config.download.source != "folder":
-        return IMAGE_SHAPE, list(MNIST_CLASSES)
-    layout = folder.check_folder(config.download.path)  # FolderError naming the path
-    size = config.transform.image_size
-    if is_remote(layout.path):
-        return (None, size, size), layout.classes
-    return folder.image_shape(layout, size, config.storage_root), layout.classes
-
-
-def check_registry_fits(config: PipelineConfig) -> None:
-    """ValueError, before any work, when the champion of the run's registry name was trained on other
-    images or classes than this run's data: promotion could never compare the two."""
-    if not config.promote.enabled:
-        return
-    layout = StorageLayout.create(config.storage_root, "preflight")
-    layout.check_reachable()
-    try:
-        if registry_files.read_champion(layout.root, config.registry_name) is None:
-            return  # nothing to compare with: the data is not read for this
-    except registry_files.RegistryDamaged:
-        return  # promotion names the damage (and --repair mends it)
-    shape, classes = data_to_come(config)
-    if config.promote.model_name:
-        fix = f"Set promote.model_name to a name of this data's own (it is {config.promote.model_name})."
-    else:
-        fix = (f"Set --workload to a name of this data's own (it is {config.workload}; the champion's name is "
-               "<workload>-<model>), or set promote.model_name.")
-    registry_files.check_comparable(layout.root, config.registry_name, shape, classes, fix)
 
 
 class _CheckedTrainSettings(TrainSettings):

@@ -42,23 +42,49 @@ class MirrorChecksums(_Section):
         return dict(zip(MNIST_FILES, values))
 
 
-class DownloadConfig(_Section):
-    """Where the data comes from: MNIST's four IDX files, or a labelled image folder (source=folder)."""
+# The sources that read the user's data where it is, named by download.path.
+PATH_SOURCES = ("folder", "parquet")
 
-    source: Literal["auto", "official", "mirror", "sample", "folder"] = Field(
+
+class DownloadConfig(_Section):
+    """Where the data comes from: MNIST's four IDX files, a labelled image folder (source=folder), or a folder of
+    Parquet files (source=parquet)."""
+
+    source: Literal["auto", "official", "mirror", "sample", "folder", "parquet"] = Field(
         "auto",
         description=(
             "auto: try the official MNIST mirrors (short connect timeout) and fall back to the "
             "bundled 5,000-digit sample with a warning; official: fail if unreachable; "
             "mirror: use mirror_url; sample: use the bundled sample directly; "
-            "folder: your own labelled images in download.path (train/<class>/*.png|jpg, test/<class>/..., optional val/<class>/...)."
+            "folder: your own labelled images in download.path (train/<class>/*.png|jpg, test/<class>/..., optional val/<class>/...); "
+            "parquet: Parquet files in download.path whose split is in the file or folder name (data/train-00000-of-00001.parquet, "
+            "train/0000.parquet, test.parquet), with an image and a label column (download.image_column, download.label_column)."
         ),
     )
     path: str | None = Field(
         None,
         description=(
             "source=folder: a local folder or an s3://bucket/prefix holding train/<class>/ and test/<class>/ "
-            "(and optionally val/<class>/) with PNG or JPEG images; read, never modified or deleted."
+            "(and optionally val/<class>/) with PNG or JPEG images; source=parquet: a local folder or an s3://bucket/prefix "
+            "holding train and test Parquet files (and optionally validation). Read, never modified or deleted."
+        ),
+    )
+    image_column: str = Field(
+        "image",
+        min_length=1,
+        max_length=200,
+        description=(
+            "source=parquet: the column holding the encoded images (PNG or JPEG): a struct {bytes, path} as the "
+            "Hugging Face datasets library writes an Image feature, or plain binary."
+        ),
+    )
+    label_column: str = Field(
+        "label",
+        min_length=1,
+        max_length=200,
+        description=(
+            "source=parquet: the column holding the labels: integers (class names from the files' Hugging Face "
+            "ClassLabel metadata when present, else 0, 1, ...), or strings, whose sorted values become the classes."
         ),
     )
     max_image_pixels: int = Field(
@@ -66,7 +92,7 @@ class DownloadConfig(_Section):
         ge=1,
         le=150_000_000,
         description=(
-            "source=folder: the most pixels (width x height) one image may have, read from its header before it is "
+            "source=folder or parquet: the most pixels (width x height) one image may have, read from its header before it is "
             "decoded; a larger image is refused before any work, naming the file. At most 150 megapixels."
         ),
     )
@@ -127,8 +153,12 @@ class DownloadConfig(_Section):
             raise ValueError("source=mirror needs download.mirror_url (a base URL serving the four files)")
         if self.source == "folder" and not self.path:
             raise ValueError("source=folder needs download.path (a folder or s3:// prefix holding train/<class>/ and test/<class>/)")
-        if self.source != "folder" and self.path:
-            raise ValueError(f"download.path is only read with download.source=folder (source is {self.source}); unset it or set source=folder")
+        if self.source == "parquet" and not self.path:
+            raise ValueError("source=parquet needs download.path (a folder or s3:// prefix holding train and test Parquet files)")
+        if self.source not in PATH_SOURCES and self.path:
+            raise ValueError(
+                f"download.path is only read with download.source=folder or parquet (source is {self.source}); unset it or set source=folder"
+            )
         return self
 
 

@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 from pydantic import Field, field_validator, model_validator
 
 from pipeline_config.common import DEFAULT_WORKLOAD, _RUN_NAME, _S3_BUCKET, _WORKLOAD, _Section, _no_control_characters
-from pipeline_config.data import DownloadConfig, ParquetConfig, TransformConfig
+from pipeline_config.data import PATH_SOURCES, DownloadConfig, ParquetConfig, TransformConfig
 from pipeline_config.evaluation import CleanupConfig, EvaluateConfig, PromoteConfig
 from pipeline_config.learning import ModelConfig, TrainConfig
 from pipeline_config.tracking import TrackingConfig
@@ -73,7 +73,7 @@ class PipelineConfig(_Section):
             "What this pipeline trains, as a name: it starts the default run names (<workload>-<time>-<id>), the Prefect "
             "artifact keys (<workload>-test-metrics, ...) and the registry's model name (<workload>-<model>). "
             "Lowercase letters, digits and '-'. mnist keeps the names MNIST runs always had. With "
-            "download.source=folder, unset or mnist: the folder's name (my-images for download.path data/my-images)."
+            "download.source=folder or parquet, unset or mnist: the folder's name (my-images for download.path data/my-images)."
         ),
     )
     run_name: str | None = Field(
@@ -104,14 +104,14 @@ class PipelineConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _workload_from_folder(cls, data: Any) -> Any:
-        """download.source=folder with workload unset or mnist (the default, what the Prefect form starts
-        with): the folder's name, so a folder run never takes MNIST's datasets, artifacts or champion."""
+        """download.source=folder or parquet with workload unset or mnist (the default, what the Prefect form
+        starts with): the folder's name, so such a run never takes MNIST's datasets, artifacts or champion."""
         if not isinstance(data, dict) or data.get("workload") not in (None, DEFAULT_WORKLOAD):
             return data
         download = data.get("download")
         source, path = (download.get("source"), download.get("path")) if isinstance(download, dict) else (
             getattr(download, "source", None), getattr(download, "path", None))
-        if source != "folder" or not isinstance(path, str) or not path.strip():
+        if source not in PATH_SOURCES or not isinstance(path, str) or not path.strip():
             return data
         name = folder_workload(path)
         if not name:

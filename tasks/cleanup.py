@@ -77,8 +77,8 @@ def plan(cfg: CleanupConfig, raw: RawData, dataset: ParquetDataset, trained: Tra
     if cfg.keep_checkpoints:
         ranked = sorted(trained.checkpoints, key=lambda c: checkpoint_rank(c, trained.score), reverse=True)
         selected += [c.path for c in ranked[cfg.keep_checkpoints :] if c.path != evaluation.checkpoint]
-    if cfg.delete_raw and raw.source != "folder":  # a user's image folder is read where it is, never deleted
-        selected.append(raw.directory)
+    if cfg.delete_raw:  # the source's own files only: a user's folder is read where it is, never deleted
+        selected += raw.deletable()
     if cfg.delete_parquet:
         selected.append(dataset.directory)
     return selected

@@ -27,12 +27,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+from typing import Any
 
-from dataset import folder
-from dataset.idx import IMAGE_SHAPE
-from dataset.parquet import MNIST_CLASSES
+from dataset.source import source_for
 from pipeline_config import PipelineConfig, TransformConfig
-from storage_io import is_remote
 from training import weights
 from training.models import ModelNameError, build_model, check_name, said
 
@@ -80,29 +78,26 @@ def check_allowed(name: str, *, deployed: bool) -> None:
     )
 
 
-def data_for_trial(config: PipelineConfig, layout: folder.FolderLayout | None) -> tuple[tuple[int, int, int], int] | None:
-    """((channels, height, width), classes) of the data the run trains on, when known before any work.
+def data_for_trial(config: PipelineConfig, checked: Any = None) -> tuple[tuple[int, int, int], int] | None:
+    """((channels, height, width), classes) of the data the run trains on, when known before any work
+    (`dataset.source.Source.data_for_trial`; ``checked``: what its check returned, `dataset.folder.check_source`).
 
-    The IDX sources: MNIST's digits. A local image folder (``layout``, from `dataset.folder.check_source`):
-    its images' headers (from the listing cache `check_source` filled). An ``s3://`` folder: None (its
-    images are read by the conversion only).
+    The IDX sources: MNIST's digits. A local image or Parquet folder: its images' headers (from the listing cache
+    the check filled). An ``s3://`` folder: None (its images are read by the conversion only).
     """
-    if config.download.source != "folder":
-        return IMAGE_SHAPE, len(MNIST_CLASSES)
-    if layout is None or is_remote(layout.path):
-        return None
-    return folder.image_shape(layout, config.transform.image_size, config.storage_root), len(layout.classes)
+    return source_for(config.download).data_for_trial(checked, config.transform.image_size, config.storage_root)
 
 
-def check_model(config: PipelineConfig, layout: folder.FolderLayout | None) -> None:
+def check_model(config: PipelineConfig, checked: Any = None) -> None:
     """Before any work: ``model.name`` resolves (imports what it names) and, when the data's shape is known,
     builds and runs (`try_model`); ValueError naming model.name. ``model.weights``: found, read and loaded
-    into that model (`training.weights.check`); ValueError naming model.weights."""
+    into that model (`training.weights.check`); ValueError naming model.weights. ``checked``: what the data
+    source's check before any work returned (`dataset.folder.check_source`)."""
     check_name(config.model.name)
-    data = data_for_trial(config, layout)
+    data = data_for_trial(config, checked)
     if data is not None:
         config.transform.per_channel(data[0][0])  # a per-channel mean or std must have one value per channel
-        try_model(config.model.name, *data, resizable=config.download.source == "folder")
+        try_model(config.model.name, *data, resizable=source_for(config.download).resizable)
     if config.model.weights:  # an s3:// folder's shape comes with its conversion: any channels fit the names
         weights.check(config.model.weights, config.storage_root, config.model.name, *(data or ((3, 32, 32), 2)))
 
@@ -188,7 +183,7 @@ def _too_small(name: str, size: tuple[int, int], smallest: int, raised: str, res
     if not resizable:
         return (f"model.name {name!r}: images of {size[0]}x{size[1]} pixels are too small for it ({raised}); the smallest "
                 f"size it runs on is {smallest}x{smallest}, and these images are not resized (transform.image_size is for "
-                "download.source=folder): choose a model that runs on them")
+                "download.source=folder or parquet): choose a model that runs on them")
     images = f"images of {size[0]}x{size[1]} pixels are too small for model.name {name!r} ({raised})"
     bounds = TransformConfig.model_fields["image_size"].metadata  # the field's own least value (4)
     least = max([smallest, *(bound.ge for bound in bounds if getattr(bound, "ge", None) is not None)])
@@ -199,5 +194,5 @@ def _too_small(name: str, size: tuple[int, int], smallest: int, raised: str, res
 def try_on_dataset(config: PipelineConfig, dataset) -> None:
     """After the conversion: `try_model` on the converted ``dataset``'s shape and classes (a
     `dataset.parquet.ParquetDataset`) when they were not known before any work (an ``s3://`` folder)."""
-    if config.download.source == "folder" and is_remote(config.download.path or ""):
+    if not source_for(config.download).shape_known_before_work():
         try_model(config.model.name, tuple(dataset.image_shape), dataset.num_classes)
