@@ -7,13 +7,14 @@ choice for the data: MNIST's IDX sources keep the shift, rotation and zoom the d
 with black edges; an image folder gets shifts, with the edge pixels repeated into the uncovered
 border (a picture's background is not black: black borders were a cue its test images never show,
 and cost the recipe benchmark's RGB shapes 40 points at 150 steps, docs/performance.md).
+
+torch is imported inside `random_affine`, where it is used: the choices (`augmentation`) are read by
+stages that never augment a batch (promotion, cleanup), and their workers stay without torch.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
-import torch.nn.functional as F
 
 CHOICES = ("none", "shifts", "crops", "flips", "affine")
 
@@ -71,6 +72,9 @@ def random_affine(
     uncovered edge shows, ``zeros`` (black: MNIST's background) or ``border`` (the nearest edge pixel,
     for pictures whose background is not black).
     """
+    import torch  # here, not at the top: see the module's docstring
+    import torch.nn.functional as F
+
     n = len(images)
     torch.set_num_threads(1)  # a data task owns a fraction of a CPU; the cores belong to training
     gray = images.ndim == 3  # (N, H, W): one channel

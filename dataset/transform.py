@@ -29,184 +29,45 @@ always asks for a whole CPU) waiting forever, and training waits on it.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.fs as pafs
 import ray.data
-from pydantic import BaseModel
 from ray.data._internal.execution.execution_callback import ExecutionCallback
 
 from dataset import windows
+from dataset.augment import augmentation, random_affine  # noqa: F401 (random_affine: callers' import)
+from dataset.batches import (  # noqa: F401 (the names callers have always imported from here)
+    CHECK_BATCH_BYTES,
+    check_rows,
+    check_split,
+    drop_rows,
+    epoch_seed,
+    normalize,
+    prepare_batch,
+    row_draws,
+    row_hash,
+    to_chw,
+)
 from dataset.memory import release_memory
-from dataset.augment import augment as augment_images, augmentation, random_affine  # noqa: F401 (random_affine: callers' import)
-from dataset.parquet import ParquetDataset, images_from_column, schema_for
-from pipeline_config import TransformConfig
-from storage_io import filesystem, join, read_json
-
-
-class TransformSpec(BaseModel):
-    """What training and evaluation read: the checked dataset plus the transform settings."""
-
-    dataset: ParquetDataset
-    config: TransformConfig
-    checks: dict[str, dict]
-    manifest: str
-    skipped: bool = False  # the checks were recorded for this very dataset and config by an earlier run
-    # The in-memory budget the transform stage settled (`transform.in_memory_mb`, or `auto_in_memory_mb`),
-    # so every process that reads a split (each training rank, evaluation) takes the same path.
-    in_memory_mb: int | None = None
-    streamed: tuple[str, ...] = ()  # the splits over that budget, read in windows
-
-    def budget_mb(self) -> int:
-        """Decoded MB a split may have to be held in memory: the settled budget, the config's, or `auto_in_memory_mb`."""
-        for value in (self.in_memory_mb, self.config.in_memory_mb):
-            if value is not None:
-                return value
-        return auto_in_memory_mb()
-
-    def terminal_detail(self) -> str:
-        """What the transform stage's closing terminal line adds after its name and seconds."""
-        reused = " (checks of this dataset and config reused)" if self.skipped else ""
-        if not self.streamed:
-            return reused
-        return f"{reused}; {', '.join(self.streamed)} streamed in windows (over the {self.budget_mb():,} MB in-memory budget)"
-
-
-CHECKS_RECORD_PREFIX = "transform-checks-"
-
-
-def _config_key(cfg: TransformConfig) -> dict:
-    """The transform config as the checks record keys it; an unset image_size is left out (so a record
-    written before the field existed still matches: it is read by the conversion, not by the transform)."""
-    dumped = cfg.model_dump(mode="json", exclude={"in_memory_mb", "window_mb"})  # how a split is read, not what comes out
-    if dumped.get("image_size") is None:
-        dumped.pop("image_size", None)
-    return dumped
-
-
-def checks_record_path(spec: TransformSpec) -> str:
-    """Where the transform stage records its checks of ``spec.dataset`` under ``spec.config``.
-
-    Beside the Parquet files (it goes when the dataset goes), one file per transform config, so
-    a later run with the same verified dataset and config reuses the checks instead of running
-    every split through Ray Data again.
-    """
-    config = json.dumps(_config_key(spec.config), sort_keys=True)
-    return join(spec.dataset.directory, f"{CHECKS_RECORD_PREFIX}{hashlib.sha256(config.encode()).hexdigest()[:16]}.json")
-
-
-def checks_record(spec: TransformSpec, checks: dict[str, dict]) -> dict:
-    """What `checks_record_path` holds: the dataset's fingerprint, the config and the checks."""
-    return {"fingerprint": spec.dataset.fingerprint, "config": _config_key(spec.config), "checks": checks}
-
-
-def recorded_checks(spec: TransformSpec, splits: tuple[str, ...]) -> dict[str, dict] | None:
-    """The checks an earlier run recorded for this dataset (same fingerprint, same rows) and config, else None."""
-    record = read_json(checks_record_path(spec))
-    if not isinstance(record, dict) or record != checks_record(spec, record.get("checks")):
-        return None
-    checks = record["checks"]
-    if not isinstance(checks, dict) or set(checks) != set(splits):
-        return None
-    if any(not isinstance(checks[split], dict) or checks[split].get("rows") != spec.dataset.rows.get(split) for split in splits):
-        return None
-    return checks
-
-
-MNIST_SHAPE = (1, 28, 28)  # what a caller that names no shape means: the seeds' digits
-
-
-def to_chw(images: np.ndarray, shape: tuple[int, int, int]) -> np.ndarray:
-    """(N, H*W*C) or (N, H, W, C) pixels as stored (height x width x channels) -> (N, C, H, W)."""
-    channels, height, width = shape
-    return images.reshape(-1, height, width, channels).transpose(0, 3, 1, 2)
-
-
-def normalize(
-    images: np.ndarray, mean: float | list[float], std: float | list[float], shape: tuple[int, int, int] = MNIST_SHAPE
-) -> np.ndarray:
-    """Pixels -> float32 (N, C, H, W), ``(x - mean) / std`` on the 0..1 scale; ``mean`` and ``std``: one
-    number for every channel or one per channel.
-
-    uint8 input (N, H*W*C) or (N, C, H, W) is scaled by 1/255 first (the seeds' ToTensor);
-    float input is taken as already on the 0..1 scale. ``shape``: (C, H, W).
-    """
-    scaled = images.reshape(-1, *shape).astype(np.float32)
-    if images.dtype == np.uint8:
-        scaled /= np.float32(255.0)
-    per_channel = (-1, 1, 1)  # (C, 1, 1): broadcast over rows, height and width
-    return (scaled - np.asarray(mean, np.float32).reshape(per_channel)) / np.asarray(std, np.float32).reshape(per_channel)
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def _mix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer on a uint64 array: a cheap, well-spread hash (wraps modulo 2**64)."""
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
-def row_hash(row_ids: np.ndarray, seed: int, epoch: int, stream: int) -> np.ndarray:
-    """A uint64 per row from (seed, epoch, stream, row_id): the same wherever and whenever it is computed."""
-    parts = _mix64(np.array([seed, epoch, stream], dtype=np.uint64))
-    key = _mix64(_mix64(parts[0:1] ^ parts[1:2] * _GOLDEN) ^ parts[2:3])
-    return _mix64(np.asarray(row_ids).astype(np.uint64) ^ key)
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    """The seed of epoch ``epoch``'s shuffle of the training rows (< 2**32, as Ray Data's shuffle needs)."""
-    return int(row_hash(np.array([epoch]), seed, epoch, stream=0)[0] >> np.uint64(32))
-
-
-def row_draws(row_ids: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-    """(N, 4) uniforms in [0, 1) per row for `random_affine`, fixed by (seed, epoch, row_id)."""
-    bits = np.stack([row_hash(row_ids, seed, epoch, stream) for stream in (1, 2, 3, 4)], 1)
-    return (bits >> np.uint64(11)).astype(np.float64) * 2.0**-53
-
-
-def prepare_batch(
-    batch: pa.Table,
-    mean: float,
-    std: float,
-    augment: dict[str, float] | None = None,
-    seed: int = 0,
-    epoch: int = 0,
-    shape: tuple[int, int, int] = MNIST_SHAPE,
-) -> dict[str, np.ndarray]:
-    """Parquet batch -> {"image": float32 (N,C,H,W), "label": int64 (N,), "row_id": int64 (N,)}.
-
-    ``augment`` (training only): keyword arguments of `dataset.augment.augment` (shift_px, rotate_deg,
-    scale); each row's transform is drawn from (seed, epoch, row_id), not from its batch.
-    ``shape``: the dataset's (C, H, W).
-    """
-    row_ids = batch.column("row_id").to_numpy()
-    images = to_chw(images_from_column(batch.column("image")), shape)
-    if shape[0] == 1:
-        images = images[:, 0]  # (N, H, W), as the seeds' digits always were
-    if augment:
-        images = augment_images(images, row_draws(row_ids, seed, epoch), **augment)
-    return {
-        "image": normalize(images, mean, std, shape),
-        "label": batch.column("label").to_numpy().astype(np.int64),
-        "row_id": row_ids.astype(np.int64),
-    }
-
-
-def drop_rows(batch: pa.Table, row_ids: np.ndarray) -> pa.Table:
-    """``batch`` without the rows whose ``row_id`` is in ``row_ids`` (rows already trained on)."""
-    keep = pc.invert(pc.is_in(batch.column("row_id"), value_set=pa.array(row_ids, type=pa.int64())))
-    return batch.filter(keep)
+from dataset.parquet import schema_for
+from dataset.spec import (  # noqa: F401 (the names callers have always imported from here)
+    CHECKS_RECORD_PREFIX,
+    IN_MEMORY_FRACTION,
+    MNIST_SHAPE,
+    TransformSpec,
+    auto_in_memory_mb,
+    checks_record,
+    checks_record_path,
+    fits_in_memory,
+    recorded_checks,
+    split_mb,
+)
+from storage_io import filesystem
 
 
 def _parquet_files(spec: TransformSpec, split: str) -> list[pafs.FileInfo]:
@@ -215,36 +76,6 @@ def _parquet_files(spec: TransformSpec, split: str) -> list[pafs.FileInfo]:
     if not infos:
         raise FileNotFoundError(f"{spec.dataset.split_dir(split)}: no Parquet files")
     return sorted(infos, key=lambda info: info.path)
-
-
-# The in-memory path's copies of a split (the reader's table, its shuffled copy, the blocks in the object
-# store, float32 batches, in each process that reads it) measured about 20x the split's pixels summed over
-# the run's processes (docs/performance.md, "Folders bigger than memory"). A split is held in memory while
-# its pixels are at most this fraction of the smallest node's memory: at 20x, about 8% of the node.
-IN_MEMORY_FRACTION = 1 / 256
-
-
-def auto_in_memory_mb() -> int:
-    """``transform.in_memory_mb`` when unset: `IN_MEMORY_FRACTION` of the memory Ray gives the smallest
-    alive node (of this machine's physical memory when Ray is not running), in MB."""
-    if ray.is_initialized():
-        nodes = [n["Resources"].get("memory", 0) for n in ray.nodes() if n.get("Alive")]
-        memory = min((m for m in nodes if m), default=0)
-    else:
-        memory = 0
-    if not memory:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(memory * IN_MEMORY_FRACTION / 2**20)
-
-
-def split_mb(spec: TransformSpec, split: str) -> float:
-    """The split's decoded pixels in MB: rows x channels x height x width bytes (from the manifest)."""
-    return spec.dataset.rows.get(split, 0) * int(np.prod(spec.dataset.image_shape)) / 2**20
-
-
-def fits_in_memory(spec: TransformSpec, split: str) -> bool:
-    """Whether the split's decoded pixels (`split_mb`) are at most the run's in-memory budget (`TransformSpec.budget_mb`)."""
-    return split_mb(spec, split) <= spec.budget_mb()
 
 
 def split_table(spec: TransformSpec, split: str) -> pa.Table | None:
@@ -504,48 +335,4 @@ def _rows_streamed(
 def build_datasets(spec: TransformSpec, seed: int = 0, splits=("train", "val")) -> dict[str, ray.data.Dataset]:
     """Lazy Ray Datasets for ``splits`` (see `build_split`; train as in epoch 0)."""
     return {split: build_split(spec, split, seed) for split in splits}
-
-
-CHECK_BATCH_BYTES = 16 << 20  # `check_split`'s batches: 4,096 MNIST digits, 341 64x64 RGB images
-
-
-def check_rows(shape: tuple[int, int, int]) -> int:
-    """Rows per batch `check_split` takes: about `CHECK_BATCH_BYTES` of float32 pixels."""
-    return max(1, min(4096, CHECK_BATCH_BYTES // (4 * int(np.prod(shape)))))
-
-
-def check_split(
-    batches: Iterable[dict[str, np.ndarray]], expected_rows: int, name: str, shape: tuple[int, int, int] = MNIST_SHAPE,
-    num_classes: int = 10,
-) -> dict:
-    """Check every numpy batch of one split (`split_batches`) against the dataset's (C, H, W) ``shape`` and
-    ``num_classes``; return row count, label counts and pixel stats (overall, and per channel when
-    there is more than one)."""
-    shape = tuple(shape)
-    channels = shape[0]
-    rows, labels = 0, np.zeros(num_classes, dtype=np.int64)
-    total, total_sq = np.zeros(channels), np.zeros(channels)
-    for batch in batches:
-        image, label = batch["image"], batch["label"]
-        if image.dtype != np.float32 or image.shape[1:] != shape:
-            raise ValueError(f"{name}: transform produced {image.dtype} {image.shape[1:]}, expected float32 {shape}")
-        if not np.isfinite(image).all():
-            raise ValueError(f"{name}: transform produced non-finite pixel values")
-        if label.min(initial=0) < 0 or label.max(initial=0) > num_classes - 1:
-            raise ValueError(f"{name}: labels outside 0..{num_classes - 1}")
-        rows += len(label)
-        total += image.sum(axis=(0, 2, 3), dtype=np.float64)
-        total_sq += np.square(image, dtype=np.float64).sum(axis=(0, 2, 3))
-        labels += np.bincount(label, minlength=num_classes)
-    if rows != expected_rows:
-        raise ValueError(f"{name}: transform yielded {rows} rows, the Parquet manifest says {expected_rows}")
-    per_channel = rows * shape[1] * shape[2]
-    mean = float(total.sum()) / (per_channel * channels) if rows else 0.0
-    std = (float(total_sq.sum()) / (per_channel * channels) - mean**2) ** 0.5 if rows else 0.0
-    out = {"rows": rows, "pixel_mean": round(mean, 5), "pixel_std": round(std, 5), "label_counts": labels.tolist()}
-    if channels > 1:
-        means = total / per_channel if rows else np.zeros(channels)
-        stds = np.sqrt(np.maximum(total_sq / per_channel - means**2, 0)) if rows else np.zeros(channels)
-        out |= {"channel_mean": [round(float(m), 5) for m in means], "channel_std": [round(float(v), 5) for v in stds]}
-    return out
 

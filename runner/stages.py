@@ -20,7 +20,7 @@ from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
 from storage_io import StorageLayout, atomic_write_json, join, read_json, redact_error, storage_writes
 from training.records import HISTORY_FILE
-from training.trainer import latest_checkpoint
+from training.manifests import latest_checkpoint
 from training.tuning import TRIALS_DIR
 
 

@@ -45,10 +45,10 @@ from storage_io import (
     remove,
     total_bytes,
 )
-from tasks.evaluate import Evaluation
+from tasks.manifests import Evaluation
 from training import registry_files
-from training.model import checkpoint_problem
-from training.trainer import TrainedModel, UnreadableSnapshot, checkpoint_rank, ray_train_checkpoints
+from training.checkpoint_files import checkpoint_problem
+from training.manifests import TrainedModel, UnreadableSnapshot, checkpoint_rank, ray_train_checkpoints
 
 
 class CleanupReport(BaseModel):

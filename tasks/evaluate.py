@@ -13,41 +13,16 @@ from __future__ import annotations
 import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
-from pydantic import BaseModel
 
 from dataset.memory import release_memory
-from dataset.transform import TransformSpec
+from dataset.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig
 from reporting import artifacts
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
-from training import registry
+from tasks.manifests import Evaluation
 from training.inference import confusion_matrix, metrics_from_confusion, predict
-from training.trainer import TrainedModel
-
-
-class Evaluation(BaseModel):
-    """Test-set metrics of the evaluated checkpoint and where they were saved."""
-
-    checkpoint: str
-    accuracy: float
-    precision: list[float]
-    recall: list[float]
-    confusion: list[list[int]]
-    rows: int
-    metrics_path: str
-    predictions_path: str
-    passed_gate: bool
-    min_accuracy: float = 0.0  # the gate it was held to
-    tta: bool = False
-    accuracy_without_tta: float | None = None
-    promotion: registry.Promotion | None = None  # set by the promote stage; None: promotion is off (promote.enabled)
-    classes: list[str] = []  # the class names: confusion[i][j] counts images of classes[i] predicted as classes[j]
-
-    def terminal_detail(self) -> str:
-        """What the evaluation stage's closing terminal line adds after its name and seconds."""
-        verdict = "passed" if self.passed_gate else "FAILED"
-        return f": test accuracy {self.accuracy:.2%} (gate {self.min_accuracy:.2%} {verdict})"
+from training.manifests import TrainedModel
 
 
 @task(name="evaluate")

@@ -23,15 +23,14 @@ from prefect import task
 from pydantic import BaseModel
 
 from dataset.parquet import image_record
-from dataset.transform import TransformSpec
+from dataset.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
 from reporting import artifacts, environment, pictures
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_json, join, lease_path, read_json, storage_writes
-from tasks.evaluate import Evaluation
+from tasks.manifests import Evaluation
 from training import registry, registry_files, unchanged
-from training.inference import predict
-from training.trainer import TrainedModel
+from training.manifests import TrainedModel
 
 
 class QualityGateError(RuntimeError):
@@ -166,6 +165,10 @@ def champion_scorer(spec: TransformSpec, cfg: EvaluateConfig, model_name_field: 
                 f"classes {theirs['classes']}, this run on {tuple(spec.dataset.image_shape)} images of classes "
                 f"{list(spec.dataset.classes)}; they cannot be compared: give this workload its own promote.model_name"
             )
+        # Scoring needs torch and Ray Data: imported here, where a champion is really scored again (the
+        # data changed), so a promotion that reuses the recorded accuracy keeps its worker free of torch.
+        from training.inference import predict
+
         out = predict(spec, folder, cfg, registry_files.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
 

@@ -27,7 +27,7 @@ from storage_io import (
     stored_places,
     total_bytes,
 )
-from training.model import CHECKSUMS_FILE, MODEL_FILE, SEEDS_MODEL, IntegrityError, verify_checkpoint_file
+from training.checkpoint_files import CHECKSUMS_FILE, MODEL_FILE, SEEDS_MODEL, IntegrityError, verify_checkpoint_file
 from training.models import ModelSpec
 
 

@@ -4,19 +4,18 @@ The training stage (`tasks.train`) and any other flow that trains call these: `p
 (`training.resources`) splits the cluster between training workers and Ray Data, `torch_trainer` builds the trainer
 for a run folder (the same run name resumes from its latest checkpoint), `fit` runs it and
 returns a `TrainedModel`, `is_infrastructure_failure` says whether a failed run is worth another
-attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray Train.
+attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray Train. The manifest it
+returns and the readers of Ray Train's checkpoint snapshot are `training.manifests` (no torch).
 """
 
 from __future__ import annotations
 
-import json
 import os
 
-from pydantic import BaseModel
 from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
-from dataset.transform import TransformSpec
+from dataset.spec import TransformSpec
 from pipeline_config import TrainConfig
 from storage_io import (
     S3_SCHEME,
@@ -26,67 +25,28 @@ from storage_io import (
     is_remote,
     join,
     parent,
-    read_bytes,
-    read_lines,
     storage_errno,
     storage_write_error,
 )
 from training.faults import ROW_LOG_ENV
 from training.loop import LoopConfig, train_loop_per_worker
+from training.manifests import (  # noqa: F401 (the names callers have always imported from here)
+    ATTEMPTS_LOG,
+    RAY_TRAIN_SNAPSHOT,
+    SCORE_ORDER,
+    CheckpointInfo,
+    TrainedModel,
+    UnreadableSnapshot,
+    checkpoint_rank,
+    latest_checkpoint,
+    ray_train_checkpoints,
+    read_attempts,
+    read_snapshot,
+)
 from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
 from training.resources import plan_resources  # noqa: F401 - where the stages and tests have always found it
 from training.single_process import fit_single
-
-# One JSON line per training attempt in the run folder: the epoch it started from and its world size.
-ATTEMPTS_LOG = "train_attempts.jsonl"
-
-
-# Which way each checkpoint score is better.
-SCORE_ORDER = {"val_accuracy": "max", "val_loss": "min"}
-
-
-class CheckpointInfo(BaseModel):
-    """One kept checkpoint and the metrics reported with it."""
-
-    path: str
-    epoch: int
-    val_accuracy: float
-    val_loss: float = 0.0
-
-
-def checkpoint_rank(checkpoint: CheckpointInfo, score: str) -> tuple[float, int]:
-    """Sort key, larger is better: the configured score first, the later epoch on ties."""
-    value = checkpoint.val_accuracy if score == "val_accuracy" else -checkpoint.val_loss
-    return value, checkpoint.epoch
-
-
-class TrainedModel(BaseModel):
-    """Where the trained run lives and how it went."""
-
-    run_dir: str
-    model: ModelSpec  # what was trained (model.name, input channels, classes): what loads its checkpoints
-    best_checkpoint: str
-    best_val_accuracy: float
-    checkpoints: list[CheckpointInfo]
-    history: list[dict]
-    num_workers: int
-    cpus_per_worker: float
-    score: str = "val_accuracy"
-    attempts: list[dict] = []  # one per attempt: start_epoch, world_size (train_attempts.jsonl)
-    resumed_from_epoch: int | None = None  # the first attempt's start epoch when it resumed an earlier run
-    weights: dict[str, str] | None = None  # model.weights a fresh start loaded: source, file, sha256 (tasks.train)
-    warnings: list[str] = []  # what the run was warned of before training (`TrainConfig.few_steps_warning`)
-    device: str | None = None  # where the last attempt trained: cpu or cuda (train_attempts.jsonl)
-    precision: str | None = None  # its step's arithmetic: bf16, fp16 or fp32 (`training.device.resolve_precision`)
-
-    def compute(self) -> dict[str, str]:
-        """``{"device": ..., "precision": ...}`` as far as known: what the model card and summary.json record."""
-        return {key: value for key, value in (("device", self.device), ("precision", self.precision)) if value}
-
-    def terminal_detail(self) -> str:
-        """What the training stage's closing terminal line adds after its name and seconds."""
-        return f": best validation accuracy {self.best_val_accuracy:.2%}"
 
 
 def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
@@ -246,59 +206,6 @@ def summarize_result(
 
 
 # Ray Train's record of the checkpoints it kept, in the run folder (ray.train.v2 constants).
-RAY_TRAIN_SNAPSHOT = "checkpoint_manager_snapshot.json"
-
-
-class UnreadableSnapshot(ValueError):
-    """Ray Train's snapshot is there but cannot be read: which checkpoints it keeps is unknown."""
-
-
-def read_snapshot(run_dir: str) -> dict | None:
-    """Ray Train's checkpoint snapshot of the run in ``run_dir``, or None when it has written none."""
-    path = join(run_dir, RAY_TRAIN_SNAPSHOT)
-    try:
-        snapshot = json.loads(read_bytes(path))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise UnreadableSnapshot(f"{path} is unreadable: {exc}") from exc
-    if not isinstance(snapshot, dict):
-        raise UnreadableSnapshot(f"{path} is not a Ray Train checkpoint snapshot")
-    return snapshot
-
-
-def ray_train_checkpoints(run_dir: str) -> set[str]:
-    """Names of the checkpoint folders Ray Train's snapshot in ``run_dir`` records (empty when there is none).
-
-    Kept, latest and pending ones alike: any of them may be what a resumed run restores.
-    """
-    snapshot = read_snapshot(run_dir) or {}
-    results = [*(snapshot.get("checkpoint_results") or []), snapshot.get("latest_checkpoint_result"),
-               *(snapshot.get("pending_training_results") or [])]
-    return {r["checkpoint_dir_name"] for r in results if isinstance(r, dict) and r.get("checkpoint_dir_name")}
-
-
-def latest_checkpoint(run_dir: str) -> dict | None:
-    """The latest checkpoint Ray Train recorded for the run in ``run_dir`` (what a resumed run starts from):
-    path, epoch, mid-epoch or not, step; None when there is none or the snapshot is unreadable."""
-    try:
-        latest = (read_snapshot(run_dir) or {}).get("latest_checkpoint_result")
-    except UnreadableSnapshot:
-        return None
-    if not isinstance(latest, dict) or not latest.get("checkpoint_dir_name"):
-        return None
-    metrics = latest.get("metrics") or {}
-    return {
-        "path": join(run_dir, latest["checkpoint_dir_name"]),
-        "epoch": metrics.get("epoch"),
-        "mid_epoch": bool(metrics.get("mid_epoch")),
-        "step": metrics.get("step"),
-    }
-
-
-def read_attempts(path: str) -> list[dict]:
-    """The training attempts recorded in ``train_attempts.jsonl`` (empty when there is none)."""
-    return read_lines(path)
 
 
 def torch_trainer(
