@@ -5,6 +5,10 @@ MNIST's 1x28x28 digits 0-9 for a card from before it recorded them). Accepted, i
 
 - Parquet files (searched recursively, e.g. a dataset's ``test/`` split) with an ``image`` column
   of H*W*C-byte uint8 images (784 for MNIST), and optionally ``row_id`` and ``label``;
+- Parquet files of encoded images, as the Hugging Face ``datasets`` library writes a split (an ``image``
+  column of structs ``{bytes, path}`` or binary, a ``label`` column of integers or class names; integers
+  are read by the ClassLabel names in the file's metadata when it has them), decoded as the conversion
+  decodes them;
 - IDX image files (``*-images-idx3-ubyte``, gzipped or not), each with its labels file
   (``*-labels-idx1-ubyte``) when there is one (one-channel models only);
 - PNG or JPEG images: in class subfolders (``<class>/*.png``, the layout of an image folder's
@@ -39,6 +43,7 @@ from dataset import images
 from dataset.folder import IMAGE_EXTENSIONS
 from dataset.idx import IMAGE_SHAPE
 from dataset.parquet import MNIST_CLASSES, schema_for, to_table
+from dataset.parquet_files import class_names
 from pipeline_config import DownloadConfig
 
 NO_LABEL = -1
@@ -134,6 +139,10 @@ def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE) -> pq.P
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:300]})") from None
     image_bytes = int(np.prod(shape))
+    if "image" in schema.names and is_encoded(schema.field("image").type):
+        if "label" in schema.names and not (pa.types.is_integer(schema.field("label").type) or pa.types.is_string(schema.field("label").type)):
+            raise InputError(f"{path}: column 'label' is {schema.field('label').type}, expected integers or class names")
+        return parquet
     if "image" not in schema.names or schema.field("image").type != pa.binary(image_bytes):
         raise InputError(
             f"{path}: needs an 'image' column of {image_bytes}-byte images ({shape[1]}x{shape[2]}x{shape[0]} uint8), has {schema}"
@@ -166,6 +175,64 @@ def _parquet_table(path: Path, parquet: pq.ParquetFile, num_classes: int = len(M
         return pa.table({"row_id": row_ids, "image": table.column("image"), "label": labels}).cast(schema)
     except (pa.ArrowException, ValueError) as exc:
         raise InputError(f"{path}: {exc}") from None
+
+
+def is_encoded(image_type: pa.DataType) -> bool:
+    """Whether an ``image`` column holds encoded images (PNG, JPEG): a struct ``{bytes, path}`` as the Hugging
+    Face ``datasets`` library writes an Image feature, or variable-length binary."""
+    if pa.types.is_struct(image_type) and image_type.get_field_index("bytes") >= 0:
+        image_type = image_type.field("bytes").type
+    return pa.types.is_binary(image_type) or pa.types.is_large_binary(image_type)
+
+
+def _encoded_parquet_table(
+    path: Path, parquet: pq.ParquetFile, shape: tuple[int, int, int], classes: list[str], image_size: int | None,
+) -> pa.Table:
+    """A Parquet file of encoded images (a Hugging Face dataset's split) decoded as the conversion decodes them;
+    labels: integers (mapped by name when the file's ClassLabel names differ from the model's classes) or class
+    names. InputError naming the file and row of an image that cannot be read or a label that is not a class."""
+    names = ["image", *(["label"] if "label" in parquet.schema_arrow.names else [])]
+    try:
+        table = parquet.read(columns=names)
+    except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
+        raise InputError(f"{path}: damaged Parquet data ({' '.join(str(exc).split())[:300]})") from None
+    column = table.column("image")
+    if pa.types.is_struct(column.type):
+        column = pa.chunked_array([chunk.field("bytes") for chunk in column.chunks], type=column.type.field("bytes").type)
+    encoded = column.to_pylist()
+    channels, height, width = shape
+    pixels = np.empty((len(encoded), height * width * channels), dtype=np.uint8)
+    for row, data in enumerate(encoded):
+        name = f"{path} row {row}"
+        if not data:
+            raise InputError(f"{name}: no image (empty bytes in column 'image')")
+        try:
+            with images.open_image(data, name, MAX_IMAGE_PIXELS, None) as image:
+                if image_size is None and image.size != (width, height):
+                    raise InputError(f"{name}: {image.size[0]}x{image.size[1]} pixels, the model takes {width}x{height}")
+                pixels[row] = images.pixels(image, channels, (width, height) if image_size is not None else None, name).reshape(-1)
+        except images.ImageError as exc:
+            raise InputError(str(exc)) from None
+    labels = np.full(len(encoded), NO_LABEL, dtype=np.int64)
+    if "label" in names:
+        file_names = class_names(parquet.schema_arrow, "label")
+        for row, value in enumerate(table.column("label").to_pylist()):
+            labels[row] = _class_of(value, classes, file_names, f"{path} row {row}")
+    return to_table(np.arange(len(encoded), dtype=np.int64), pixels, labels)
+
+
+def _class_of(value, classes: list[str], file_names: list[str] | None, name: str) -> int:
+    """The model's class index of one label: a class name, or an integer (a name of the file's ClassLabel, when it has
+    one); `NO_LABEL` for an empty one or -1. InputError naming the row when it is not one of the model's classes."""
+    if value is None or value == NO_LABEL:
+        return NO_LABEL
+    if isinstance(value, int) and file_names is not None and 0 <= value < len(file_names):
+        value = file_names[value]
+    if isinstance(value, str) and value in classes:
+        return classes.index(value)
+    if isinstance(value, int) and file_names is None and 0 <= value < len(classes):
+        return value
+    raise InputError(f"{name}: label {value!r} is not one of the model's classes ({', '.join(classes[:10])}{', ...' if len(classes) > 10 else ''})")
 
 
 def _image_files(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
@@ -240,7 +307,15 @@ def read_folder(
         rows = sum(p.metadata.num_rows for _, p in opened)
         if rows > MAX_IMAGES:
             raise InputError(f"input {root}: its Parquet files hold {rows:,} rows, more than the {MAX_IMAGES:,} scored in one call")
-        tables = [_parquet_table(path, p, len(classes)) for path, p in opened]
+        tables = []
+        for path, p in opened:  # encoded images: row ids are positions in file order, across the files
+            if is_encoded(p.schema_arrow.field("image").type):
+                table = _encoded_parquet_table(path, p, shape, classes, image_size)
+                first = sum(len(t) for t in tables)
+                table = table.set_column(0, "row_id", pa.array(np.arange(first, first + len(table), dtype=np.int64)))
+            else:
+                table = _parquet_table(path, p, len(classes))
+            tables.append(table)
     for path in idx:
         tables.append(_idx_table(path, sum(len(t) for t in tables), shape, len(classes)))
         if sum(len(t) for t in tables) > MAX_IMAGES:

@@ -65,8 +65,8 @@ class ParquetLayout(NamedTuple):
 
     @property
     def files(self) -> list[str]:
-        """Every Parquet file, relative to the folder, sorted."""
-        return sorted({rel for rows in self.rows.values() for rel, _, _ in rows})
+        """Every Parquet file that holds rows, relative to the folder: train's, then validation's, then test's."""
+        return list(dict.fromkeys(rel for split in ("train", "val", "test") for rel, _, _ in self.rows.get(split, [])))
 
 
 def split_of(rel: str) -> str | None:

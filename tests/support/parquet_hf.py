@@ -46,7 +46,7 @@ def write_table(path: Path, encoded: list[bytes | None], labels: list, names: li
                           type=IMAGE_TYPE)
     else:
         images = pa.array(encoded, type=pa.binary())
-    label_type = pa.string() if labels and isinstance(labels[0], str) else pa.int64()
+    label_type = pa.string() if labels and isinstance(labels[0], str) else pa.int64() if all(isinstance(v, int) for v in labels) else None
     table = pa.table({image: images, label: pa.array(labels, type=label_type)})
     pq.write_table(table.replace_schema_metadata(hf_metadata(names, label, image)), path)
     return path
