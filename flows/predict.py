@@ -3,6 +3,7 @@
     python -m flows.predict --input data/mnist-sample                    # IDX files, the champion
     python -m flows.predict --input storage/datasets/mnist-<hash>/test --version 2
     python -m flows.predict --input my-images/test                       # <class>/*.png: labelled
+    python -m flows.predict --input hf-shapes/data --model hf-shapes-tiny-net   # a Hugging Face split's Parquet files
     python -m flows.predict --input <folder> --workload flowers --model flowers-small-cnn   # another workload's model
     python -m flows.predict --help
 
