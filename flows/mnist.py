@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.train import STAGE_CPUS, check_cluster_fits, nothing_new, run_stages
+from flows.train import STAGE_CPUS, STAGES, check_cluster_fits, nothing_new, run_stages  # noqa: F401 (STAGE_CPUS: tests)
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
 from runner import hooks
@@ -26,7 +26,7 @@ from runner.summary import RunSummary
 @flow(name="mnist-resnet18", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
 def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> RunSummary:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, promote, clean up."""
-    return run_flow(config, "flows.mnist", check_cluster_fits, STAGE_CPUS, run_stages, nothing_new)
+    return run_flow(config, "flows.mnist", check_cluster_fits, STAGES, run_stages, nothing_new)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,49 +10,57 @@ storage are reused). The tune stage runs the trials, each a Ray Train run of the
 loop, and writes the best trial's recipe as ``best_config.yaml`` in the run folder, which
 ``python -m flows.mnist --config-file`` trains (``flows.train`` for another workload: the file names it). With ``tune.train_best`` the same flow run then
 trains that recipe with ``train.epochs`` and evaluates it through the normal stages, gate included,
-and promotes it as the training flow does, with the same events (`flows.train.promote_and_announce`).
+and promotes it with the training flow's own stages, so with the same events (`flows.stages`).
 """
 
 from __future__ import annotations
 
-from prefect import flow
+from contextlib import AbstractContextManager
+from typing import Any
 
-from flows.train import STAGE_CPUS, promote_and_announce, train_with_retries
+from prefect import Task, flow
+
+from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM, with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
-from reporting import artifacts
 from runner import hooks
 from runner.harness import exit_now, flow_run_name, run_cli, run_flow
-from runner.stages import StageRecorder
+from runner.stages import Stage, StageRecorder
 from runner.summary import RunSummary
-from storage_io import StorageLayout, lease_uses
-from tasks.cleanup import cleanup
-from tasks.download import download
-from tasks.evaluate import evaluate
-from tasks.to_parquet import to_parquet
-from tasks.train import retry_infrastructure_failures
-from tasks.transform import transform
+from runner.watchers import TrialWatcher
+from storage_io import StorageLayout, join
 from tasks.tune import tune_search
-from training.tuning import plan_trials, trial_spec, trial_train_config
-
-# The stages and the logical CPUs each holds (see flows.train.STAGE_CPUS); the tune stage only
-# coordinates trials whose workers reserve their own CPUs.
-TUNE_STAGE_CPUS = {"download": 1, "to-parquet": 1, "transform": 0, "tune": 0}
-TRAIN_BEST_STAGE_CPUS = {name: STAGE_CPUS[name] for name in ("train", "evaluate", "promote", "cleanup")}
+from training.tuning import TRIALS_DIR, plan_trials, trial_spec, trial_train_config
 
 
-def stage_plan(config: TunePipelineConfig) -> dict[str, float]:
+class Tune(Stage):
+    """The search: Prefect retries from the training config (a retry restores the search), one line per trial
+    epoch while it runs, and the search's account in summary.json."""
+
+    def prepared(self, run: StageRecorder, parameters: dict[str, Any]) -> Task:
+        return with_retries(self.task, parameters["train_cfg"])
+
+    def starting(self, run: StageRecorder, parameters: dict[str, Any]) -> str:
+        tune = parameters["tune_cfg"]
+        return f" {tune.num_samples} trial(s) of up to {tune.epochs} epoch(s), {tune.scheduler.upper()} by {tune.metric}"
+
+    def watching(self, run: StageRecorder, parameters: dict[str, Any]) -> AbstractContextManager:
+        tune = parameters["tune_cfg"]
+        return TrialWatcher(join(run.layout.run_dir, TRIALS_DIR), tune.epochs, tune.metric)
+
+    def finished(self, run: StageRecorder, parameters: dict[str, Any], tuned: Any) -> None:
+        run.note(tuning=tuned.summary())
+
+
+TUNE = Tune(tune_search)  # coordinates trials whose workers reserve their own CPUs: holds none
+SEARCH_STAGES = [DOWNLOAD, TO_PARQUET, TRANSFORM, TUNE]
+TRAIN_BEST_STAGES = [TRAIN, EVALUATE, PROMOTE, CLEANUP]  # the winner trained, evaluated, promoted as flows.train's
+TUNE_STAGE_CPUS = {stage.name: stage.cpus for stage in SEARCH_STAGES}  # by name, as the UI lists the task runs
+
+
+def stage_plan(config: TunePipelineConfig) -> list[Stage]:
     """The flow's stages: the search, then, with ``tune.train_best``, training, evaluation, promotion and cleanup."""
-    return TUNE_STAGE_CPUS | (TRAIN_BEST_STAGE_CPUS if config.tune.train_best else {})
-
-
-def tune_with_retries(config: TunePipelineConfig):
-    """The tune stage with Prefect retries for infrastructure failures (a retry restores the search)."""
-    return tune_search.with_options(
-        retries=config.train.stage_retries,
-        retry_delay_seconds=config.train.stage_retry_delay_s,
-        retry_condition_fn=retry_infrastructure_failures,
-    )
+    return SEARCH_STAGES + (TRAIN_BEST_STAGES if config.tune.train_best else [])
 
 
 # The flow keeps MNIST's name (its deployment is mnist-resnet18-tune/manual); it searches any
@@ -64,33 +72,34 @@ def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> RunSummary:
 
 
 def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipelineConfig) -> None:
-    """The stage list: the data stages, the search, and with ``tune.train_best`` the winner trained and evaluated."""
+    """The stage list: the data stages, the search, and with ``tune.train_best`` the winner trained, evaluated and
+    promoted by the training flow's own stages (so with its events: a champion the search made sends
+    ``pipeline.model.promoted`` as any other, which ``score/on-promotion`` scores)."""
     workload = config.workload
-    raw = stage(download, cfg=config.download, layout=layout)
+    raw = stage(DOWNLOAD, cfg=config.download, layout=layout)
     dataset = stage(
-        to_parquet, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=config.workload,
+        TO_PARQUET, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=workload,
         max_image_pixels=config.download.max_image_pixels,
     )
-    lease_uses(layout, raw.directory, dataset.directory)
-    artifacts.publish_dataset_report(dataset, workload)
-    spec = stage(transform, dataset=dataset, cfg=config.transform, layout=layout)
+    spec = stage(TRANSFORM, dataset=dataset, cfg=config.transform, layout=layout)
     tuned = stage(
-        tune_with_retries(config), spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout, model=config.model,
-        workload=workload, download=config.download,
+        TUNE, spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout, model=config.model, workload=workload,
+        download=config.download,
     )
-    if config.tune.train_best:
-        best_train = trial_train_config(config.train, tuned.best.config)
-        best_spec = trial_spec(spec, tuned.best.config)
-        trained = stage(
-            train_with_retries(best_train), spec=best_spec, cfg=best_train, layout=layout, model=config.model, workload=workload,
-        )
-        artifacts.publish_training_report(trained, workload)
-        recipe = config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")}  # what the model card names
-        evaluation = stage(evaluate, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout, workload=workload)
-        # The training flow's promotion with its events: a new champion sends pipeline.model.promoted, which
-        # score/on-promotion scores, whichever flow made it.
-        promote_and_announce(stage, config, layout, evaluation, trained, best_spec, recipe, raw.directory)
-        stage(cleanup, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+    if not config.tune.train_best:
+        return
+    best_train, best_spec = trial_train_config(config.train, tuned.best.config), trial_spec(spec, tuned.best.config)
+    trained = stage(TRAIN, spec=best_spec, cfg=best_train, layout=layout, model=config.model, workload=workload)
+    evaluation = stage(
+        EVALUATE, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout, workload=workload,
+        registry_name=config.registry_name,
+    )
+    stage(
+        PROMOTE, evaluation=evaluation, trained=trained, spec=best_spec, cfg=config.promote, evaluate_cfg=config.evaluate,
+        layout=layout, run_config=config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")},  # the winner's recipe
+        raw_dir=raw.directory, workload=workload,
+    )
+    stage(CLEANUP, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
 
 
 def check_trials_fit(config: TunePipelineConfig) -> None:

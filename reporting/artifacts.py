@@ -289,7 +289,8 @@ def publish_evaluation_report(evaluation, dataset, trained, workload: str = DEFA
     confusion = image_markdown(
         f"Confusion matrix ({gate})",
         confusion_matrix_png(evaluation.confusion, dataset.classes),
-        f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images; {gate}.",
+        f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images; {gate}"
+        + (f" (the gate: {evaluation.gate})." if getattr(evaluation, "gate", "") else "."),
     )
     checkpoints = [c.model_dump() for c in trained.checkpoints]
     return [

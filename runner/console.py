@@ -135,6 +135,8 @@ def summary_lines(
     if accuracy is not None and gate is not None:
         verdict = "passed" if accuracy >= gate else "FAILED"
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
+        if evaluation.get("gate"):  # where the gate came from (`tasks.gate`)
+            lines.append(f"  gate           {gate:.2%}: {evaluation['gate']}")
     lines += promotion_lines(summary.promotion, summary.storage_root, summary.data_source)
     lines += tuning_lines(summary.tuning, summary.workload)
     lines += tracking_lines(summary.tracking)

@@ -25,7 +25,7 @@ from pipeline_config.settings import parse_cli
 from reporting import artifacts, environment
 from runner import console, stopping
 from runner.runtime import cli_runtime, ray_task_runner
-from runner.stages import StageRecorder
+from runner.stages import Stage, StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
 from runner.tracking import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, redact_error, run_lease, storage_writes
@@ -64,9 +64,9 @@ def flow_run_name() -> str:
 
 
 def run_flow(
-    config: PipelineConfig, module: str, check_fits: Any, plan: dict[str, float], stages: Any, nothing_new: Any = None,
+    config: PipelineConfig, module: str, check_fits: Any, plan: list[Stage], stages: Any, nothing_new: Any = None,
 ) -> RunSummary | Cancelled | Completed:
-    """What every flow does around its stage list ``stages(stage, layout, config)``.
+    """What every flow does around its stage list ``stages(stage, layout, config)``, whose stages are ``plan`` in order.
 
     The run folder (when ``run_name`` is unset, the flow run's name: `flow_run_name`), the Ray task
     runner, ``check_fits`` before anything is written, the run's lease, then the listing cache the data

@@ -67,7 +67,7 @@ def failure_summary(
     completed = summary.completed_stages()
     done = f" Stages completed before it: {', '.join(completed)}." if completed else ""
     workload = str((summary.workload if known else None) or config.get("workload") or DEFAULT_WORKLOAD)
-    evidence = gate_evidence(summary, workload) if stage == "promote" else ""  # the stage that applies the gate
+    evidence = gate_evidence(summary, workload)  # a run its gate failed: the accuracy, the gate and the artifacts
     searched = summary.module == SEARCH_MODULE or "tune" in config  # the tune flow's run
     named = "MNIST" if workload == DEFAULT_WORKLOAD else workload
     title = f"{named} tune run" if searched else f"{named} pipeline run"
@@ -102,13 +102,16 @@ def resume_advice(summary: RunSummary, run_name: str | None, storage_root: str |
 
 
 def gate_evidence(summary: RunSummary, workload: str = DEFAULT_WORKLOAD) -> str:
-    """For a run that reached its gate: the test accuracy against the gate and the artifacts that show why."""
+    """For a run whose model fell below its gate: the test accuracy against the gate, where the gate came
+    from, and the artifacts that show why; nothing for any other run."""
     evaluation = summary.evaluation
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
-    if accuracy is None or gate is None:
+    if accuracy is None or gate is None or accuracy >= gate:
         return ""
     keys = ", ".join(artifact_keys(workload)[name] for name in ("confusion", "predictions", "metrics", "checkpoint"))
-    return f" Test accuracy {accuracy:.2%} on {evaluation.get('rows', '?')} images, {gate_verdict(accuracy, gate)}; the evidence is in this run's artifacts {keys}."
+    origin = f" (the gate: {evaluation['gate']})" if evaluation.get("gate") else ""
+    return (f" Test accuracy {accuracy:.2%} on {evaluation.get('rows', '?')} images, {gate_verdict(accuracy, gate)}{origin}; "
+            f"the evidence is in this run's artifacts {keys}.")
 
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = WEBHOOK_TIMEOUT_S) -> int:

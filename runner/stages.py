@@ -1,27 +1,65 @@
-"""Running a flow's stages one by one and recording them: `StageRecorder`.
+"""Running a flow's stages one by one and recording them: `Stage` and `StageRecorder`.
 
-Each stage runs as a Prefect task on the flow's Ray task runner; its status and seconds, and how
-a stopped run stopped, go into ``summary.json``. The terminal gets a line when a stage starts and
-one when it ends, with what it produced.
+A flow's stage list is a plain list of calls, ``stage(DOWNLOAD, cfg=...)``, each handing the next
+its output. A `Stage` carries its own concerns: its Prefect task, the logical CPUs that task holds
+on Ray, and what it does around the task in the flow's own process (checks and warnings before it,
+the lines said while it runs, the reports, events and summary fields that follow from its output).
+The recorder runs any stage the same way and names none: each stage runs as a Prefect task on the
+flow's Ray task runner; its status and seconds, and how a stopped run stopped, go into
+``summary.json``. The terminal gets a line when a stage starts and one when it ends, with what it
+produced (its output's ``terminal_detail``).
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from prefect import Task
 from prefect_ray.context import remote_options
 
-from pipeline_config import PipelineConfig, TrainConfig
-from runner import console, stopping, watchers
+from pipeline_config import PipelineConfig
+from runner import console, stopping
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
 from storage_io import StorageLayout, atomic_write_json, join, read_json, redact_error, storage_writes
-from training.records import HISTORY_FILE
 from training.manifests import latest_checkpoint
-from training.tuning import TRIALS_DIR
+
+
+class Stage:
+    """One stage of a flow: its Prefect task, the logical CPUs the task holds on Ray, and its hooks.
+
+    The hooks run in the process that runs the flow, never in a Ray worker, so the reports and events
+    they publish leave with the flow run's own Prefect client and API (a Ray worker has only the URL the
+    runtime hands it: `runner.ray_init`). Each does nothing unless a stage says otherwise.
+
+    ``cpus``: a stage that does its own work holds a CPU; one that only coordinates Ray Data, Ray Train
+    or Ray Tune work (which reserves its own resources) holds none, or, with 2 CPUs and 2 training
+    workers, the run deadlocks.
+    """
+
+    def __init__(self, task: Task, cpus: float = 0):
+        self.task, self.cpus = task, cpus
+
+    @property
+    def name(self) -> str:
+        return self.task.name
+
+    def prepared(self, run: StageRecorder, parameters: dict[str, Any]) -> Task:
+        """The task this call submits: ``task`` with the call's options (Prefect retries from its config)."""
+        return self.task
+
+    def starting(self, run: StageRecorder, parameters: dict[str, Any]) -> str:
+        """Before the task is submitted: checks, warnings, events; returns what the starting line adds."""
+        return ""
+
+    def watching(self, run: StageRecorder, parameters: dict[str, Any]) -> AbstractContextManager:
+        """What says lines while the task runs (`runner.watchers`)."""
+        return nullcontext()
+
+    def finished(self, run: StageRecorder, parameters: dict[str, Any], output: Any) -> None:
+        """After the task completed: the summary fields its output fills (`StageRecorder.note`), its reports and events."""
 
 
 def stage_options(cpus: float) -> dict[str, Any]:
@@ -45,42 +83,33 @@ def stage_options(cpus: float) -> dict[str, Any]:
 class StageRecorder:
     """Runs stages on the task runner and records their status and seconds for summary.json.
 
-    ``plan``: the flow's stages in order with the logical CPUs each holds (``flows.train.STAGE_CPUS``).
+    ``plan``: the flow's stages in order (their numbers on the terminal, and what a completed run completed).
     """
 
     def __init__(
-        self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any], plan: dict[str, float],
+        self, runner, layout: StorageLayout, config: PipelineConfig, env: dict[str, Any], plan: list[Stage],
         module: str = "flows.train", tracker: Tracker | None = None,
     ):
-        self.runner, self.layout, self.config, self.env, self.plan = runner, layout, config, env, plan
+        self.runner, self.layout, self.config, self.env, self.plan = runner, layout, config, env, list(plan)
         self.tracker = tracker or Tracker(config, layout, env)  # MLflow, when MLFLOW_TRACKING_URI is set
         self.module = module  # what resumes the run: python -m <module>
         self.stages: dict[str, StageRecord] = {}
         self.outputs: dict[str, Any] = {}
+        self.facts: dict[str, Any] = {}  # RunSummary fields the stages filled (`note`)
         self.stopped: StopRecord | None = None  # how an interrupted or cancelled run stopped
         self.warnings: list[str] = []  # said before training, kept in summary.json
         self.last_summary: RunSummary | None = None  # the latest one built, written or not
 
-    def __call__(self, stage: Task, **parameters: Any) -> Any:
+    def __call__(self, stage: Stage, **parameters: Any) -> Any:
         name = stage.name
-        number = f"[{list(self.plan).index(name) + 1}/{len(self.plan)}] {name}"
+        number = f"[{[s.name for s in self.plan].index(name) + 1}/{len(self.plan)}] {name}"
+        detail = stage.starting(self, parameters)  # may refuse the stage before it starts
         record = self.stages[name] = StageRecord()
-        console.say("%s ...%s", number, _stage_start(name, self))
-        if name == "train":
-            self.warn_few_steps(parameters.get("cfg", self.config.train))
+        console.say("%s ...%s", number, detail)
         start = time.perf_counter()
-        # Training says one line per epoch, read from the run's history on storage by this driver.
-        history = join(self.layout.run_dir, HISTORY_FILE)
-        live = self.tracker.sync_epochs if self.tracker.enabled else None  # each epoch into MLflow as it finishes
-        watch = watchers.EpochWatcher(history, self.epochs(), on_epoch=live) if name == "train" else nullcontext()
-        tune_cfg = getattr(self.config, "tune", None)
-        if name == "tune" and tune_cfg is not None:  # one line per trial epoch, from the trials' histories
-            watch = watchers.TrialWatcher(join(self.layout.run_dir, TRIALS_DIR), tune_cfg.epochs, tune_cfg.metric)
         try:
-            with remote_options(**stage_options(self.plan[name])):
-                future = self.runner.submit(stage, parameters=parameters)
-            with watch:
-                result = stopping.wait_for_stage(future, name)
+            with stage.watching(self, parameters):
+                result = self.run_task(stage, parameters)
         except stopping.RunStopped as stop:
             record.status = "interrupted"
             self.record_stop("interrupted", name, stop.reason)
@@ -96,25 +125,28 @@ class StageRecorder:
             record.seconds = round(time.perf_counter() - start, 2)
         record.status = "completed"
         self.outputs[name] = result
+        detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
+        console.say("%s done in %s%s", number, console.duration(record.seconds), detail)
+        stage.finished(self, parameters, result)  # a failure here is the run's, after the stage
         if self.tracker.enabled:
             self.tracker.sync(self.summary())
-        seconds = console.duration(record.seconds)
-        detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
-        console.say("%s done in %s%s", number, seconds, detail)
         return result
 
-    def epochs(self) -> int | None:
-        """The epochs training makes on this run's data (train.epochs capped by train.max_images), once it is known."""
-        dataset = self.outputs.get("to-parquet")
-        if "train" not in self.plan:  # a search without training the best config (trials: tuning)
-            return None
-        return self.config.train.epochs_for(dataset.rows["train"]) if dataset else None
+    def run_task(self, stage: Stage, parameters: dict[str, Any]) -> Any:
+        """Submit the stage's task on Ray with the CPUs it holds, and wait for its output (a stop request cancels it)."""
+        with remote_options(**stage_options(stage.cpus)):
+            future = self.runner.submit(stage.prepared(self, parameters), parameters=parameters)
+        return stopping.wait_for_stage(future, stage.name)
 
-    def warn_few_steps(self, cfg: TrainConfig) -> None:
-        """One warning line when training ``cfg`` on the converted data makes too few optimizer steps to learn."""
-        dataset = self.outputs.get("to-parquet")
-        warning = cfg.few_steps_warning(dataset.rows["train"]) if dataset else None
-        if warning and warning not in self.warnings:
+    def note(self, **fields: Any) -> None:
+        """RunSummary fields a stage filled; a dict-valued field (``data``, ``environment``) is merged."""
+        for key, value in fields.items():
+            before = self.facts.get(key)
+            self.facts[key] = before | value if isinstance(before, dict) and isinstance(value, dict) else value
+
+    def warn(self, warning: str) -> None:
+        """Say ``warning`` once (a retried stage says it again) and keep it in summary.json."""
+        if warning not in self.warnings:
             self.warnings.append(warning)
             console.run_logger().warning("%s", warning)
 
@@ -133,8 +165,8 @@ class StageRecorder:
         return len(self.stages) == len(self.plan) and all(s.status == "completed" for s in self.stages.values())
 
     def summary(self) -> RunSummary:
-        """Run name, storage, data source, per-stage status and seconds, checkpoint and metrics."""
-        raw, dataset, trained, tuned = (self.outputs.get(name) for name in ("download", "to-parquet", "train", "tune"))
+        """Run name, storage, per-stage status and seconds, what the stages noted, and the metrics on storage."""
+        facts = dict(self.facts)
         metrics = _read_metrics(self.layout)
         from prefect.runtime import flow_run
 
@@ -145,31 +177,17 @@ class StageRecorder:
             flow_run_id=str(flow_run.id) if flow_run.id else None,
             storage_root=self.layout.root,
             run_dir=self.layout.run_dir,
-            data_source=raw.source if raw else None,
-            data=DataRecord(
-                raw_dir=raw.directory if raw else None,
-                download_skipped=raw.skipped if raw else None,
-                dataset_dir=dataset.directory if dataset else None,
-                conversion_skipped=dataset.skipped if dataset else None,
-                rows=dataset.rows if dataset else None,
-            ),
+            data=DataRecord(**facts.pop("data", {})),
             status=self.status(),
             stopped=self.stopped,
             stages={name: record.model_copy() for name, record in self.stages.items()},
-            epochs=self.epochs(),
-            best_checkpoint=trained.best_checkpoint if trained else None,
-            best_val_accuracy=trained.best_val_accuracy if trained else None,
-            training_attempts=trained.attempts if trained else None,
-            resumed_from_epoch=trained.resumed_from_epoch if trained else None,
-            weights=trained.weights if trained else None,
             test_accuracy=metrics.get("accuracy"),
             promotion=metrics.get("promotion"),
             evaluation=metrics,
-            tuning=tuned.summary() if tuned else None,
             warnings=list(self.warnings),
             config=self.config.model_dump(mode="json"),
-            # what the training step ran on, as its last attempt recorded it: {"device": "cuda", "precision": "bf16"}
-            environment=self.env | ({"training": trained.compute()} if trained and trained.compute() else {}),
+            environment=self.env | facts.pop("environment", {}),  # with what the training step ran on, once it ran
+            **facts,
         )
 
     def write_summary(self) -> RunSummary:
@@ -180,16 +198,6 @@ class StageRecorder:
         with storage_writes("summary", self.layout.run_dir):
             atomic_write_json(self.layout.summary_path, summary.to_json())
         return summary
-
-
-def _stage_start(name: str, stage: StageRecorder) -> str:
-    """What a starting stage will do, when there is more to say than its name."""
-    if name == "train":
-        return f" {stage.epochs()} epoch(s)"
-    tune_cfg = getattr(stage.config, "tune", None)
-    if name == "tune" and tune_cfg is not None:
-        return f" {tune_cfg.num_samples} trial(s) of up to {tune_cfg.epochs} epoch(s), {tune_cfg.scheduler.upper()} by {tune_cfg.metric}"
-    return ""
 
 
 def _read_metrics(layout: StorageLayout) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 The best checkpoint scores the test split through a pool of model actors (`training.inference`,
 the seeds' ``ModelWorker`` idea, batched). Results land in ``<run>/evaluation/`` and the reports
 (confusion matrix, predictions, metrics, checkpoint) are published to the Prefect UI. The stage
-says whether the model passed ``evaluate.min_accuracy``; the next stage (`tasks.promote`) records
+says whether the model passed its gate (`tasks.gate`: ``evaluate.min_accuracy`` when set, else the
+workload's own); the next stage (`tasks.promote`) records
 the run in the model's history and acts on that verdict, so a failed gate keeps every artifact,
 shows its evidence and still has its row in the run comparison.
 """
@@ -20,6 +21,7 @@ from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig
 from reporting import artifacts
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
+from tasks.gate import gate_for
 from tasks.manifests import Evaluation
 from training.inference import confusion_matrix, metrics_from_confusion, predict
 from training.manifests import TrainedModel
@@ -32,13 +34,16 @@ def evaluate(
     cfg: EvaluateConfig,
     layout: StorageLayout,
     workload: str = DEFAULT_WORKLOAD,
+    registry_name: str | None = None,
 ) -> Evaluation:
     """Score the best checkpoint on the held-out test split and say whether it passed the accuracy gate.
 
-    ``workload`` names the reports' artifact keys. The gate's verdict is ``passed_gate``; the
-    promote stage records it and fails the run when the gate failed.
+    ``workload`` names the reports' artifact keys. The gate is `tasks.gate.gate_for`'s: ``evaluate.min_accuracy``
+    when set, else the data's own gate, its champion's (``registry_name``'s; None: promotion is off) or its
+    baseline. The verdict is ``passed_gate``; the promote stage records it and fails the run when the gate failed.
     """
     logger = stage_logger(__name__)
+    gate = gate_for(cfg, spec.dataset, layout.root, registry_name)  # before scoring: the champion is the one before this run
     out = predict(spec, trained.best_checkpoint, cfg, trained.model)
     if len(out["row_id"]) != spec.dataset.rows["test"]:
         raise RuntimeError(f"evaluation saw {len(out['row_id'])} test rows, expected {spec.dataset.rows['test']}")
@@ -57,8 +62,9 @@ def evaluate(
         rows=int(confusion.sum()),
         metrics_path=join(folder, "metrics.json"),
         predictions_path=predictions_path,
-        passed_gate=scores["accuracy"] >= cfg.min_accuracy,
-        min_accuracy=cfg.min_accuracy,
+        passed_gate=scores["accuracy"] >= gate.min_accuracy,
+        min_accuracy=gate.min_accuracy,
+        gate=gate.origin,
         tta=cfg.tta,
         accuracy_without_tta=plain_accuracy,
         classes=list(spec.dataset.classes),
@@ -67,8 +73,8 @@ def evaluate(
     with storage_writes("evaluate"):
         atomic_write_json(result.metrics_path, result.model_dump())
     logger.info(
-        "Test accuracy %.4f on %d images (without test-time augmentation %.4f; %s)",
-        result.accuracy, result.rows, plain_accuracy, artifacts.gate_verdict(result.accuracy, cfg.min_accuracy),
+        "Test accuracy %.4f on %d images (without test-time augmentation %.4f; %s; the gate: %s)",
+        result.accuracy, result.rows, plain_accuracy, artifacts.gate_verdict(result.accuracy, gate.min_accuracy), gate.origin,
     )
     # The evidence before any verdict acts: a failed gate's run page shows why it failed.
     artifacts.publish_evaluation_report(result, spec.dataset, trained, workload)

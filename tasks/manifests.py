@@ -25,6 +25,7 @@ class Evaluation(BaseModel):
     predictions_path: str
     passed_gate: bool
     min_accuracy: float = 0.0  # the gate it was held to
+    gate: str = ""  # where min_accuracy came from, in a phrase (`tasks.gate.Gate.origin`)
     tta: bool = False
     accuracy_without_tta: float | None = None
     promotion: registry.Promotion | None = None  # set by the promote stage; None: promotion is off (promote.enabled)

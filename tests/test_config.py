@@ -11,6 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from pipeline_config import PipelineConfig
+from pipeline_config.evaluation import OWN_GATES
 from pipeline_config.settings import parse_cli
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,8 +22,9 @@ def test_defaults_and_smoke_preset():
     smoke = parse_cli(["--preset", "smoke"]).pipeline_config()
     assert default.train.epochs > smoke.train.epochs
     assert smoke.download.source == "sample"
-    assert default.evaluate.min_accuracy == pytest.approx(0.975)
-    assert smoke.evaluate.min_accuracy < default.evaluate.min_accuracy
+    assert default.evaluate.min_accuracy is None  # unset: the workload's own gate (`tasks.gate`)
+    assert OWN_GATES["idx"] == pytest.approx(0.975)  # MNIST's digits keep theirs
+    assert smoke.evaluate.min_accuracy < OWN_GATES["idx"]
 
 
 def test_precedence_preset_file_env_cli(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,8 @@ from pipeline_config import PipelineConfig, TrainConfig
 from pipeline_config.learning import FEW_STEPS, steps_per_epoch
 from reporting.artifacts import training_markdown
 from runner import console
+from flows.stages import TRAIN
+from flows.train import STAGES
 from runner.stages import StageRecorder
 from storage_io import StorageLayout
 from training.loop import LoopConfig, start_attempt
@@ -79,11 +82,18 @@ def test_enough_steps_say_nothing():
 
 def _recorder(tmp_path, config: PipelineConfig, train_rows: int) -> StageRecorder:
     layout = StorageLayout.create(str(tmp_path), "short-run")
-    recorder = StageRecorder(None, layout, config, {}, {"to-parquet": 1, "train": 0})
-    recorder.outputs["to-parquet"] = ParquetDataset(
+    recorder = StageRecorder(None, layout, config, {}, STAGES)
+    dataset = ParquetDataset(
         directory=str(tmp_path / "datasets" / "shapes"), fingerprint="f", rows={"train": train_rows, "val": 10, "test": 50},
     )
+    recorder.outputs["to-parquet"] = dataset
     return recorder
+
+
+def _train_starts(recorder: StageRecorder) -> None:
+    """What the training stage does before its task starts (`flows.stages.Train.starting`): the warning, if any."""
+    spec = SimpleNamespace(dataset=recorder.outputs["to-parquet"])
+    TRAIN.starting(recorder, {"cfg": recorder.config.train, "spec": spec})
 
 
 def _terminal() -> PrefectConsoleHandler:
@@ -98,8 +108,8 @@ def test_the_warning_reaches_the_terminal_and_summary_json(tmp_path, caplog):
     screen, terminal.console.file = terminal.console.file, shown
     try:
         with console.quiet_terminal(), caplog.at_level(logging.INFO):
-            recorder.warn_few_steps(recorder.config.train)
-            recorder.warn_few_steps(recorder.config.train)  # a stage retried: said once
+            _train_starts(recorder)
+            _train_starts(recorder)  # a stage retried: said once
     finally:
         terminal.console.file = screen
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [SHORT]
@@ -112,7 +122,7 @@ def test_the_warning_reaches_the_terminal_and_summary_json(tmp_path, caplog):
 
 def test_a_run_with_enough_steps_has_no_warnings(tmp_path):
     recorder = _recorder(tmp_path, PipelineConfig(), 3800)
-    recorder.warn_few_steps(recorder.config.train)
+    _train_starts(recorder)
     assert recorder.write_summary().to_json()["warnings"] == []
 
 

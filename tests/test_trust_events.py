@@ -67,35 +67,40 @@ def test_the_watcher_keeps_a_listing_only_once_prefect_accepted_its_event(tmp_pa
 
 
 def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_server, run_tree):
-    """flows.tune's stage list with ``tune.train_best``: its promotion sends ``pipeline.model.promoted`` as the
-    training flow's does, to a real Prefect server. A real search takes minutes (the slow tier): the stages
-    are replaced by their recorded outputs (`stage` below), so only the flow's code between them runs."""
+    """flows.tune's stage list with ``tune.train_best``, run by the real `StageRecorder` with every stage's own hooks
+    (`flows.stages`): its promotion sends ``pipeline.model.promoted`` as the training flow's does, to a real Prefect
+    server. A real search takes minutes (the slow tier): only the stages' Ray tasks are replaced by their recorded
+    outputs (`Recorded.run_task`), so the flow's stage list and everything each stage does around its task run."""
     from dataset.transform import TransformSpec
     from flows import tune
     from pipeline_config import TransformConfig, TunePipelineConfig
+    from runner.stages import StageRecorder
     from tasks.promote import PromotionOutcome
     from training.registry import Promotion
 
     layout, raw, dataset, trained, evaluation = run_tree
     config = TunePipelineConfig.model_validate({"storage_root": layout.root, "tune": {"train_best": True}})
     model = config.registry_name
+    dataset = dataset.model_copy(update={"rows": {"train": 640, "val": 10, "test": 10}})  # the rows training is planned by
     spec = TransformSpec.model_construct(dataset=dataset, config=TransformConfig(), checks={}, manifest="m")
     sampled = {"learning_rate": 0.01, "weight_decay": 0.0001, "global_batch_size": 64, "label_smoothing": 0.0, "augmentation": 1.0}
     promotion = Promotion(model=model, promoted=True, reason="better", version=3, champion_before=2, champion_accuracy=0.5)
+    searched = SimpleNamespace(best=SimpleNamespace(config=sampled), summary=lambda: {"trials": 4})
     outputs = {
-        "download": raw, "to-parquet": dataset, "transform": spec, "tune": SimpleNamespace(best=SimpleNamespace(config=sampled)),
+        "download": raw, "to-parquet": dataset, "transform": spec, "tune": searched,
         "train": trained, "evaluate": evaluation, "promote": PromotionOutcome(promotion=promotion), "cleanup": None,
     }
-    ran = []
 
-    def stage(task, **kwargs):
-        ran.append(task.name)
-        return outputs[task.name]
+    class Recorded(StageRecorder):
+        def run_task(self, stage, parameters):
+            return outputs[stage.name]
 
     before = {e["id"] for e in server_events(shared_server, events.PROMOTED)}
+    recorder = Recorded(None, layout, config, {}, tune.stage_plan(config), "flows.tune")
     with using_api(shared_server.api):
-        tune.run_stages(stage, layout, config)
-    assert ran == ["download", "to-parquet", "transform", "tune", "train", "evaluate", "promote", "cleanup"], ran
+        tune.run_stages(recorder, layout, config)
+    assert list(recorder.stages) == ["download", "to-parquet", "transform", "tune", "train", "evaluate", "promote", "cleanup"]
+    assert recorder.completed() and recorder.summary().tuning == {"trials": 4}
 
     def new() -> list[dict]:
         return [e for e in server_events(shared_server, events.PROMOTED) if e["id"] not in before
