@@ -1,0 +1,93 @@
+"""Stages carry their own concerns (issue 61): a flow's stage list is a plain list of stage calls, each stage
+declares its CPUs and publishes its own reports and events, and the harness (``runner/``) names no stage.
+
+Real parts: the project's own source read with ``ast`` (what the flows call, what the runner names), the
+real stage objects the flows run.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+from flows import mnist, train, tune
+from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM
+from pipeline_config import TunePipelineConfig
+from runner.stages import Stage
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGE_NAMES = {"download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup", "tune"}
+
+
+def calls_in(function) -> list[str]:
+    """The names every call in ``function``'s body calls (``stage``, ``trial_spec``, ``config.model_dump``: ``model_dump``)."""
+    tree = ast.parse(inspect.getsource(function))
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.append(func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "?")
+    return names
+
+
+def stage_arguments(function) -> list[str]:
+    """The first argument of each ``stage(...)`` call, in order: the stages the list runs."""
+    tree = ast.parse(inspect.getsource(function))
+    return [node.args[0].id for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "stage"]
+
+
+def test_the_stage_lists_call_stages_and_nothing_else():
+    assert set(calls_in(train.run_stages)) == {"stage", "model_dump"}  # model_dump: what the model card records
+    assert stage_arguments(train.run_stages) == ["DOWNLOAD", "TO_PARQUET", "TRANSFORM", "TRAIN", "EVALUATE", "PROMOTE", "CLEANUP"]
+    # The search's list adds only the winner's recipe, worked out from the search's output.
+    assert set(calls_in(tune.run_stages)) == {"stage", "model_dump", "trial_train_config", "trial_spec"}
+    assert stage_arguments(tune.run_stages) == ["DOWNLOAD", "TO_PARQUET", "TRANSFORM", "TUNE", "TRAIN", "EVALUATE", "PROMOTE", "CLEANUP"]
+
+
+def test_each_stage_declares_its_cpus_and_the_flows_plans_are_their_stage_lists():
+    assert train.STAGES == mnist.STAGES == [DOWNLOAD, TO_PARQUET, TRANSFORM, TRAIN, EVALUATE, PROMOTE, CLEANUP]
+    assert all(isinstance(stage, Stage) for stage in train.STAGES)
+    assert {stage.name: stage.cpus for stage in train.STAGES} == train.STAGE_CPUS == {
+        "download": 1, "to-parquet": 1, "transform": 0, "train": 0, "evaluate": 0, "promote": 0, "cleanup": 0,
+    }
+    searched = tune.stage_plan(TunePipelineConfig())
+    assert [s.name for s in searched] == ["download", "to-parquet", "transform", "tune"] and tune.TUNE.cpus == 0
+    best = tune.stage_plan(TunePipelineConfig.model_validate({"tune": {"train_best": True}}))
+    assert best[4:] == [TRAIN, EVALUATE, PROMOTE, CLEANUP]  # the training flow's own stages, so the same events
+
+
+def stage_names_used(tree: ast.AST) -> set[str]:
+    """Stage names a module acts on: compared with (``name == "train"``), looked up (``outputs["to-parquet"]``,
+    ``plan.get("train")``, ``.index("train")``) or listed (``("download", "train")``). A config section of the
+    same name read from a config (``getattr(config, "tune", None)``, ``"tune" in config``) is the config's shape."""
+    def named(node: ast.AST | None) -> set[str]:
+        return {node.value} & STAGE_NAMES if isinstance(node, ast.Constant) and isinstance(node.value, str) else set()
+
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and any(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops):
+            found |= named(node.left).union(*(named(c) for c in node.comparators))
+        elif isinstance(node, ast.Subscript):
+            found |= named(node.slice)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in {"get", "index", "pop"}:
+            found |= set().union(*(named(arg) for arg in node.args))
+        elif isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            found |= set().union(*(named(e) for e in node.elts))
+        elif isinstance(node, ast.Dict):
+            found |= set().union(*(named(k) for k in node.keys))
+    return found
+
+
+def test_the_runner_names_no_stage():
+    """No stage acted on by name in runner/, and no stage's module imported there: what a stage does is its own."""
+    for path in sorted((ROOT / "runner").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        named = stage_names_used(tree)
+        assert not named, f"{path.name} acts on the stage(s) {sorted(named)} by name"
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {m for m in imported if m.startswith(("tasks.", "flows."))}, f"{path.name} imports a stage or a flow"
+    # What the check catches: the recorder as it was before the stages carried their own concerns.
+    before = 'if name == "train":\n    pass\nraw = self.outputs.get("to-parquet")\nplan = {"download": 1}'
+    assert stage_names_used(ast.parse(before)) == {"train", "to-parquet", "download"}
