@@ -56,11 +56,14 @@ test-fast: install
 
 # The pipeline's rows (benchmarks/results/latest.json), then the recipe's cells on data the
 # benchmark makes itself (benchmarks/results/recipe.json; RECIPE_ARGS="--seeds 0,1,2"), then image
-# folders at three sizes through flows.train (benchmarks/results/scale.json; SCALE_ARGS="--quick").
+# folders at three sizes through flows.train (benchmarks/results/scale.json; SCALE_ARGS="--quick"), then
+# start-up: first step on the CLI and served paths, a small run's peak PSS (benchmarks/results/startup.json;
+# STARTUP_ARGS="--quick", or "--only cli|memory|served").
 bench: install
 	$(PY) -m benchmarks.run $(ARGS)
 	$(PY) -m benchmarks.recipe $(RECIPE_ARGS)
 	$(PY) -m benchmarks.scale $(SCALE_ARGS)
+	$(PY) -m benchmarks.startup $(STARTUP_ARGS)
 
 # The container image <project name>:<lock hash>, built offline with no registry base image
 # (debootstrap + a venv from the lock's wheels, `docker import`ed; docs/operations.md). The tag

@@ -13,6 +13,7 @@ from dataset import sources
 from dataset.fetch import sync_files
 from dataset.idx import IMAGE_SHAPE
 from dataset.parquet import FORMAT_VERSION, MNIST_CLASSES, ParquetDataset, build_manifest, convert
+from dataset.raw_on_storage import verified_on_storage
 from dataset.source import Defaults, Source
 from dataset.sources import RawData, resolve_source, source_key
 from pipeline_config import DownloadConfig, ParquetConfig
@@ -55,6 +56,10 @@ class IdxSource(Source):
         """Fetch and verify the four files (official, mirror or bundled sample) into ``<root>/raw/<source>/``;
         a re-run whose four files are present and verified touches no network at all."""
         cfg = self.cfg
+        reused = verified_on_storage(cfg, layout) if layout is not None else None
+        if reused is not None:  # verified on storage already: no probe of the mirrors, no torchvision, nothing fetched
+            log.info("MNIST files already present and verified, no download, in %s (source=%s, %s)", reused.directory, reused.source, reused.url)
+            return reused
         plan = resolve_source(cfg, layout)
         if plan.fell_back:
             log.warning(
