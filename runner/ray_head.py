@@ -95,7 +95,10 @@ def ray_head(log: Path, num_cpus: int | None = None, env: dict[str, str] | None 
     env["RAY_ADDRESS"] = f"127.0.0.1:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [_ray_command(), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
-               "--disable-usage-stats", *([f"--num-cpus={num_cpus}"] if num_cpus else [])]
+               "--disable-usage-stats", *([f"--num-cpus={num_cpus}"] if num_cpus else []),
+               # `ray start` binds its dashboard (the State API Ray Train's placement group cleaner asks) to 8265 only,
+               # and runs without one when another Ray on the machine holds that port: a free port instead.
+               f"--dashboard-port={_free_port()}"]
     with open(log, "wb") as out:
         head = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, preexec_fn=_ends_with_parent)

@@ -1,4 +1,4 @@
-"""Shared fixtures: a storage layout, a local Ray, the loopback S3 server, a run tree, Prefect servers.
+"""Shared fixtures: a storage layout, a local Ray, the session's Ray cluster, the loopback S3 server, a run tree, Prefect servers.
 
 The plain helpers these fixtures use (and test modules import) are in ``tests/support/``.
 """
@@ -13,6 +13,7 @@ import pytest
 from storage_io import StorageLayout
 from tests.support.mlflow_server import MlflowServer
 from tests.support.prefect_server import PrefectServer
+from tests.support.ray_cluster import SharedRay, check_workers_not_shared, shared_cluster
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
 
 
@@ -140,3 +141,24 @@ def shared_server(tmp_path_factory) -> Iterator[PrefectServer]:
     finally:
         srv.stop()
 
+
+
+# --- one Ray cluster for the session ----------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def shared_ray(tmp_path_factory) -> Iterator[SharedRay]:
+    """One ``ray start --head`` for the whole session, which the end-to-end runs that are not about the CLI's
+    own local Ray join, as the runs of a deployment join its cluster (tests/support/ray_cluster.py).
+
+    A run joins it through ``tests.support.ray_cluster.join_env`` (CLI runs) or ``serve_args``
+    (``deployments.serve``). The tests about the local Ray a CLI run starts and stops (the default
+    smoke run, Ctrl-C, SIGKILL, the first start) keep theirs. Checked once when it starts: two
+    drivers in a row get disjoint worker processes, working in the head's empty folder; checked when
+    the session ends: no run wrote into that folder.
+    """
+    with shared_cluster(tmp_path_factory.mktemp("shared-ray")) as cluster:
+        check_workers_not_shared(cluster)
+        yield cluster
+        stray = cluster.stray_files()
+    assert not stray, f"Ray workers wrote into their working folder {cluster.cwd} instead of a storage root: {stray}"

@@ -254,15 +254,17 @@ def two_shapes_folder(root: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.spine
-def test_fine_tuning_from_another_workloads_champion_beats_the_start_from_scratch(tmp_path, shared_server):
+def test_fine_tuning_from_another_workloads_champion_beats_the_start_from_scratch(tmp_path, shared_server, shared_ray):
     """One epoch on 2-class images from scratch, and the same run (same seed, same data) from the champion of a
-    3-class workload: its head starts fresh, the rest loads, and the test accuracy is higher."""
+    3-class workload: its head starts fresh, the rest loads, and the test accuracy is higher.
+    (Both runs join the session's Ray cluster, ``shared_ray``: this test is not about a run's own Ray.)"""
     from tests.support.prefect_server import api_env
+    from tests.support.ray_cluster import join_env
 
     storage = tmp_path / "storage"
     promote_champion(storage, "shapes-small-cnn", pretrained_small_cnn())
     images = two_shapes_folder(tmp_path / "discs-triangles")
-    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith("PIPELINE_")}
+    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith("PIPELINE_")} | join_env(shared_ray)
     common = ["--storage-root", str(storage), "--download.source", "folder", "--download.path", str(images),
               "--model.name", SMALL_MODEL, "--train.epochs", "1", "--train.global-batch-size", "8", "--train.ema-decay", "0",
               "--transform.mean", "0.5", "--transform.std", "0.5", "--evaluate.min-accuracy", "0", "--no-promote.enabled"]

@@ -264,7 +264,7 @@ def guide_blocks() -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.spine
-def test_the_extending_guide_runs_as_written(tmp_path, shared_server, monkeypatch):
+def test_the_extending_guide_runs_as_written(tmp_path, shared_server, shared_ray, monkeypatch):
     """docs/extending.md, run as written on the tests' own RGB workload: the user's model module and
     config file as the page shows them, `python -m flows.train --config-file shapes.yaml` from their
     folder (no file of the project edited), then `flows.predict` on the folder's test/ with the champion.
@@ -274,12 +274,16 @@ def test_the_extending_guide_runs_as_written(tmp_path, shared_server, monkeypatc
     budget (the guide's 160 optimizer steps): the run scores, without test-time augmentation, within
     two test images of a plain constant-rate AdamW loop given the same images, model, batch, epochs
     and seed in this test (`benchmarks.recipe.plain`; 2 of 45 images is 4.4 points).
-    (The session's Prefect server: this run is not about starting one.)"""
+    (The session's Prefect server and Ray cluster, ``shared_ray``, as a deployment's runs have them: this run
+    is not about starting either. The guide's commands stay as written; the cluster is named in the
+    environment, ``PIPELINE_RAY__ADDRESS``. The user's model module is imported by this run's own Ray workers,
+    from its folder on their ``sys.path``; no other run gets those workers.)"""
     import re
 
     from pipeline_config import registry_model_name
     from reporting.artifacts import artifact_keys, comparison_keys
     from tests.support.prefect_server import api_env
+    from tests.support.ray_cluster import join_env
 
     blocks = guide_blocks()
     (tmp_path / "my_models.py").write_text(blocks["my_models.py"])
@@ -294,6 +298,7 @@ def test_the_extending_guide_runs_as_written(tmp_path, shared_server, monkeypatc
         return subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
 
     env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("PIPELINE_", "PYTHONPATH"))}
+    env |= join_env(shared_ray)
     out = run(train_command, env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
 
