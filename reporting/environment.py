@@ -1,4 +1,4 @@
-"""What a result was measured on: library versions, the machine, the code version.
+"""What a run or a benchmark ran on: library versions, the machine, the code version.
 
 Every result the project writes (a run's ``summary.json``, the run's environment report in the
 Prefect UI, ``benchmarks/results/latest.json``) carries ``describe()``, so a reported number

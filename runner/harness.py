@@ -255,9 +255,8 @@ def close_cli(
 def exit_now(code: int) -> None:
     """End a command-line run with ``code`` once its exit handlers have run, skipping the interpreter's teardown.
 
-    After the last line is printed, tearing down torch's, Ray's and Prefect's modules took another 2-3 s
-    on 2 cores (measured: 1.4 s for ``import torch, torchvision`` alone) before the shell got its prompt
-    back. The exit handlers (``atexit``: Prefect's and Ray's shutdowns, logging's flush) still run, and
+    After the last line is printed, tearing down torch's, Ray's and Prefect's modules keeps the shell
+    waiting for its prompt for seconds on a small machine (docs/design.md). The exit handlers (``atexit``: Prefect's and Ray's shutdowns, logging's flush) still run, and
     the standard streams are flushed; with a non-daemon thread still running, the normal exit waits for it.
     """
     import atexit

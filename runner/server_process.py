@@ -39,8 +39,8 @@ PARENT_POLL_S = 0.5
 STOP_GRACE_S = 5.0  # after SIGTERM to itself, uvicorn's graceful shutdown gets this long
 
 # How long the CLI's temporary server may take to answer, unless the user set Prefect's
-# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (default 20). Measured first starts on 2 cores:
-# 6-10 s idle, 16-31 s with 2-6 other busy processes; a server that exits fails at once anyway.
+# PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS (default 20), which a first start on a busy small
+# machine can pass (docs/design.md); a server that exits fails at once anyway.
 STARTUP_TIMEOUT_S = 180
 TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 LOG_NAME = "temporary-server.log"  # in PREFECT_HOME, beside the server's database

@@ -9,7 +9,7 @@ Prefect server stop, the server last, and the CLI exits 130 (SIGINT) or 143 (SIG
 Ctrl-C exits at once.
 
 Why not let Python raise KeyboardInterrupt: the stage runs in a Ray task, so an exception in the
-CLI's main thread leaves training running to its end (measured: minutes), and Prefect's own
+CLI's main thread leaves training running to its end, and Prefect's own
 SIGTERM bridge raised from inside Ray's C code, which surfaced as a ``SystemError``.
 
 A served deployment's run is cancelled by Prefect's runner (Cancel in the UI): Prefect's own
@@ -35,7 +35,7 @@ from runner.summary import RunSummary
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number, as shells report them
 SIGNAL_NAMES = {signal.SIGINT: "Ctrl-C (SIGINT)", signal.SIGTERM: "SIGTERM"}
 
-# How long a cancelled stage may take to wind down (Ray Train's abort measured 0.7 s) before the
+# How long a cancelled stage may take to wind down (Ray Train's abort takes about a second) before the
 # flow records the stop anyway; well inside Prefect's 30 s cancellation grace period.
 STAGE_STOP_WAIT_S = 15.0
 POLL_S = 0.5
@@ -164,8 +164,8 @@ def sigterm_handler_kept() -> Iterator[None]:
 
     ``ray.init`` installs its own (``sys.exit``) in the main thread. Over the CLI's handler it would
     turn SIGTERM back into an exception from inside Ray; over Prefect's bridge in a served run,
-    Prefect no longer acknowledged the runner's cancel and the run ended Crashed, not Cancelled
-    (measured with prefect 3.9.1).
+    Prefect no longer acknowledges the runner's cancel and the run ends Crashed, not Cancelled
+    (prefect 3.9.1; docs/design.md).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -238,13 +238,12 @@ class ApiWatch:
     """Ends a CLI run whose Prefect API stopped answering for longer than ``wait_s``.
 
     Prefect's client retries a lost server with growing pauses, so a run whose server is gone
-    for good finished its stages and then hung while reporting its last states (measured: still
-    running 2 minutes after its summary said completed). After ``wait_s`` without an answer
+    for good finishes its stages and then hangs while reporting its last states. After ``wait_s`` without an answer
     this watch asks a run still in a stage to stop (its checkpoints stay), gives it
     ``STAGE_STOP_WAIT_S`` to write its summary, says that the orchestrator could not be told,
     and exits with the run's outcome (the summary its flow body ended with, also on storage): 0
     when it says completed, else 1. A server
-    back within ``wait_s`` changes nothing (measured: 27 s and 77 s outages, the run completed).
+    back within ``wait_s`` changes nothing (docs/design.md has the outages tried).
     """
 
     def __init__(self, api_url: str, wait_s: float, summary_path: str, argv: Sequence[str] | None = None, poll_s: float = 2.0):

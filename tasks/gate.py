@@ -56,7 +56,7 @@ def gate_for(cfg: EvaluateConfig, dataset: ParquetDataset, root: str, registry_n
         return Gate(min_accuracy=cfg.min_accuracy, origin="evaluate.min_accuracy, as set")
     own = OWN_GATES.get(dataset.source)
     if own is not None:
-        return Gate(min_accuracy=own, origin=f"the gate of {dataset.source} data (evaluate.min_accuracy unset)")
+        return Gate(min_accuracy=own, origin=f"the data's own gate ({dataset.source} data; evaluate.min_accuracy unset)")
     test_rows = int(dataset.rows.get("test", 0))
     champion = _champion(root, registry_name)
     if champion is not None:
@@ -78,7 +78,7 @@ def gate_for(cfg: EvaluateConfig, dataset: ParquetDataset, root: str, registry_n
 
 def lower_bound(accuracy: float, n: int, z: float = Z) -> float:
     """The Wilson score interval's lower end: the lowest accuracy ``z`` standard errors allow for ``accuracy``
-    measured on ``n`` images. Unlike p - z*sqrt(p(1-p)/n) it stays below 1 at p = 1 (a perfect probe on
+    scored on ``n`` images. Unlike p - z*sqrt(p(1-p)/n) it stays below 1 at p = 1 (a perfect probe on
     45 test images gives 0.83, on 10,000 gives 0.999)."""
     if n <= 0:
         return 0.0

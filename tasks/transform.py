@@ -9,8 +9,8 @@ streamed one is read here, a window at a time, through the same functions (`spli
 The checks are also recorded beside the Parquet files, per transform config
 (`dataset.transform.checks_record_path`). A later run whose to-parquet stage verified the same
 dataset (every file's sha256) with the same config reuses them: the transform is a pure function
-of those two, so running every split again would check the same rows to the same result
-(measured: 3.8 s of a 24.6 s start on the deployment path, benchmarks/deployment_overhead.py).
+of those two, so running every split again would check the same rows to the same result, for
+seconds of every start (docs/design.md).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def test_the_gate_is_the_users_then_the_datas_own_then_the_champions_then_the_ba
 
     mnist = dataset.model_copy(update={"source": "idx"})  # MNIST's digits keep their own 97.5%
     assert gate_for(EvaluateConfig(), mnist, root, "digits-resnet18").min_accuracy == OWN_GATES["idx"] == 0.975
-    assert gate_for(EvaluateConfig(), mnist, root, None).origin == "the gate of idx data (evaluate.min_accuracy unset)"
+    assert gate_for(EvaluateConfig(), mnist, root, None).origin == "the data's own gate (idx data; evaluate.min_accuracy unset)"
 
     for data in (dataset, mnist):  # a number the user sets is the gate, whatever the data
         chosen = gate_for(EvaluateConfig(min_accuracy=0.6), data, root, "digits-resnet18")
