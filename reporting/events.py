@@ -6,8 +6,11 @@ labelled with the workload and ``model.name``; a watched folder's is ``pipeline.
 The figures go in the payload. Prefect adds the flow run (and its deployment) as related resources,
 so an automation or a deployment trigger can match on any of them.
 
-Events are sent by the process that runs the flow (never from a Ray task), so they leave with the
-flow run's own Prefect client; where no Prefect API is configured, nothing is sent. `emit` queues an
+Events are sent by the process that runs the flow, never from a Ray task: a stage's events come from
+its hooks (`runner.stages.Stage`, the pipeline's in `flows/stages.py`), which run in the flow's
+process around the stage's task, so they leave with the flow run's own Prefect client and API, the
+flow run and its deployment related, whichever flow runs the stage; where no Prefect API is
+configured, nothing is sent. `emit` queues an
 event for Prefect's events worker and returns at once (a run's news: best effort); `send` posts one
 and returns only once the API accepted it, for a sender that keeps state by it (the watcher keeps a
 folder's listing only after its ``pipeline.data.landed`` was accepted).
