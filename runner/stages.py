@@ -182,6 +182,7 @@ class StageRecorder:
             stopped=self.stopped,
             stages={name: record.model_copy() for name, record in self.stages.items()},
             test_accuracy=metrics.get("accuracy"),
+            gate={"min_accuracy": metrics["min_accuracy"], "from": metrics.get("gate", "")} if "min_accuracy" in metrics else None,
             promotion=metrics.get("promotion"),
             evaluation=metrics,
             warnings=list(self.warnings),

@@ -66,6 +66,7 @@ class RunSummary(BaseModel):
     resumed_from_epoch: int | None = None
     weights: dict[str, str] | None = None  # model.weights training started from: source, file, sha256 (`training.weights`)
     test_accuracy: float | None = None
+    gate: dict[str, Any] | None = None  # what the test accuracy was held to: ``min_accuracy`` and where it came ``from`` (`tasks.gate`)
     promotion: dict[str, Any] | None = None  # `training.registry.Promotion` as metrics.json holds it
     evaluation: dict[str, Any] = {}  # evaluation/metrics.json
     tuning: dict[str, Any] | None = None  # a search's (`training.tuning`)

@@ -168,6 +168,7 @@ def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_
     assert summary["config"]["evaluate"]["min_accuracy"] is None and summary["data"]["rows"]["test"] == TEST_ROWS
     assert evaluation["gate"].startswith("the data's baseline: a nearest-centroid probe scored")
     assert 0.5 < evaluation["min_accuracy"] < 0.9 and summary["test_accuracy"] >= evaluation["min_accuracy"]
+    assert summary["gate"] == {"min_accuracy": evaluation["min_accuracy"], "from": evaluation["gate"]}
     assert f"  gate           {evaluation['min_accuracy']:.2%}: {evaluation['gate']}" in out.stdout
     assert summary["promotion"]["promoted"] and summary["promotion"]["model"] == "digits8-resnet18"
 
