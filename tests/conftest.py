@@ -151,8 +151,8 @@ def shared_ray(tmp_path_factory) -> Iterator[SharedRay]:
     """One ``ray start --head`` for the whole session, which the end-to-end runs that are not about the CLI's
     own local Ray join, as the runs of a deployment join its cluster (tests/support/ray_cluster.py).
 
-    A run joins it through ``tests.support.ray_cluster.join_env`` (CLI runs) or ``serve_args``
-    (``deployments.serve``). The tests about the local Ray a CLI run starts and stops (the default
+    A run joins it through ``tests.support.ray_cluster.join_env`` (CLI runs) or
+    ``serve_deployments(..., ray=shared_ray)`` (``deployments.serve --ray-address``). The tests about the local Ray a CLI run starts and stops (the default
     smoke run, Ctrl-C, SIGKILL, the first start) keep theirs. Checked once when it starts: two
     drivers in a row get disjoint worker processes, working in the head's empty folder; checked when
     the session ends: no run wrote into that folder.

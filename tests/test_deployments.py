@@ -272,14 +272,17 @@ def release_other_pauses(storage: Path, stop: threading.Event) -> None:
 
 
 @pytest.fixture(scope="module")
-def served(server, work, webhook) -> Iterator[dict]:
+def served(server, work, webhook, shared_ray) -> Iterator[dict]:
     """The four deployments served from one process: nightly on a real (far-off) schedule, search form from tune smoke.
+    Its runs join the session's Ray cluster (``--ray-address``, ``shared_ray``), as a serving process given a
+    cluster does; the head a serving process starts for itself is
+    `test_the_serving_process_starts_one_ray_cluster_for_its_runs_and_stops_it_with_itself`'s.
 
     Its environment carries the test-only pause (``PAUSE``): its flow-run processes hand it to their
     Ray workers, so the cancel test's run holds still in training until it is cancelled."""
     cron = far_cron()
     proc = serve_deployments(
-        server, work, "--cron", cron, "--tune-preset", "smoke", MNIST_FAILURE_WEBHOOK_URL=webhook, **PAUSE
+        server, work, "--cron", cron, "--tune-preset", "smoke", ray=shared_ray, MNIST_FAILURE_WEBHOOK_URL=webhook, **PAUSE
     )
     stop = threading.Event()
     releaser = threading.Thread(target=release_other_pauses, args=(work / "storage", stop), daemon=True)

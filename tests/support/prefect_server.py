@@ -30,6 +30,7 @@ from PIL import Image
 
 from deployments.serve import preset_parameters, tune_preset_parameters
 from tests.support.models import SMALL_MODEL
+from tests.support.ray_cluster import SharedRay, serve_args, serve_env
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 FLOW = "mnist-resnet18"
@@ -225,12 +226,16 @@ class PrefectServer:
 RUNNER_POLL_S = "2"
 
 
-def serve_deployments(server: PrefectServer, cwd: Path, *args: str, **env: str) -> subprocess.Popen:
+def serve_deployments(server: PrefectServer, cwd: Path, *args: str, ray: SharedRay | None = None, **env: str) -> subprocess.Popen:
     """Start ``python -m deployments.serve`` against ``server``; return once its four deployments exist.
 
-    Its runner polls every ``RUNNER_POLL_S`` seconds (``PREFECT_RUNNER_POLL_FREQUENCY``) unless ``env`` says otherwise."""
+    ``ray``: the cluster its runs join (``--ray-address``, with the token authentication it asks); by
+    default the serving process starts a head of its own. Its runner polls every ``RUNNER_POLL_S``
+    seconds (``PREFECT_RUNNER_POLL_FREQUENCY``) unless ``env`` says otherwise."""
     log = cwd / "serve.log"
     env = {"PREFECT_RUNNER_POLL_FREQUENCY": RUNNER_POLL_S, **env}
+    if ray is not None:
+        args, env = (*args, *serve_args(ray)), {**env, **serve_env(ray)}
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "deployments.serve", *args],

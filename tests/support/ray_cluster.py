@@ -11,7 +11,8 @@ process), and a run joins it through its configuration, not its command line:
   ``flows.tune``, ``PIPELINE_RAY__ADDRESS`` for ``flows.train``: the environment form of ``--ray.address``;
   ``MNIST_PREDICT_RAY_ADDRESS`` for ``flows.predict``'s ``--ray-address``; ``RAY_AUTH_MODE=token`` so the
   driver presents the token of ``~/.ray/auth_token``), so the commands stay as a user types them;
-- ``python -m deployments.serve`` gets ``--ray-address`` (`serve_args`), and its runs join it.
+- ``python -m deployments.serve`` gets ``--ray-address`` (`serve_args`) and ``RAY_AUTH_MODE=token``
+  (`serve_env`), and its runs join it (`tests.support.prefect_server.serve_deployments`'s ``ray``).
 
 Nothing of one test reaches the next through the cluster:
 
@@ -92,6 +93,15 @@ def join_env(cluster: SharedRay) -> dict[str, str]:
 def serve_args(cluster: SharedRay) -> tuple[str, ...]:
     """``deployments.serve``'s option that makes its runs join ``cluster`` instead of a head of its own."""
     return ("--ray-address", cluster.address)
+
+
+def serve_env(cluster: SharedRay) -> dict[str, str]:
+    """The serving process's environment for ``cluster``: token authentication, which its runs inherit.
+
+    ``deployments.serve`` sets it only for a head it starts itself; with ``--ray-address`` the
+    cluster's authentication is the operator's to give (without it every run's driver was refused:
+    "InvalidAuthToken")."""
+    return {"RAY_AUTH_MODE": "token"}
 
 
 WORKER_PIDS = """
