@@ -143,10 +143,11 @@ def test_the_run_form_takes_the_gate_unset_or_set():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # two runs of a minute or two each on 2 idle cores; a busy machine takes longer
 def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_path, shared_server):
     """The 8x8 digits folder through ``python -m flows.train`` with every default: the first run is held to the
-    data's baseline and passes it, becomes the champion and says so, and sends its promotion event; the second
-    run is held to that champion."""
+    data's baseline and passes it, becomes the champion and says so, and sends its promotion event; a second
+    run trained for one epoch only is held to that champion, fails below it and says which gate it failed."""
     from reporting import events
     from tests.support.prefect_server import api_env, wait_for
 
@@ -154,13 +155,13 @@ def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_
     storage = tmp_path / "storage"
     env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("MNIST_", "PIPELINE_"))}
 
-    def train(run: str) -> tuple[subprocess.CompletedProcess, dict]:
+    def train(run: str, *args: str, code: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
         out = subprocess.run(
             [sys.executable, "-m", "flows.train", "--download.source", "folder", "--download.path", str(folder),
-             "--storage-root", str(storage), "--run-name", run],
+             "--storage-root", str(storage), "--run-name", run, *args],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200,
         )
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        assert out.returncode == code, out.stdout[-3000:] + out.stderr[-3000:]
         return out, json.loads((storage / "runs" / run / "summary.json").read_text())
 
     out, summary = train("first")
@@ -172,14 +173,19 @@ def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_
     assert f"  gate           {evaluation['min_accuracy']:.2%}: {evaluation['gate']}" in out.stdout
     assert summary["promotion"]["promoted"] and summary["promotion"]["model"] == "digits8-resnet18"
 
-    def promoted() -> list[dict]:
-        body = {"filter": {"event": {"name": [events.PROMOTED]}, "order": "ASC"}, "limit": 50}
-        return [e for e in shared_server.post("/events/filter", body)["events"] if e["payload"].get("run") == "first"]
+    def sent(name: str, run: str) -> list[dict]:
+        body = {"filter": {"event": {"name": [name]}, "order": "ASC"}, "limit": 50}
+        return [e for e in shared_server.post("/events/filter", body)["events"] if e["payload"].get("run") == run]
 
-    (event,) = wait_for(promoted, 30, "the first run's promotion event")
+    (event,) = wait_for(lambda: sent(events.PROMOTED, "first"), 30, "the first run's promotion event")
     assert event["payload"]["model"] == "digits8-resnet18" and event["payload"]["version"] == 1
 
-    out, again = train("second")
-    assert again["evaluation"]["gate"].startswith(f"its champion digits8-resnet18 v1 ({summary['test_accuracy']:.2%})")
-    assert again["evaluation"]["min_accuracy"] == pytest.approx(lower_bound(summary["test_accuracy"], TEST_ROWS), abs=1e-4)
-    assert os.path.isdir(storage / "models" / "digits8-resnet18")
+    out, again = train("second", "--train.epochs", "1", code=1)  # one epoch: far below what the champion scored
+    gate = again["evaluation"]["min_accuracy"]
+    assert again["evaluation"]["gate"] == f"its champion digits8-resnet18 v1 ({summary['test_accuracy']:.2%}) less 3 standard errors"
+    assert gate == pytest.approx(lower_bound(summary["test_accuracy"], TEST_ROWS), abs=1e-4) and again["test_accuracy"] < gate
+    assert again["stages"]["promote"]["status"] == "failed" and "QualityGateError" in again["stages"]["promote"]["error"]
+    assert f"  gate           {gate:.2%}: {again['evaluation']['gate']}" in out.stderr  # a failed run's lines go to stderr
+    (failed,) = wait_for(lambda: sent(events.GATE_FAILED, "second"), 30, "the second run's gate-failed event")
+    assert failed["payload"]["min_accuracy"] == gate and failed["payload"]["gate"] == again["evaluation"]["gate"]
+    assert os.listdir(storage / "models" / "digits8-resnet18" ) and not again["promotion"]["promoted"]
