@@ -2,14 +2,19 @@
 declares its CPUs and publishes its own reports and events, and the harness (``runner/``) names no stage.
 
 Real parts: the project's own source read with ``ast`` (what the flows call, what the runner names), the
-real stage objects the flows run.
+real stage objects the flows run; in the slow tier a real search on Ray against a real Prefect server.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from flows import mnist, train, tune
 from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM
@@ -91,3 +96,39 @@ def test_the_runner_names_no_stage():
     # What the check catches: the recorder as it was before the stages carried their own concerns.
     before = 'if name == "train":\n    pass\nraw = self.outputs.get("to-parquet")\nplan = {"download": 1}'
     assert stage_names_used(ast.parse(before)) == {"train", "to-parquet", "download"}
+
+
+@pytest.mark.slow
+def test_a_champion_the_search_makes_sends_the_promoted_event(tmp_path, shared_server):
+    """A real search with ``tune.train_best`` (``python -m flows.tune``, two one-epoch trials of the small model on
+    the 8x8 digits folder) against the session's Prefect server: its winner, trained, evaluated and promoted by the
+    training flow's own stages in Ray workers, becomes the champion and the server gets ``pipeline.model.promoted``
+    for it, sent from the flow's process with the flow run related."""
+    from reporting import events
+    from tests.support.models import SMALL_MODEL
+    from tests.support.prefect_server import api_env, wait_for
+    from tests.test_gate import write_digit_folder
+
+    folder = write_digit_folder(tmp_path / "digits8")
+    storage = tmp_path / "storage"
+    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("MNIST_", "PIPELINE_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.tune", "--download.source", "folder", "--download.path", str(folder),
+         "--storage-root", str(storage), "--run-name", "searched", "--model.name", SMALL_MODEL, "--tune.num-samples", "2",
+         "--tune.epochs", "1", "--tune.train-best", "--train.epochs", "2", "--train.num-workers", "1",
+         "--evaluate.min-accuracy", "0"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((storage / "runs" / "searched" / "summary.json").read_text())
+    assert summary["promotion"]["promoted"] and summary["evaluation"]["gate"] == "evaluate.min_accuracy, as set"
+    model = summary["promotion"]["model"]
+
+    def promoted() -> list[dict]:
+        body = {"filter": {"event": {"name": [events.PROMOTED]}, "order": "ASC"}, "limit": 50}
+        return [e for e in shared_server.post("/events/filter", body)["events"] if e["payload"].get("run") == "searched"]
+
+    (event,) = wait_for(promoted, 30, "the search's promotion event")
+    assert event["resource"]["prefect.resource.id"] == f"pipeline.model.{model}" and event["payload"]["version"] == 1
+    related = {r["prefect.resource.id"] for r in event["related"]}
+    assert f"prefect.flow-run.{summary['flow_run_id']}" in related  # sent by the flow run itself
