@@ -1,9 +1,14 @@
 """Fault tolerance: the test-only fault hook, which failures are retried, and real flow runs under faults.
 
-The slow tests run the real CLI (real local Ray, a file:// mirror of 600 real digits from the
-bundled sample, the small model: they prove recovery, not the network) against the session's
-Prefect server (``shared_server``: recovery is not about starting one) with faults injected
-through ``MNIST_FAULT_INJECT``:
+The slow tests run the real CLI (a file:// mirror of 600 real digits from the bundled sample, the
+small model: they prove recovery, not the network) against the session's Prefect server
+(``shared_server``: recovery is not about starting one) with faults injected through
+``MNIST_FAULT_INJECT``. The stall runs on the session's Ray cluster (``shared_ray``), as a
+deployment's runs do: the job's runtime env hands the fault to Ray Train's workers there, and the
+test asserts it fired (the stalled rank named). The others keep a Ray of their own: the worker
+kills' two runs at once would deadlock on one 2-CPU cluster (the test says why), the killed
+driver's test is about its local Ray going with it, and a node loss needs a cluster whose node the
+test can take away.
 
 * worker kills: one Ray Train restarts (``max_failures``), one more exhausts it and Prefect's
   retry of the training stage resumes the same run from its latest checkpoint;
@@ -41,6 +46,7 @@ from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_for_pause
 from tests.support.mlflow_server import MlflowServer
 from tests.support.prefect_server import api_env
+from tests.support.ray_cluster import SharedRay, join_env
 from training.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
 from training.records import HISTORY_FILE, read_history
 from training.trainer import is_infrastructure_failure
@@ -130,8 +136,10 @@ def hooks(faults: str | None = None, record_rows: bool = False, tracking: str | 
 
 def start_cli(
     args: list[str], storage: Path, api: str, faults: str | None = None, record_rows: bool = False, tracking: str | None = None,
+    ray: SharedRay | None = None,
 ) -> tuple[subprocess.Popen, Path]:
     """``python -m flows.mnist`` against the Prefect API ``api`` (the session's shared server), started; (process, log prefix).
+    ``ray``: the Ray cluster it joins (default: a local Ray of its own).
 
     Its output goes to files, not pipes: a run started beside another must never block on a full pipe.
     """
@@ -140,7 +148,8 @@ def start_cli(
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
         proc = subprocess.Popen(
             [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), *args],
-            cwd=ROOT, env=api_env(api, **hooks(faults, record_rows, tracking)), stdout=out, stderr=err, text=True,
+            cwd=ROOT, env=api_env(api, **hooks(faults, record_rows, tracking), **(join_env(ray) if ray else {})),
+            stdout=out, stderr=err, text=True,
             start_new_session=True,
         )
     return proc, log
@@ -168,11 +177,12 @@ def stop_cli(started: tuple[subprocess.Popen, Path]) -> None:
 
 def run_cli(
     args: list[str], storage: Path, api: str, faults: str | None = None, timeout: float = 900, record_rows: bool = False,
-    tracking: str | None = None,
+    tracking: str | None = None, ray: SharedRay | None = None,
 ) -> tuple[subprocess.CompletedProcess, dict]:
-    """``python -m flows.mnist`` to its end against the Prefect API ``api`` (the session's shared server)."""
+    """``python -m flows.mnist`` to its end against the Prefect API ``api`` (the session's shared server);
+    ``ray``: the Ray cluster it joins (default: a local Ray of its own)."""
     name = args[args.index("--run-name") + 1]
-    return finish_cli(start_cli(args, storage, api, faults, record_rows, tracking), storage, name, timeout)
+    return finish_cli(start_cli(args, storage, api, faults, record_rows, tracking, ray), storage, name, timeout)
 
 
 @pytest.mark.slow
@@ -180,7 +190,13 @@ def run_cli(
 def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path, mirror_flags, shared_server, mlflow_server):
     """Both runs are tracked in MLflow. The interrupted one keeps one MLflow run with one point per
     epoch through a worker restart and a Prefect retry, and its promoted model is the registered
-    model's champion; the reference run loses its MLflow server mid-training and completes anyway."""
+    model's champion; the reference run loses its MLflow server mid-training and completes anyway.
+    Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): two runs at
+    once on one 2-CPU cluster deadlock. Each sizes its training placement group from the cluster's
+    CPUs as if it had the cluster alone (2 workers x 0.5 CPU, leaving 1 CPU for Ray Data's tasks), so
+    both groups were placed, all 2 CPUs reserved, and neither run's data tasks (0.25 CPU each) could
+    ever start: on the session's cluster both runs stayed at "[4/7] train".
+    The fault reaching Ray Train's workers of a joined cluster is the stalled-worker test's."""
     storage = tmp_path / "storage"
     outage = MlflowServer(tmp_path / "mlflow-outage").start()
     # The uninterrupted reference run with the same seed, started first and running beside the
@@ -351,14 +367,16 @@ def test_interrupted_epochs_train_every_row_exactly_once_and_a_killed_driver_res
 
 
 @pytest.mark.slow
-def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, mirror_flags, shared_server):
+def test_stalled_worker_fails_within_the_hang_timeout_naming_the_rank(tmp_path, mirror_flags, shared_server, shared_ray):
+    """On the session's Ray cluster (``shared_ray``): Ray Train ends the stalled worker's group, and the
+    run's end ends its job there."""
     storage = tmp_path / "storage"
     args = [
         *mirror_flags, *COMMON, "--run-name", "stall", "--train.epochs", "1", "--train.hang-timeout-s", "20",
         "--train.max-failures", "0", "--train.stage-retries", "0",
     ]
     start = time.monotonic()
-    out, summary = run_cli(args, storage, shared_server.api, faults="stall:rank=1:epoch=0:step=2", timeout=600)
+    out, summary = run_cli(args, storage, shared_server.api, faults="stall:rank=1:epoch=0:step=2", timeout=600, ray=shared_ray)
     elapsed = time.monotonic() - start
     assert out.returncode == 1
     assert summary["status"] == "failed" and summary["stages"]["train"]["status"] == "failed"

@@ -37,6 +37,7 @@ from reporting.artifacts import KEYS
 from tests.support.digits import shuffled_labels_mirror
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
 from tests.support.prefect_server import api_env, using_api
+from tests.support.ray_cluster import join_env
 from training.model import checkpoint_model, load_model
 from training.models import ModelSpec, small_cnn
 
@@ -121,18 +122,21 @@ def test_ray_train_checkpoints_record_the_model_they_hold_and_load_back(smoke_ru
     assert all(tensor.equal(model.state_dict()[name]) for name, tensor in weights.items())
 
 
-def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its_evidence(smoke_run, storage, tmp_path, shared_server):
+def test_a_model_trained_on_shuffled_labels_fails_the_default_gate_and_shows_its_evidence(
+    smoke_run, storage, tmp_path, shared_server, shared_ray,
+):
     """Second run on the same root, from the CLI into a real Prefect API: a broken pipeline (every
     training label shuffled) cannot pass the default gate (the default preset's, not a test's) and
     fails it by a wide margin, about chance; the failed run keeps every artifact and publishes the
-    evaluation reports marked as failed, and the failure paragraph names accuracy, gate and artifact keys."""
+    evaluation reports marked as failed, and the failure paragraph names accuracy, gate and artifact keys.
+    It joins the session's Ray cluster (``shared_ray``): the run's own local Ray is the smoke run's to prove."""
     summary_out = tmp_path / "summary-copy.json"
     out = subprocess.run(
         [
             sys.executable, "-m", "flows.mnist", *shuffled_labels_mirror(tmp_path / "shuffled"), *SMALL_MODEL_ARGS,
             "--train.epochs", "1", "--storage-root", str(storage), "--run-name", "gate", "--summary-out", str(summary_out), "--json",
         ],
-        cwd=ROOT, env=api_env(shared_server.api), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=api_env(shared_server.api, **join_env(shared_ray)), capture_output=True, text=True, timeout=900,
     )
     printed = json.loads(out.stdout[out.stdout.index("{") : out.stdout.rindex("}") + 1])
     with using_api(shared_server.api), get_client(sync_client=True) as client:

@@ -18,7 +18,7 @@ Nothing of one test reaches the next through the cluster:
 
 - the head's environment is this process's without any test setting (`head_base_env`: no Prefect
   API, no fault hook, no S3 credentials, no MLflow, no run configuration), so its workers inherit
-  none; what a run hands its workers goes in its job's runtime env (`runner.runtime.ray_init_args`);
+  none; what a run hands its workers goes in its job's runtime env (`runner.ray_init.ray_init_args`);
 - Ray worker processes belong to one job (one driver): a run's workers, with the modules they
   imported (a test's own model module among them) and the driver's folder on their ``sys.path``,
   end with the run and are never given to the next one (`check_workers_not_shared` proves it);
