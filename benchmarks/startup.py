@@ -141,22 +141,32 @@ class RunSampler(scale.PssSampler):
     def __init__(self, root: int, poll_s: float = 0.25):
         super().__init__(root, poll_s)
         self.cpu: dict[int, tuple[str, float]] = {}
+        self.torch: dict[int, str] = {}  # pid -> its kind when torch was seen loaded in it (libtorch mapped)
 
     def sample(self) -> None:
         super().sample()
         for pid in list(self.seen):
             try:
                 seconds = cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+                kind = scale.process_kind(pid, self.root)
+                if pid not in self.torch and self.samples % 4 == 1 and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
+                    self.torch[pid] = kind
             except (OSError, ValueError):
                 continue
-            self.cpu[pid] = (scale.process_kind(pid, self.root), seconds)
+            known = self.cpu.get(pid)
+            if known is not None and kind in ("unknown", "gone"):  # an ending process (a zombie's command line is empty)
+                kind = known[0]
+            self.cpu[pid] = (kind, seconds)
 
     def result(self) -> dict:
         by_kind: dict[str, float] = {}
         for kind, seconds in self.cpu.values():
             by_kind[kind] = by_kind.get(kind, 0.0) + seconds
         cpu = dict(sorted(((k, round(v, 1)) for k, v in by_kind.items()), key=lambda kv: -kv[1]))
-        return super().result() | {"cpu_s": round(sum(by_kind.values()), 1), "cpu_s_by_kind": cpu}
+        with_torch: dict[str, int] = {}
+        for kind in self.torch.values():
+            with_torch[kind] = with_torch.get(kind, 0) + 1
+        return super().result() | {"cpu_s": round(sum(by_kind.values()), 1), "cpu_s_by_kind": cpu, "processes_with_torch": with_torch}
 
 
 def _read_jsonl(path: Path) -> list[dict]:
@@ -218,7 +228,8 @@ def measure_memory(work: Path, images: int = MEMORY_IMAGES, model: str = QUICK_M
             "groups": memory_groups(memory["at_peak_mb"], memory["per_kind"]), "per_kind": memory["per_kind"],
             "most_processes": sum(kind["most_processes"] for kind in memory["per_kind"].values()),
             "to_first_step_s": run["to_first_step_s"], "first_step_parts": run["parts"], "stages_s": run["stages_s"],
-            "wall_s": run["wall_s"], "cpu_s": memory["cpu_s"], "cpu_s_by_kind": memory["cpu_s_by_kind"], "goal": "<= 3,000 MB PSS"}
+            "wall_s": run["wall_s"], "cpu_s": memory["cpu_s"], "cpu_s_by_kind": memory["cpu_s_by_kind"],
+            "processes_with_torch": memory["processes_with_torch"], "goal": "<= 3,000 MB PSS"}
 
 
 def measure_served(reused_runs: int = 3) -> dict:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 from torch.optim.swa_utils import AveragedModel
 
 from storage_io import exists, join, remove, storage_write_error
+from training.manifests import Position  # noqa: F401 (the name callers have always imported from here)
 from training.model import (
     EXTRA_STATE_FILE,
     MODEL_FILE,
@@ -33,19 +33,6 @@ from training.recipe import inference_model
 from training.weights import StartWeights
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Position:
-    """Where a training attempt starts: the epoch, the optimizer steps of it already done and their rows.
-
-    ``consumed`` holds the ``row_id``s that the steps before ``step`` trained on (every rank's,
-    gathered into the checkpoint), so a resumed epoch trains on exactly the rest.
-    """
-
-    epoch: int = 0
-    step: int = 0
-    consumed: torch.Tensor | None = None
 
 
 def _fsdp_of(model):

@@ -12,17 +12,19 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import pyarrow as pa
 import ray.data
-import torch
-import torch.nn.functional as F
 
 from dataset.transform import TransformSpec, blocks, build_datasets, fits_in_memory, prepare_batch, read_ahead, split_batches
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.model import load_model
-from training.device import pick_device, visible_gpus
 from training.models import ModelSpec, configure_cpu
+
+if TYPE_CHECKING:  # annotations only: torch is imported where a model scores (the evaluation stage's module is
+    import torch  # imported by every Ray worker that runs a stage, and the stages that do not score skip torch)
 
 
 # Test-time augmentation: the image itself and its four one-pixel shifts (dy, dx).
@@ -35,6 +37,8 @@ FORWARD_VALUES = 1 << 23
 def shifted(images: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
     """(N, C, H, W) images moved by (dy, dx) pixels; the uncovered edge repeats the nearest edge pixels
     (black for MNIST's digits, whose edges are black; a picture's own background for an image folder)."""
+    import torch.nn.functional as F
+
     if dy == 0 and dx == 0:
         return images
     h, w = images.shape[-2:]
@@ -53,6 +57,10 @@ class Predictor:
     def __init__(
         self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, model: dict | None = None, use_gpu: bool = False,
     ):
+        import torch
+
+        from training.device import pick_device, visible_gpus  # with torch, as this class is: see the module's note on torch
+
         configure_cpu(torch_threads)
         # A folder or an s3:// URI; ``model`` (a ModelSpec's fields) says what to build, else the checkpoint's record.
         self.model = load_model(checkpoint_dir, ModelSpec.model_validate(model) if model else None)
@@ -64,8 +72,15 @@ class Predictor:
         self.model.to(memory_format=self.layout)
         self.tta = tta
 
-    @torch.inference_mode()
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        with torch.inference_mode():
+            return self._predict(batch)
+
+    def _predict(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
         images = torch.from_numpy(batch["image"])
         # On CPU, forward passes of at most FORWARD_VALUES input values: the activations of a batch of large
         # images (a 128x128 RGB batch of 250, with TTA's views all at once, took 3 GB) stay bounded.
@@ -227,6 +242,8 @@ def _score_here(
     """`score` in this process over normalized numpy ``batches`` (from Ray Data, or read here): `Predictor`
     scores them one by one (memory stays at a few batches whatever the split's size). The torch thread
     count is restored after."""
+    import torch
+
     before = torch.get_num_threads()
     try:
         predictor = Predictor(checkpoint, threads, cfg.tta, model.model_dump() if model is not None else None)

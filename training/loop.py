@@ -24,7 +24,6 @@ import ray.train
 import ray.train.torch
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, ConfigDict
 from torch.optim.swa_utils import AveragedModel
 
 from dataset.transform import TransformSpec, build_split
@@ -32,45 +31,13 @@ from storage_io import storage_writes
 from training.checkpoints import Position, report, report_mid_epoch, restore
 from training.device import autocast, backward_and_step, grad_scaler, images_for, prepare_for, resolve_precision
 from training.guard import StepGuard
+from training.manifests import LoopConfig  # noqa: F401 (the name callers have always imported from here)
 from training.model import unwrap
 from training.models import ModelSpec, configure_cpu
 from training.recipe import Plan, inference_model, make_ema, make_optimizer, plan_for
 from training.records import RowLog, record_attempt, record_epoch
 from training.sharding import EpochShards, gather_rows
 from training.weights import start_from
-
-
-class LoopConfig(BaseModel):
-    """What every rank's loop needs, built by ``training.trainer.loop_config``.
-
-    Ray Train hands it to each worker as a plain dict (``train_loop_config``), which the loop
-    validates into this on arrival; single mode takes the same dict.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: dict[str, Any]  # the `training.models.ModelSpec` every rank builds, recorded in each checkpoint
-    epochs: int  # train.epochs, capped by train.max_images
-    global_batch_size: int
-    learning_rate: float  # the one-cycle schedule's peak
-    weight_decay: float
-    label_smoothing: float
-    ema_decay: float
-    seed: int
-    strategy: str = "ddp"
-    train_rows: int
-    torch_threads: int
-    hang_timeout_s: float = 0.0
-    fault_dir: str | None = None  # where test-only fault injection records what fired (training.faults)
-    run_dir: str | None = None  # Ray Train's run folder: checkpoints get deterministic names there
-    attempts_log: str | None = None
-    history_path: str | None = None  # every epoch's metrics, from rank 0
-    checkpoint_every_steps: int = 0
-    preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
-    transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
-    row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
-    precision: str = "auto"  # train.precision, resolved per device (`training.device.resolve_precision`)
-    use_gpu: str = "auto"  # train.use_gpu: single mode's device (Ray Train's workers get theirs from Ray Train)
 
 
 @dataclass

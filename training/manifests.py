@@ -1,4 +1,5 @@
-"""The training stage's manifest and the run folder's records of its checkpoints: light, no torch, no Ray Train.
+"""The training stage's manifest, the run folder's records of its checkpoints, and the light types training passes
+around (`Position`, `LoopConfig`): no torch, no Ray Train.
 
 `TrainedModel` is what the training stage hands to evaluation, promotion and cleanup; the Ray Train
 snapshot readers say which checkpoint folders a run keeps (cleanup) and which one a resumed run
@@ -9,11 +10,16 @@ the stages that only read them import neither torch nor Ray Train.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from storage_io import join, read_bytes, read_lines
 from training.models import ModelSpec
+
+if TYPE_CHECKING:  # annotations only
+    import torch
 
 # One JSON line per training attempt in the run folder: the epoch it started from and its world size.
 ATTEMPTS_LOG = "train_attempts.jsonl"
@@ -119,3 +125,49 @@ def latest_checkpoint(run_dir: str) -> dict | None:
 def read_attempts(path: str) -> list[dict]:
     """The training attempts recorded in ``train_attempts.jsonl`` (empty when there is none)."""
     return read_lines(path)
+
+
+@dataclass
+class Position:
+    """Where a training attempt starts: the epoch, the optimizer steps of it already done and their rows.
+
+    ``consumed`` holds the ``row_id``s that the steps before ``step`` trained on (every rank's,
+    gathered into the checkpoint), so a resumed epoch trains on exactly the rest.
+    """
+
+    epoch: int = 0
+    step: int = 0
+    consumed: torch.Tensor | None = None
+
+
+class LoopConfig(BaseModel):
+    """What every rank's loop needs, built by ``training.trainer.loop_config``.
+
+    Ray Train hands it to each worker as a plain dict (``train_loop_config``), which the loop
+    validates into this on arrival; single mode takes the same dict.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: dict[str, Any]  # the `training.models.ModelSpec` every rank builds, recorded in each checkpoint
+    epochs: int  # train.epochs, capped by train.max_images
+    global_batch_size: int
+    learning_rate: float  # the one-cycle schedule's peak
+    weight_decay: float
+    label_smoothing: float
+    ema_decay: float
+    seed: int
+    strategy: str = "ddp"
+    train_rows: int
+    torch_threads: int
+    hang_timeout_s: float = 0.0
+    fault_dir: str | None = None  # where test-only fault injection records what fired (training.faults)
+    run_dir: str | None = None  # Ray Train's run folder: checkpoints get deterministic names there
+    attempts_log: str | None = None
+    history_path: str | None = None  # every epoch's metrics, from rank 0
+    checkpoint_every_steps: int = 0
+    preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
+    transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
+    row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
+    precision: str = "auto"  # train.precision, resolved per device (`training.device.resolve_precision`)
+    use_gpu: str = "auto"  # train.use_gpu: single mode's device (Ray Train's workers get theirs from Ray Train)

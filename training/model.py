@@ -18,8 +18,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+from typing import TYPE_CHECKING
 
-import torch
 
 from storage_io import join, local_copy, sha256_file
 from training.checkpoint_files import (  # noqa: F401 (the names callers have always imported from here)
@@ -34,6 +34,9 @@ from training.checkpoint_files import (  # noqa: F401 (the names callers have al
     verify_checkpoint_file,
 )
 from training.models import ModelSpec, resnet18_for
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 
 def build_resnet18() -> torch.nn.Module:
@@ -63,6 +66,8 @@ def save_checkpoint_files(
     none, so it never names a file that is not there. ``optimizer_state`` overrides
     ``optimizer.state_dict()`` (FSDP gathers a full one itself).
     """
+    import torch
+
     directory = Path(directory)
     torch.save(unwrap(model).state_dict(), directory / MODEL_FILE)
     torch.save(optimizer_state if optimizer_state is not None else optimizer.state_dict(), directory / OPTIMIZER_FILE)
@@ -77,6 +82,8 @@ def load_state(directory: str | os.PathLike[str], name: str, origin: str | None 
 
     ``directory`` is a local folder; ``origin`` the checkpoint it was downloaded from, for messages.
     """
+    import torch
+
     path = Path(directory) / name
     if not path.is_file():
         try:

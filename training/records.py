@@ -6,11 +6,13 @@ from __future__ import annotations
 import json
 import os
 import time
-
-import torch
+from typing import TYPE_CHECKING
 
 from storage_io import append_line, atomic_write_bytes, join, read_lines
-from training.checkpoints import Position
+from training.manifests import Position
+
+if TYPE_CHECKING:  # annotations only: a training run's records are read without torch (the run's watchers)
+    import torch
 
 
 HISTORY_FILE = "history.jsonl"

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import os
 
-from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from typing import TYPE_CHECKING
 
 from dataset.spec import TransformSpec
 from pipeline_config import TrainConfig
@@ -29,10 +28,10 @@ from storage_io import (
     storage_write_error,
 )
 from training.faults import ROW_LOG_ENV
-from training.loop import LoopConfig, train_loop_per_worker
 from training.manifests import (  # noqa: F401 (the names callers have always imported from here)
     ATTEMPTS_LOG,
     RAY_TRAIN_SNAPSHOT,
+    LoopConfig,
     SCORE_ORDER,
     CheckpointInfo,
     TrainedModel,
@@ -46,7 +45,9 @@ from training.manifests import (  # noqa: F401 (the names callers have always im
 from training.records import HISTORY_FILE, read_history
 from training.models import ModelSpec
 from training.resources import plan_resources  # noqa: F401 - where the stages and tests have always found it
-from training.single_process import fit_single
+
+if TYPE_CHECKING:  # annotations only: see `torch_trainer`
+    from ray.train.torch import TorchTrainer
 
 
 def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
@@ -218,7 +219,16 @@ def torch_trainer(
     so a trainer built again for the same folder resumes from its latest checkpoint. Ray Train
     writes checkpoints through a pyarrow filesystem: the local one, or S3 for an ``s3://`` folder.
     ``callbacks``: Ray Train callbacks (they run in the Train controller). ``weights``: model.weights (`loop_config`).
+
+    Ray Train, torch and the loop are imported here, not at the top: the stages' module is imported by
+    every Ray worker that runs any stage (Prefect ships the flow, which names every stage), and the
+    stages that do not train should not pay for torch.
     """
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from training.loop import train_loop_per_worker
+
     storage_fs, storage_path = filesystem(parent(run_dir))
     return TorchTrainer(
         train_loop_per_worker,
@@ -272,7 +282,10 @@ def last_compute(attempts: list[dict]) -> dict[str, str]:
 
 
 def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, threads: int, weights=None) -> TrainedModel:
-    """``train.mode: single``: the same loop in this process with ``threads`` torch threads (`fit_single`)."""
+    """``train.mode: single``: the same loop in this process with ``threads`` torch threads (`fit_single`; imported
+    here for the reason `torch_trainer` gives)."""
+    from training.single_process import fit_single
+
     config = loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec, weights)
     found, history = fit_single(config, spec, run_dir, cfg.num_to_keep, cfg.checkpoint_score)
     kept = [

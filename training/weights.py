@@ -30,14 +30,17 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
 from storage_io import is_dir, is_file, is_remote, join, parent, read_bytes, read_json, redact_text
-from training.model import CHECKSUMS_FILE, MODEL_FILE
+from training.checkpoint_files import CHECKSUMS_FILE, MODEL_FILE
 from training.models import ModelSpec, build_model, said
 from training.registry_files import MODELS_DIR, champions, read_champion, resolve
+
+if TYPE_CHECKING:  # annotations only: torch is imported where it is used
+    import torch
 
 REGISTRY_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # promote.model_name's rule: no dot, no slash
 _PREFIX = "module."
@@ -150,6 +153,8 @@ def read_state(file: str, source: str, expected_sha256: str | None = None) -> tu
     """(the state dict in ``file``, ``module.`` prefixes stripped; the file's sha256). WeightsError naming
     model.weights when it cannot be read, is damaged, or holds no tensors; or, with ``expected_sha256``,
     when its bytes are not those any more."""
+    import torch
+
     shown = f"model.weights {redact_text(source)!r}"
     try:
         data = read_bytes(file)
@@ -175,6 +180,8 @@ def read_state(file: str, source: str, expected_sha256: str | None = None) -> tu
 
 def _state_dict(state: object, shown: str) -> dict[str, torch.Tensor]:
     """The tensors of a loaded file by name, without a ``module.`` prefix; WeightsError when there are none."""
+    import torch
+
     if not isinstance(state, Mapping):
         raise WeightsError(f"{shown} holds {type(state).__name__}, not a state dict (a mapping of names to tensors)")
     tensors = {}
@@ -207,6 +214,8 @@ def match(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Match:
 def check(source: str, root: str, model_name: str, shape: tuple[int, int, int], num_classes: int) -> tuple[StartWeights, Match]:
     """Before any work and in the training stage: ``source`` located, read and loaded into ``model_name`` built for
     ``shape``'s channels and ``num_classes``; WeightsError naming model.weights when no tensor of it fits."""
+    import torch
+
     file = locate(source, root)
     state, sha256 = read_state(file, source)
     with torch.random.fork_rng(devices=[]):  # building draws random weights: the caller's random state stays
