@@ -5,7 +5,7 @@ Real parts: a real 10-class set of small grayscale images, 8x8 digits made from 
 by cropping and block-averaging (1,257 training and 540 test images, the size of the classic 8x8 digits
 set), written as an image folder of PNGs; its pixels in the dataset's Parquet layout for the probe; a real
 model registry with a real ResNet-18 champion. The end-to-end test (slow) trains the folder with every
-default through ``python -m flows.train`` against the session's real Prefect server, twice.
+default through ``python -m flows.train`` against the session's real Prefect server and Ray cluster, twice.
 """
 
 from __future__ import annotations
@@ -144,16 +144,17 @@ def test_the_run_form_takes_the_gate_unset_or_set():
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # two runs of a minute or two each on 2 idle cores; a busy machine takes longer
-def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_path, shared_server):
+def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_path, shared_server, shared_ray):
     """The 8x8 digits folder through ``python -m flows.train`` with every default: the first run is held to the
     data's baseline and passes it, becomes the champion and says so, and sends its promotion event; a second
     run trained for one epoch only is held to that champion, fails below it and says which gate it failed."""
     from reporting import events
     from tests.support.prefect_server import api_env, wait_for
+    from tests.support.ray_cluster import join_env
 
     folder = write_digit_folder(tmp_path / "digits8")
     storage = tmp_path / "storage"
-    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("MNIST_", "PIPELINE_"))}
+    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("MNIST_", "PIPELINE_"))} | join_env(shared_ray)
 
     def train(run: str, *args: str, code: int = 0) -> tuple[subprocess.CompletedProcess, dict]:
         out = subprocess.run(
