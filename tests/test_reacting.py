@@ -226,7 +226,7 @@ def flow_runs_of(server, deployment: dict) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.spine
-def test_new_images_are_trained_promoted_and_scored_with_no_manual_step(server, work):
+def test_new_images_are_trained_promoted_and_scored_with_no_manual_step(server, work, shared_ray):
     """`deployments.serve --watch --score` against ``prefect server start`` (its event, trigger and action
     services on): the watcher's data event, one training run for a burst of two changes, the promotion
     event, and a scoring run whose predictions name the new champion's version."""
@@ -239,7 +239,7 @@ def test_new_images_are_trained_promoted_and_scored_with_no_manual_step(server, 
     }))
     debounce_s = 15  # the second change lands within one look (2 s) of being written; training starts when the window ends
     proc = serve_deployments(server, work, "--cron", far_cron(), "--watch", str(config), "--watch-every", "2",
-                             "--debounce", str(debounce_s), "--score", str(folder / "test"))
+                             "--debounce", str(debounce_s), "--score", str(folder / "test"), ray=shared_ray)
     try:
         on_data = wait_for(lambda: server.deployment("on-data", TRAIN_FLOW), 60, "train/on-data")
         scoring = wait_for(lambda: server.deployment("on-promotion", "score"), 60, "score/on-promotion")

@@ -92,10 +92,13 @@ def shots(work) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def served(server, work) -> Iterator[dict]:
-    """The four deployments served from ``work`` (the forms' default storage root lands there), from smoke presets."""
+def served(server, work, shared_ray) -> Iterator[dict]:
+    """The four deployments served from ``work`` (the forms' default storage root lands there), from smoke presets.
+    Its runs join the session's Ray cluster (``--ray-address``, ``shared_ray``), as a serving process given a
+    cluster does (the head a serving process starts for itself: tests/test_deployments.py)."""
     cron = far_cron()
-    proc = serve_deployments(server, work, "--cron", cron, "--manual-preset", "smoke", "--tune-preset", "smoke")
+    proc = serve_deployments(server, work, "--cron", cron, "--manual-preset", "smoke", "--tune-preset", "smoke",
+                             ray=shared_ray)
     try:
         yield {
             "cron": cron, "log": work / "serve.log", "manual": server.deployment("manual"),
@@ -235,7 +238,7 @@ def form_run(browser, server, served, shots) -> dict:
     return server.wait_final(run["id"], served["log"])
 
 
-def test_run_from_the_form_completes_with_the_changed_parameters_every_stage_and_artifact(form_run, server, work):
+def test_run_from_the_form_completes_with_the_changed_parameters_every_stage_and_artifact(form_run, server, work, shared_ray):
     assert form_run["state_type"] == "COMPLETED", form_run["state"]["message"]
     config = form_run["parameters"]["config"]
     assert config["run_name"] == "ui-run" and config["train"]["seed"] == 5 and config["model"]["name"] == SMALL_MODEL
@@ -257,8 +260,9 @@ def test_run_from_the_form_completes_with_the_changed_parameters_every_stage_and
         assert artifacts[KEYS[key]]["type"] == "markdown" and embedded_png(artifacts[KEYS[key]]["data"]).width > 100
     rows = json.loads(artifacts[KEYS["metrics"]]["data"])
     assert rows[0]["class"] == "all" and rows[0]["support"] == 1000 and len(rows) == 11
-    # The run joined the Ray cluster the serving process started (no local Ray of its own), and left it running
-    (cluster,) = re.findall(r"every run joins the local cluster at (127\.0\.0\.1:\d+)", (work / "serve.log").read_text())
+    # The run joined the serving process's Ray cluster, the session's (no local Ray of its own), and left it running
+    (cluster,) = re.findall(r"every run joins the cluster at (127\.0\.0\.1:\d+)", (work / "serve.log").read_text())
+    assert cluster == shared_ray.address
     assert any(f"Ray: joining the cluster at {cluster}" in line["message"] for line in server.logs(form_run["id"]))
     host, port = cluster.split(":")
     socket.create_connection((host, int(port)), timeout=5).close()  # its GCS still answers after the run
