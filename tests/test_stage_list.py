@@ -101,17 +101,17 @@ def test_the_runner_names_no_stage():
 @pytest.mark.slow
 def test_a_champion_the_search_makes_sends_the_promoted_event(tmp_path, shared_server, shared_ray):
     """A real search with ``tune.train_best`` (``python -m flows.tune``, two one-epoch trials of the small model on
-    the 8x8 digits folder) against the session's Prefect server, joining the session's Ray cluster (its workers know
+    the tests' image folder of coloured shapes) against the session's Prefect server, joining the session's Ray cluster (its workers know
     the API only by the URL the run hands them): its winner, trained, evaluated and promoted by the training flow's
     own stages in Ray workers, becomes the champion and the server gets ``pipeline.model.promoted`` for it, sent
     from the flow's process with the flow run related."""
     from reporting import events
     from tests.support.models import SMALL_MODEL
     from tests.support.prefect_server import api_env, wait_for
+    from tests.support.images import write_image_folder
     from tests.support.ray_cluster import join_env
-    from tests.test_gate import write_digit_folder
 
-    folder = write_digit_folder(tmp_path / "digits8")
+    folder = write_image_folder(tmp_path / "shapes", {"train": 40, "test": 15})
     storage = tmp_path / "storage"
     env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("MNIST_", "PIPELINE_"))} | join_env(shared_ray)
     out = subprocess.run(
