@@ -24,7 +24,7 @@ from typing import Any
 
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from runner.summary import RunSummary
-from storage_io import join, redact_error, redact_text, redact_url
+from storage_io import redact_error, redact_text, redact_url
 
 # flows.predict's --model when unset: the default workload's default model (mnist-resnet18).
 DEFAULT_MODEL = registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)
