@@ -28,6 +28,7 @@ FOLDER_ORDER = "shuffled"
 
 class FolderSource(Source):
     """``download.path``: ``train/<class>/*.png|jpg``, ``test/<class>/...``, optionally ``val/<class>/...``."""
+    predict_input = "<folder of images>"
 
     kind = "folder"
     title = "Image folder"

@@ -35,6 +35,7 @@ FOLDER_ONLY = {"split_seed"}
 
 class IdxSource(Source):
     """MNIST's IDX files: fetched and verified into the storage root, converted by `dataset.parquet.convert`."""
+    predict_input = "<folder of IDX or Parquet digits>"
 
     kind = "idx"
     defaults = Defaults(measure_stats=False, augment="affine")  # the seeds' 0.5 / 0.5; shift, rotation and zoom

@@ -36,6 +36,7 @@ DECODE = 2
 
 class ParquetSource(Source):
     """``download.path``: Parquet files of a train and a test split (and optionally validation), named by split."""
+    predict_input = "<folder of Parquet files>"
 
     kind = "parquet"
     title = "Parquet folder"

@@ -60,6 +60,7 @@ class Source:
         resizable: the images may be resized (``transform.image_size``); MNIST's IDX digits are not.
         user_data: the data is the user's, read where it is: never copied, changed or deleted.
         title: what the data is called in the stages' log lines (``Image folder: 2 hidden entries skipped``).
+        predict_input: what ``flows.predict --input`` takes for data like this, in the closing lines' hint.
     """
 
     kind: ClassVar[str]
@@ -67,6 +68,7 @@ class Source:
     defaults: ClassVar[Defaults] = Defaults(measure_stats=True, augment="shifts")
     resizable: ClassVar[bool] = True
     user_data: ClassVar[bool] = True
+    predict_input: ClassVar[str] = "<folder of images, IDX or Parquet files>"
 
     def __init__(self, cfg: DownloadConfig):
         self.cfg = cfg
@@ -141,6 +143,11 @@ def source_class(name: str) -> type[Source]:
     if module is None:
         raise ValueError(f"download.source {name!r}: not one of {', '.join(MODULES)}")
     return importlib.import_module(module).SOURCE
+
+
+def predict_input(name: str | None) -> str:
+    """What ``flows.predict --input`` takes for data of the ``download.source`` ``name`` (any input when unknown)."""
+    return source_class(name).predict_input if name in MODULES else Source.predict_input
 
 
 def source_for(cfg: DownloadConfig) -> Source:

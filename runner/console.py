@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dataset.source import predict_input
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from runner.summary import RunSummary
 from storage_io import redact_error, redact_text, redact_url
@@ -174,8 +175,7 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None, 
     command = shlex.join([interpreter(), "-m", "flows.predict", *options])
     if promotion.get("version") is None:  # no champion yet to predict with
         return [line]
-    inputs = {"folder": "<folder of images>", None: "<folder of images, IDX or Parquet files>"}
-    return [line, f"  predict        {command} --input {inputs.get(data_source, '<folder of IDX or Parquet digits>')}"]
+    return [line, f"  predict        {command} --input {predict_input(data_source)}"]
 
 
 def tracking_lines(tracking: dict[str, Any] | None) -> list[str]:

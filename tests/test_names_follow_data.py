@@ -176,3 +176,6 @@ def test_the_closing_predict_line_fits_the_workload():
     mnist = base | {"data_source": "sample", "promotion": base["promotion"] | {"model": "mnist-resnet18"}}
     (line,) = [line for line in console.summary_lines(RunSummary.model_validate(mnist), None, 1, None, True) if "flows.predict" in line]
     assert line.endswith("--storage-root /s --input <folder of IDX or Parquet digits>")
+    parquet = base | {"data_source": "parquet"}
+    (line,) = [line for line in console.summary_lines(RunSummary.model_validate(parquet), None, 1, None, True) if "flows.predict" in line]
+    assert line.endswith("--input <folder of Parquet files>")
