@@ -218,7 +218,7 @@ def test_parameter_schema_avoids_the_known_form_bugs(schema):
             assert prop.get("type") != "object" or "properties" in prop, f"{model}.{field} is a free-form dict"
             for option in prop.get("anyOf", []):
                 assert "$ref" not in option, f"{model}.{field} is a union of models"
-    assert definitions["DownloadConfig"]["properties"]["source"]["enum"] == ["auto", "official", "mirror", "sample", "folder"]
+    assert definitions["DownloadConfig"]["properties"]["source"]["enum"] == ["auto", "official", "mirror", "sample", "folder", "parquet"]
     assert definitions["TrainConfig"]["properties"]["epochs"]["minimum"] == 1
 
 
