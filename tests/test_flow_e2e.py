@@ -30,7 +30,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
-from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, registry_model_name
+from pipeline_config import DEFAULT_WORKLOAD, registry_model_name
 from pipeline_config.evaluation import OWN_GATES
 from pipeline_config.settings import parse_cli
 from reporting.artifacts import KEYS

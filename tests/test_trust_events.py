@@ -267,7 +267,7 @@ def test_a_run_not_promoted_is_remembered_so_its_data_is_not_trained_again_until
 
     again = unchanged.compare(root, MODEL, new, True, config)  # night 2: nothing changed since night 1
     assert again.unchanged, again.reason
-    assert again.reason.startswith(f"data, model and recipe are those of run night-1, trained last (not promoted: gate failed"), again.reason
+    assert again.reason.startswith("data, model and recipe are those of run night-1, trained last (not promoted: gate failed"), again.reason
     assert again.payload()["changed_since_champion"] is True and again.payload()["nothing_new"] is True
     assert not unchanged.compare(root, MODEL, new, True, nightly(root, train={"epochs": 5})).unchanged  # the recipe changed
     assert not unchanged.compare(root, MODEL, make_dataset(setup, "mnist-newer"), True, config).unchanged  # the data changed
