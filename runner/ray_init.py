@@ -84,6 +84,7 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
 
 
 GCS_PORT_ENV = "RAY_GCS_SERVER_PORT"  # read by ray.init when it starts a head node
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"  # Ray 2.59+: logs that token auth is on
 
 
 def _free_port() -> int:
@@ -123,9 +124,15 @@ def local_gcs_port(init_kwargs: dict) -> Iterator[None]:
         init_kwargs.pop("runtime_env", None)
     before = {name: os.environ.get(name) for name in variables}
     os.environ.update(variables)
+    # Ray's WARNING "Token authentication is enabled for this Ray cluster" is not for a person to act on: token
+    # auth stays on, and the CLI's Ray line names the token's file (`runner.console`). Quiet only while it starts.
+    notice = logging.getLogger(TOKEN_NOTICE_LOGGER)
+    level = notice.level
+    notice.setLevel(logging.ERROR)
     try:
         yield
     finally:
+        notice.setLevel(level)
         for name, value in before.items():
             if value is None:
                 os.environ.pop(name, None)

@@ -15,6 +15,8 @@ from tests.support.mlflow_server import MlflowServer
 from tests.support.prefect_server import PrefectServer
 from tests.support.ray_cluster import SharedRay, check_workers_not_shared, shared_cluster
 from tests.support.s3 import S3_TEST_ENV, s3_bucket, unique_bucket_name
+from tests.support.system_parts import ENV as SYSTEM_PARTS_ENV
+from tests.support.system_parts import PARTS, REQUIRED, missing, required
 
 
 @pytest.fixture(autouse=True)
@@ -38,6 +40,7 @@ def mlflow_server(tmp_path_factory) -> Iterator[MlflowServer]:
 CLUSTER_OPT_IN = "RUN_CLUSTER_TESTS"
 
 
+@pytest.hookimpl(trylast=True)  # after -m has deselected: only the tests that will run are counted
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cluster`` run only with RUN_CLUSTER_TESTS=1 (`make test-cluster`); a skip otherwise, by design.
     A test marked ``spine`` must be marked ``slow`` too (docs/testing.md, Tiers).
@@ -49,12 +52,50 @@ def pytest_collection_modifyitems(config, items):
     loose = [item.nodeid for item in items if "spine" in item.keywords and "slow" not in item.keywords]
     if loose:  # the spine is the part of the slow tier CI runs: a spine test outside it would be a third tier
         raise pytest.UsageError(f"marked spine but not slow: {loose}")
+    skip_for_missing_parts(config, items)
     if os.environ.get(CLUSTER_OPT_IN) == "1":
         return
     skip = pytest.mark.skip(reason=f"cluster test: opt in with `make test-cluster` ({CLUSTER_OPT_IN}=1), needs Docker")
     for item in items:
         if "cluster" in item.keywords:
             item.add_marker(skip)
+
+
+def skip_for_missing_parts(config, items) -> None:
+    """A test marked ``needs("<part>")`` (a system program, `tests.support.system_parts`) is skipped with one reason
+    naming the part and its install command when the part is absent; with SYSTEM_PARTS=required (CI) collection
+    stops instead, so nothing is skipped for a missing part there."""
+    absent = {part.name: part for part in missing()}
+    skipped: dict[str, int] = {}
+    for item in items:
+        for marker in item.iter_markers("needs"):
+            name = marker.args[0]
+            if name not in PARTS:
+                raise pytest.UsageError(f"{item.nodeid}: needs({name!r}) names no part of tests/support/system_parts.py")
+            if name in absent:
+                item.add_marker(pytest.mark.skip(reason=absent[name].missing_line()))
+                skipped[name] = skipped.get(name, 0) + 1
+    if skipped and required():
+        lines = "; ".join(absent[name].missing_line() for name in skipped)
+        raise pytest.UsageError(f"{SYSTEM_PARTS_ENV}={REQUIRED} and {lines}")
+    config.stash[MISSING_PARTS] = skipped
+
+
+MISSING_PARTS = pytest.StashKey[dict]()
+
+
+def pytest_unconfigure(config):
+    """The session's last line(s), after pytest's own totals: how many tests were skipped for which missing part,
+    and what to run."""
+    terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
+    if terminalreporter is None:
+        return
+    for name, count in config.stash.get(MISSING_PARTS, {}).items():
+        part = PARTS[name]
+        terminalreporter.write_line(
+            f"{count} test(s) skipped because {name} is not installed: install it with `{part.install_command()}` "
+            "(or run `make test` as root, which installs it)", yellow=True,
+        )
 
 
 @pytest.fixture

@@ -77,6 +77,9 @@ def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_p
     assert "Traceback" not in out, out[-3000:]
     assert run.summary()["status"] == "completed"
     assert (home / ".ray" / "auth_token").is_file()  # Ray's token authentication on a fresh ~/.ray
+    # ... said once, by the run's Ray line (the token's file), not by Ray's own WARNING (runner.ray_init)
+    assert "Token authentication is enabled" not in out, out[:3000]
+    assert "(token: ~/.ray/auth_token)" in out, out[:3000]
     assert (home / ".prefect" / LOG_NAME).is_file()  # the temporary server's own output
 
 

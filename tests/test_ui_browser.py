@@ -2,7 +2,8 @@
 
 Everything is real: ``prefect server start`` on 127.0.0.1 (fresh SQLite), ``python -m
 deployments.serve`` executing runs on a local Ray, and Debian's Chromium driven by Playwright
-(``executable_path``; browser downloads do not work here). Screenshots go to the test's tmp
+(``executable_path``; browser downloads do not work here; `make test` installs it as root, else these tests are
+skipped with the command to run: tests/support/system_parts.py). Screenshots go to the test's tmp
 folder and are copied to ``test-output/ui/`` (git-ignored) for a person to look at.
 
 The pages are the UI that Prefect opens by default (V2, under ``/v2``; 3.8.8 and the pinned 3.9.1).
@@ -43,11 +44,12 @@ from tests.support.prefect_server import (
     stop_group,
     wait_for,
 )
+from tests.support.system_parts import CHROMIUM
 
-pytestmark = [pytest.mark.slow, pytest.mark.spine]  # the UI form's run is the spine's served-deployment run
+# The UI form's run is the spine's served-deployment run; Chromium is a system part (tests/support/system_parts.py).
+pytestmark = [pytest.mark.slow, pytest.mark.spine, pytest.mark.needs(CHROMIUM.name)]
 ROOT = Path(__file__).resolve().parent.parent
 
-CHROMIUM = "/usr/bin/chromium"
 # Without the background-networking flags Chromium's own connections are refused by this
 # closed network and slow every page; Playwright gives each launch a fresh --user-data-dir.
 CHROMIUM_ARGS = [
@@ -114,7 +116,7 @@ def browser() -> Iterator:
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM.location(), args=CHROMIUM_ARGS, headless=True)
         try:
             yield chromium
         finally:
