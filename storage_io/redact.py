@@ -5,7 +5,10 @@ parameters (``?token=...``, ``X-Amz-Signature=...``) and a bare value in its que
 (``#s3cret``, ``?s3cret``: a token without a name; a route such as ``#/experiments/1`` is kept) are
 replaced by ``***``; everything else is kept as it was, so a URL without credentials comes back
 unchanged. `redact_text` does the same to every URL inside a message (an exception's text, a
-validation error that echoes its input).
+validation error that echoes its input), and outside URLs masks a credential written as
+``name=value`` (``token=...``: a name `is_secret_name` says carries one) and a token of a well-known
+form (GitHub's ``ghp_...``, an AWS access key id, Slack's ``xoxb-...``, Hugging Face's ``hf_...``),
+wherever it stands: a refused ``--run-name token=...`` is not echoed.
 
 The one rule for every value a refusal, log line, summary, report, event or webhook carries: redact
 first, shorten after. `redact_error` is an exception's text made so: a pydantic ``ValidationError``
@@ -27,6 +30,13 @@ _SECRET_PARTS = ("token", "password", "passwd", "secret", "signature", "credenti
 # ... or is one of these.
 _SECRET_NAMES = {"key", "sig", "pwd", "auth", "authorization", "code", "session"}
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]+")
+# name=value outside a URL: the value masked when the name is a credential's (`is_secret_name`).
+_ASSIGNMENT = re.compile(r"(?<![A-Za-z0-9_.-])([A-Za-z_][A-Za-z0-9_.-]*)=([^\s&'\"<>`,;)\]]+)")
+# Tokens whose form gives them away, wherever they stand.
+_KNOWN_TOKENS = re.compile(
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|(?:AKIA|ASIA)[0-9A-Z]{16}|xox[abprs]-[A-Za-z0-9-]{10,}"
+    r"|hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})"
+)
 
 
 def is_secret_name(name: str) -> bool:
@@ -72,8 +82,16 @@ def redact_url(url: str) -> str:
 
 def redact_text(text: str, hide_hosts: Collection[str] = ()) -> str:
     """``text`` with every ``scheme://`` URL in it redacted (`redact_url`); a URL on one of ``hide_hosts``
-    (a webhook's, whose path is its secret) is masked whole."""
-    return _URL.sub(lambda match: _redact_found(match.group(0), {host.lower() for host in hide_hosts}), text)
+    (a webhook's, whose path is its secret) is masked whole. Outside URLs, a credential's ``name=value``
+    has its value masked, and a token of a well-known form (``ghp_...``, ``AKIA...``) is masked whole."""
+    text = _URL.sub(lambda match: _redact_found(match.group(0), {host.lower() for host in hide_hosts}), text)
+    text = _ASSIGNMENT.sub(_redact_assignment, text)
+    return _KNOWN_TOKENS.sub(MASK, text)
+
+
+def _redact_assignment(match: re.Match) -> str:
+    name, value = match.group(1), match.group(2)
+    return f"{name}={MASK}" if value != MASK and is_secret_name(name) else match.group(0)
 
 
 def _redact_found(url: str, hide_hosts: set[str]) -> str:

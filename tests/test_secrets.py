@@ -165,6 +165,21 @@ def test_a_refused_flag_is_named_without_repeating_its_secret(capsys, tmp_path, 
     assert flag[-2].lstrip("-").replace("-", "_") in err and SECRET not in err
 
 
+@pytest.mark.parametrize("name", [f"token={SECRET}", f"run?access_token={SECRET}", "ghp_16C7e42F292c6912E7710c838347Ae178B4a/x"])
+def test_a_refused_run_name_is_named_without_repeating_a_token_in_it(capsys, tmp_path, name):
+    """Issue 66: ``--run-name token=...`` was refused with the token echoed twice (the message and pydantic's input)."""
+    assert train.main(["--storage-root", str(tmp_path / "storage"), "--run-name", name]) == 2
+    err = capsys.readouterr().err
+    assert "run_name" in err and SECRET not in err and "16C7e42F292c6912E7710c838347Ae178B4a" not in err
+    assert not (tmp_path / "storage").exists()  # refused before any work
+
+
+def test_credentials_outside_urls_are_masked_and_other_assignments_kept():
+    text = f"token={SECRET} page=2 monkey=banana client_secret={SECRET}; AKIAIOSFODNN7EXAMPLE xoxb-123456789012-abcdef"
+    assert redact_text(text) == "token=*** page=2 monkey=banana client_secret=***; *** ***"
+    assert redact_text("epoch=3 loss=0.25 https://h/x?token=***") == "epoch=3 loss=0.25 https://h/x?token=***"
+
+
 def test_an_s3_endpoint_that_does_not_answer_is_named_without_its_credentials(monkeypatch):
     for name, value in {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_REGION": "us-east-1",
                         "AWS_ENDPOINT_URL": f"http://user:{SECRET}@127.0.0.1:9"}.items():
