@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow.fs as pafs
-from pydantic import AliasChoices, Field, SecretStr
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage_io.errors import s3_write_error
@@ -47,6 +47,13 @@ class S3Settings(BaseSettings):
     access_key_id: str | None = Field(None, validation_alias="AWS_ACCESS_KEY_ID")
     secret_access_key: SecretStr | None = Field(None, validation_alias="AWS_SECRET_ACCESS_KEY")
     session_token: SecretStr | None = Field(None, validation_alias="AWS_SESSION_TOKEN")
+
+    @field_validator("endpoint_url", "region", "access_key_id", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value):
+        """A variable set to nothing (``AWS_ENDPOINT_URL=""``) is unset, as the AWS SDKs read it (boto3 refused
+        the empty endpoint: "Invalid endpoint: ")."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     def pyarrow_kwargs(self) -> dict[str, Any]:
         kwargs: dict[str, Any] = {"region": self.region} if self.region else {}  # unset: the SDK's chain

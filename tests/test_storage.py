@@ -244,3 +244,20 @@ def check_whole_flow_on_s3(root: str, summaries: dict[str, dict], files: list[st
     weights = model.state_dict()
     assert champion_model.state_dict().keys() == weights.keys()
     assert all(tensor.equal(weights[name]) for name, tensor in champion_model.state_dict().items())
+
+
+def test_an_empty_aws_endpoint_url_is_unset(monkeypatch):
+    """Issue 66: ``AWS_ENDPOINT_URL=""`` was taken as an endpoint and every S3 call said "Invalid endpoint: ".
+    Empty is unset, as the AWS SDKs read it: the check names AWS's own endpoint (unreachable here, or the
+    bucket or the credentials refused where it is reachable), never an empty one."""
+    from storage_io.filesystem import S3Settings
+
+    for key, value in {"AWS_ENDPOINT_URL": "", "AWS_REGION": " ", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    settings = S3Settings()
+    assert settings.endpoint_url is None and settings.region is None and "endpoint_override" not in settings.pyarrow_kwargs()
+    settings.boto3_client()  # refused before: ValueError("Invalid endpoint: ")
+    with pytest.raises(ValueError, match=r"^storage_root s3://no-such-bucket-66/x: ") as refused:
+        StorageLayout.create("s3://no-such-bucket-66/x", "r").check_reachable()
+    assert "Invalid endpoint" not in str(refused.value)
