@@ -27,7 +27,13 @@ import httpx
 import pytest
 import torch
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, LogFilter, LogFilterFlowRunId
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+    LogFilterTaskRunId,
+)
 
 from flows.mnist import STAGE_CPUS, mnist_pipeline
 from pipeline_config import DEFAULT_WORKLOAD, registry_model_name
@@ -96,6 +102,26 @@ def test_every_stage_task_run_is_recorded_in_the_flows_api(smoke_run):
     assert names == STAGES
     assert all(run.flow_run_id == flow_run.id for run in task_runs)
     assert all(run.state.is_completed() for run in task_runs)
+
+
+@pytest.mark.spine
+def test_a_stage_log_line_written_on_a_ray_worker_is_in_the_prefect_servers_logs_for_its_task_run(smoke_run, shared_server):
+    """The first thing Prefect + Ray users report missing (PrefectHQ/prefect#16016): a task's log lines, written
+    in a Ray worker (every stage runs through the flow's RayTaskRunner), reach the flow's Prefect server under
+    that task run. The transform stage logs its normalization with Prefect's run logger (`reporting.logs`)."""
+    _, _, flow_run, task_runs = smoke_run
+    transform = next(run for run in task_runs if run.name.rsplit("-", 1)[0] == "transform")
+    wanted = LogFilter(task_run_id=LogFilterTaskRunId(any_=[transform.id]))
+    with using_api(shared_server.api), get_client(sync_client=True) as client:
+        deadline = time.monotonic() + 30  # the worker's log handler sends in batches; the run has ended by now
+        while True:
+            logs = client.read_logs(log_filter=wanted)
+            lines = [log.message for log in logs if log.message.startswith("Normalization (per channel)")]
+            if lines or time.monotonic() > deadline:
+                break
+            time.sleep(1)
+    assert len(lines) == 1, [log.message for log in logs]
+    assert all(log.flow_run_id == flow_run.id and log.task_run_id == transform.id for log in logs)
 
 
 @pytest.mark.spine
