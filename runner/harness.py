@@ -23,7 +23,7 @@ from dataset import folder
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import parse_cli
 from reporting import artifacts, environment
-from runner import console, stopping
+from runner import console, ray_auth, stopping
 from runner.runtime import cli_runtime, ray_task_runner
 from runner.stages import Stage, StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
@@ -220,6 +220,9 @@ def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, Pipeli
         config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
     layout = StorageLayout.create(config.storage_root, config.run_name)
     layout.check_reachable()
+    refused = ray_auth.token_problem(config.ray.address)  # a head that would turn this process's token away
+    if refused:
+        raise ValueError(refused)
     return settings, config, layout
 
 
