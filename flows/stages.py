@@ -29,6 +29,7 @@ from runner.harness import skips_when_unchanged
 from runner.stages import Stage, StageRecorder
 from runner.watchers import EpochWatcher
 from storage_io import StorageLayout, join, lease_uses, redact_url
+from tasks import gate
 from tasks.cleanup import cleanup
 from tasks.download import download
 from tasks.evaluate import evaluate
@@ -58,12 +59,15 @@ class Download(Stage):
 
 
 class ToParquet(Stage):
-    """The dataset: leased against other runs' cleanup, checked against the champion's (the data-checked event),
-    tried on the run's model, and shown in the UI."""
+    """The dataset: its labels checked across splits and its test split against the gate it will get (before
+    any training: `tasks.gate.before_training`), leased against other runs' cleanup, checked against the
+    champion's (the data-checked event), tried on the run's model, and shown in the UI."""
 
     def finished(self, run: StageRecorder, parameters: dict[str, Any], dataset: Any) -> None:
         config, layout = run.config, run.layout
         run.note(data={"dataset_dir": dataset.directory, "conversion_skipped": dataset.skipped, "rows": dataset.rows})
+        for warning in gate.before_training(config.evaluate, dataset):  # LabelsDisagree stops the run here
+            run.warn(warning)
         lease_uses(layout, parameters["raw"].directory, dataset.directory)  # other runs' cleanup leaves them alone
         if not skips_when_unchanged(config):  # else `flows.train.nothing_new` sent it before Ray started
             announce_data(config, layout, dataset.directory, verified=True)

@@ -24,9 +24,11 @@ class EvaluateConfig(_Section):
         le=1,
         description=(
             "Gate: the flow fails (keeping every artifact) below this test accuracy. Unset: the workload's own gate: "
-            "97.5% on MNIST's digits; on other data its champion's test accuracy less 3 standard errors, or, with no "
-            "champion yet, the data's baseline (a nearest-centroid classifier on the training pixels, less 3 standard "
-            "errors). The run's summary names the gate and where it came from."
+            "97.5% on MNIST's digits; on other data its champion's accuracy on this run's test split less 3 standard "
+            "errors, or, with no champion yet, the data's baseline (a nearest-centroid classifier on the training "
+            "pixels, less 3 standard errors), and in both the model must beat the majority class's share by a one-sided "
+            "test at 3 standard errors and get some images of every class right; a test split with fewer than 10 "
+            "images in a class cannot pass it. The run's summary names the gate and where it came from."
         ),
     )
     num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool. 1 on one machine without GPUs: no actor, the stage's own process scores.")

@@ -134,7 +134,7 @@ def summary_lines(
         lines.append(f"Run {run} FAILED{where} after {duration(wall_s)}: {type(error).__name__}: {redact_error(error)}")
     accuracy, gate = evaluation.get("accuracy"), evaluation.get("min_accuracy")
     if accuracy is not None and gate is not None:
-        verdict = "passed" if accuracy >= gate else "FAILED"
+        verdict = "passed" if evaluation.get("passed_gate", accuracy >= gate) else "FAILED"  # a class's recall counts too
         lines.append(f"  test accuracy  {accuracy:.2%} on {evaluation.get('rows', '?')} images (gate {gate:.2%}: {verdict})")
         if evaluation.get("gate"):  # where the gate came from (`tasks.gate`)
             lines.append(f"  gate           {gate:.2%}: {evaluation['gate']}")

@@ -4,9 +4,9 @@ The best checkpoint scores the test split through a pool of model actors (`train
 the seeds' ``ModelWorker`` idea, batched). Results land in ``<run>/evaluation/`` and the reports
 (confusion matrix, predictions, metrics, checkpoint) are published to the Prefect UI. The stage
 says whether the model passed its gate (`tasks.gate`: ``evaluate.min_accuracy`` when set, else the
-workload's own); the next stage (`tasks.promote`) records
-the run in the model's history and acts on that verdict, so a failed gate keeps every artifact,
-shows its evidence and still has its row in the run comparison.
+workload's own, its champion's on this test split or the data's baseline) and, when not, what failed;
+the next stage (`tasks.promote`) records the run in the model's history and acts on that verdict, so a
+failed gate keeps every artifact, shows its evidence and still has its row in the run comparison.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig
 from reporting import artifacts
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
-from tasks.gate import gate_for
+from tasks import gate as gates
 from tasks.manifests import Evaluation
 from training.inference import confusion_matrix, metrics_from_confusion, predict
 from training.manifests import TrainedModel
@@ -40,15 +40,19 @@ def evaluate(
 
     ``workload`` names the reports' artifact keys. The gate is `tasks.gate.gate_for`'s: ``evaluate.min_accuracy``
     when set, else the data's own gate, its champion's (``registry_name``'s; None: promotion is off) or its
-    baseline. The verdict is ``passed_gate``; the promote stage records it and fails the run when the gate failed.
+    baseline; a champion scored on other data is scored on this run's test split first. The verdict is
+    ``passed_gate``, with ``gate_failures`` saying what failed; the promote stage records it and fails the run
+    when the gate failed.
     """
     logger = stage_logger(__name__)
-    gate = gate_for(cfg, spec.dataset, layout.root, registry_name)  # before scoring: the champion is the one before this run
+    rescore = gates.champion_scorer(spec, cfg, registry_name)
+    gate = gates.gate_for(cfg, spec.dataset, layout.root, registry_name, rescore)  # before scoring: the champion before this run
     out = predict(spec, trained.best_checkpoint, cfg, trained.model)
     if len(out["row_id"]) != spec.dataset.rows["test"]:
         raise RuntimeError(f"evaluation saw {len(out['row_id'])} test rows, expected {spec.dataset.rows['test']}")
     confusion = confusion_matrix(out["label"], out["pred"], spec.dataset.num_classes)
     scores = metrics_from_confusion(confusion)
+    failed = gates.failures(gate, confusion, spec.dataset.classes)
     plain_accuracy = float((out["label"] == out["pred_plain"]).mean()) if len(out["label"]) else 0.0
     folder = layout.evaluation_dir
     predictions_path = join(folder, "predictions.parquet")
@@ -62,9 +66,11 @@ def evaluate(
         rows=int(confusion.sum()),
         metrics_path=join(folder, "metrics.json"),
         predictions_path=predictions_path,
-        passed_gate=scores["accuracy"] >= gate.min_accuracy,
+        passed_gate=not failed,
         min_accuracy=gate.min_accuracy,
         gate=gate.origin,
+        gate_failures=failed,
+        champion=gate.champion,
         tta=cfg.tta,
         accuracy_without_tta=plain_accuracy,
         classes=list(spec.dataset.classes),
@@ -74,7 +80,7 @@ def evaluate(
         atomic_write_json(result.metrics_path, result.model_dump())
     logger.info(
         "Test accuracy %.4f on %d images (without test-time augmentation %.4f; %s; the gate: %s)",
-        result.accuracy, result.rows, plain_accuracy, artifacts.gate_verdict(result.accuracy, gate.min_accuracy), gate.origin,
+        result.accuracy, result.rows, plain_accuracy, artifacts.gate_verdict(result.accuracy, gate.min_accuracy, failed), gate.origin,
     )
     # The evidence before any verdict acts: a failed gate's run page shows why it failed.
     artifacts.publish_evaluation_report(result, spec.dataset, trained, workload)

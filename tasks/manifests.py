@@ -12,6 +12,14 @@ from pydantic import BaseModel
 from training import registry
 
 
+class ChampionScore(BaseModel):
+    """The champion a run's gate came from and its accuracy on this run's test set."""
+
+    version: int
+    accuracy: float  # on this run's test split
+    rescored: bool = False  # scored again here (its data hash is not this run's); else its recorded accuracy
+
+
 class Evaluation(BaseModel):
     """Test-set metrics of the evaluated checkpoint and where they were saved."""
 
@@ -26,6 +34,8 @@ class Evaluation(BaseModel):
     passed_gate: bool
     min_accuracy: float = 0.0  # the gate it was held to
     gate: str = ""  # where min_accuracy came from, in a phrase (`tasks.gate.Gate.origin`)
+    gate_failures: list[str] = []  # what failed the gate, one phrase each (`tasks.gate.failures`); [] when it passed
+    champion: ChampionScore | None = None  # the champion the gate came from, scored on this test set (promotion reuses it)
     tta: bool = False
     accuracy_without_tta: float | None = None
     promotion: registry.Promotion | None = None  # set by the promote stage; None: promotion is off (promote.enabled)

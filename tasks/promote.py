@@ -3,13 +3,14 @@
 Every evaluated run, gate passed or not, adds its row to the model's run-comparison table under
 ``<root>/models/<promote.model_name>/`` (unset: ``<workload>-<model>``), published to the Prefect
 UI under keys stable across runs, and is remembered as the last trained run there
-(`training.unchanged.remember`: what ``promote.skip_unchanged`` compares a run with besides the champion). A model that passed ``evaluate.min_accuracy`` replaces the
-champion only when it is better on the same test set (`training.registry`). The decision is
-added to the run's ``evaluation/metrics.json``.
+(`training.unchanged.remember`: what ``promote.skip_unchanged`` compares a run with besides the champion). A
+model that passed its gate (`tasks.gate`) replaces the champion only when it is better on the same test
+set (`training.registry`); a champion the gate already scored on this test set is not scored again.
+The decision is added to the run's ``evaluation/metrics.json``.
 
-Then the gate: a model below ``evaluate.min_accuracy`` fails this stage and the run, with its
-evidence already published by evaluation and its row already in the comparison. With promotion
-off (``promote.enabled``) the stage only applies the gate.
+Then the gate: a model that failed it fails this stage and the run (saying what failed, the gate and
+where its number came from), with its evidence already published by evaluation and its row already in
+the comparison. With promotion off (``promote.enabled``) the stage only applies the gate.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
 from reporting import artifacts, environment, pictures
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_json, join, lease_path, read_json, storage_writes
+from tasks.gate import champion_scorer
 from tasks.manifests import Evaluation
 from training import registry, registry_files, unchanged
 from training.manifests import TrainedModel
 
 
 class QualityGateError(RuntimeError):
-    """Test accuracy below ``evaluate.min_accuracy``."""
+    """The evaluated model failed its gate (`tasks.gate`): below its accuracy, or a class it never gets right."""
 
 
 class PromotionOutcome(BaseModel):
@@ -80,11 +82,19 @@ def promote(
             atomic_write_json(evaluation.metrics_path, evaluation.model_dump())
         stage_logger(__name__).info("Model %s: %s", name, promotion_line(outcome.promotion))
     if not evaluation.passed_gate:
-        raise QualityGateError(
-            f"test accuracy {evaluation.accuracy:.4f} is below evaluate.min_accuracy {evaluation.min_accuracy:.4f}; "
-            f"every artifact is kept: metrics in {evaluation.metrics_path}, checkpoint {evaluation.checkpoint}"
-        )
+        raise QualityGateError(gate_failed_message(evaluation))
     return outcome
+
+
+def gate_failed_message(evaluation: Evaluation) -> str:
+    """What failed the gate, the gate and where its number came from, and where the evidence is."""
+    failed = evaluation.gate_failures or [
+        f"test accuracy {evaluation.accuracy:.4f} is below the gate {evaluation.min_accuracy:.4f}"]  # an older metrics.json
+    origin = f"; the gate came from: {evaluation.gate}" if evaluation.gate else ""
+    return (
+        f"{'; '.join(failed)}{origin}; every artifact is kept: "
+        f"metrics in {evaluation.metrics_path}, checkpoint {evaluation.checkpoint}"
+    )
 
 
 def promotion_line(promotion: registry.Promotion) -> str:
@@ -110,7 +120,7 @@ def promote_model(
     version_pictures = {"confusion_matrix.png": pictures.confusion_matrix_png(result.confusion, spec.dataset.classes)}
     if trained.history:
         version_pictures["training_curves.png"] = pictures.training_curves_png(trained.history)
-    rescore = champion_scorer(spec, cfg, promote.model_name)
+    rescore = known_scores(result, layout.root, model_name, champion_scorer(spec, cfg, promote.model_name))
     promotion = registry.promote(layout, model_name, candidate, promote.min_improvement, version_pictures, rescore)
     with storage_writes("promote"):
         registry.record_run(layout.root, model_name, run_row(result, trained, candidate, promotion, layout))
@@ -152,27 +162,17 @@ def make_candidate(
     )
 
 
-def champion_scorer(spec: TransformSpec, cfg: EvaluateConfig, model_name_field: str | None) -> Callable[[str], float]:
-    """How the registry scores a champion on this run's test set (when the data changed): through
-    the same actor pool as evaluation, after checking that the champion's images and classes are this run's."""
+def known_scores(evaluation: Evaluation, root: str, model: str, rescore: Callable[[str], float]) -> Callable[[str], float]:
+    """``rescore``, except for the champion the evaluation's gate already scored on this test split (the
+    same version folder): its accuracy then, without scoring it a second time."""
+    known = evaluation.champion
 
-    def rescore(folder: str) -> float:
-        card = read_json(join(folder, registry_files.CARD_FILE))
-        theirs = registry_files.card_data(card if isinstance(card, dict) else {})
-        if tuple(theirs["shape"]) != tuple(spec.dataset.image_shape) or list(theirs["classes"]) != list(spec.dataset.classes):
-            raise ValueError(
-                f"promote.model_name {model_name_field}: its champion ({folder}) was trained on {theirs['shape']} images of "
-                f"classes {theirs['classes']}, this run on {tuple(spec.dataset.image_shape)} images of classes "
-                f"{list(spec.dataset.classes)}; they cannot be compared: give this workload its own promote.model_name"
-            )
-        # Scoring needs torch and Ray Data: imported here, where a champion is really scored again (the
-        # data changed), so a promotion that reuses the recorded accuracy keeps its worker free of torch.
-        from training.inference import predict
+    def score(folder: str) -> float:
+        if known is not None and known.rescored and folder == registry_files.version_dir(root, model, known.version):
+            return known.accuracy
+        return rescore(folder)
 
-        out = predict(spec, folder, cfg, registry_files.version_model(folder))
-        return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0
-
-    return rescore
+    return score
 
 
 def data_spec(spec: TransformSpec) -> dict[str, Any]:

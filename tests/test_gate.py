@@ -14,67 +14,19 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 
-from dataset.idx import read_idx
-from dataset.parquet import ParquetDataset, to_table
 from pipeline_config import EvaluateConfig
 from pipeline_config.evaluation import OWN_GATES
 from runner import console
 from runner.summary import RunSummary
-from storage_io import MANIFEST, StorageLayout
-from tasks.gate import centroid_probe, gate_for, lower_bound
+from storage_io import StorageLayout
+from tasks.baseline import centroid_probe
+from tasks.gate import beating, gate_for, lower_bound
 from tests.support.cli import ROOT
-
-SAMPLE = ROOT / "data" / "mnist-sample"
-TRAIN_ROWS, TEST_ROWS = 1257, 540
-
-
-def digits_8x8() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(train images, train labels, test images, test labels): 8x8 uint8 digits from the bundled sample, the
-    28x28 digit's central 24x24 averaged over 3x3 blocks and kept to 17 gray levels (as the classic set)."""
-    def small(images: np.ndarray) -> np.ndarray:
-        blocks = images[:, 2:26, 2:26].astype(np.float32).reshape(-1, 8, 3, 8, 3).mean(axis=(2, 4))
-        return (np.round(blocks / 255 * 16) * (255 / 16)).clip(0, 255).astype(np.uint8)
-
-    rng = np.random.default_rng(0)
-    train_x, train_y = read_idx(SAMPLE / "train-images-idx3-ubyte.gz"), read_idx(SAMPLE / "train-labels-idx1-ubyte.gz")
-    test_x, test_y = read_idx(SAMPLE / "t10k-images-idx3-ubyte.gz"), read_idx(SAMPLE / "t10k-labels-idx1-ubyte.gz")
-    train, test = rng.choice(len(train_x), TRAIN_ROWS, replace=False), rng.choice(len(test_x), TEST_ROWS, replace=False)
-    return small(train_x[train]), train_y[train].astype(np.int64), small(test_x[test]), test_y[test].astype(np.int64)
-
-
-def write_digit_folder(root: Path) -> Path:
-    """The 8x8 digits as an image folder: ``train/<digit>/*.png``, ``test/<digit>/*.png``."""
-    from PIL import Image
-
-    train_x, train_y, test_x, test_y = digits_8x8()
-    for split, images, labels in (("train", train_x, train_y), ("test", test_x, test_y)):
-        for i, (image, label) in enumerate(zip(images, labels, strict=True)):
-            folder = root / split / str(label)
-            folder.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(image, "L").save(folder / f"{i:05d}.png")
-    return root
-
-
-def digit_dataset(directory: Path, shuffle_train_labels: bool = False) -> ParquetDataset:
-    """The 8x8 digits in the dataset's Parquet layout (what the conversion writes), as a folder's dataset."""
-    train_x, train_y, test_x, test_y = digits_8x8()
-    if shuffle_train_labels:
-        train_y = np.random.default_rng(1).permutation(train_y)
-    for split, images, labels in (("train", train_x, train_y), ("test", test_x, test_y)):
-        (directory / split).mkdir(parents=True)
-        pq.write_table(to_table(np.arange(len(labels)), images.reshape(len(images), -1), labels), directory / split / "part-0.parquet")
-    (directory / MANIFEST).write_text(json.dumps({"fingerprint": "digits"}))  # what the registry's data hash reads
-    return ParquetDataset(
-        directory=str(directory), fingerprint="digits", rows={"train": TRAIN_ROWS, "val": 0, "test": TEST_ROWS},
-        image_shape=(1, 8, 8), classes=[str(d) for d in range(10)], source="folder",
-    )
-
+from tests.support.gate_data import TEST_ROWS, digit_dataset, digits_8x8, write_digit_folder
 
 def test_the_lower_bound_leaves_room_for_the_test_sets_noise():
     assert lower_bound(1.0, 45) == pytest.approx(0.8333, abs=1e-4)  # a perfect score on 45 images: not a 100% gate
@@ -85,15 +37,17 @@ def test_the_lower_bound_leaves_room_for_the_test_sets_noise():
 
 def test_the_probe_scores_the_test_split_by_the_nearest_class_mean(tmp_path):
     dataset = digit_dataset(tmp_path / "digits")
-    probe, majority = centroid_probe(dataset)
+    baseline = centroid_probe(dataset)
+    probe, majority = baseline.probe, baseline.majority
     train_x, train_y, test_x, test_y = digits_8x8()  # the same classifier written out plainly
     means = np.stack([train_x[train_y == d].reshape(-1, 64).mean(axis=0) for d in range(10)]) / 255
     nearest = (((test_x.reshape(-1, 1, 64) / 255) - means[None]) ** 2).sum(axis=2).argmin(axis=1)
     assert probe == pytest.approx(float((nearest == test_y).mean()))
     assert 0.7 < probe < 0.9  # far above chance, far below what a trained network gets
     assert majority == pytest.approx(np.bincount(test_y).max() / TEST_ROWS)
+    assert baseline.test_counts == np.bincount(test_y, minlength=10).tolist() and baseline.probe_classes == 10
 
-    shuffled, _ = centroid_probe(digit_dataset(tmp_path / "shuffled", shuffle_train_labels=True))
+    shuffled = centroid_probe(digit_dataset(tmp_path / "shuffled", shuffle_train_labels=True)).probe
     assert shuffled < 0.3  # nothing to learn from shuffled labels: the probe says so
 
 
@@ -103,17 +57,22 @@ def test_the_gate_is_the_users_then_the_datas_own_then_the_champions_then_the_ba
 
     dataset = digit_dataset(tmp_path / "digits")
     root = str(tmp_path / "root")
-    probe, majority = centroid_probe(dataset)
+    baseline = centroid_probe(dataset)
+    probe, majority = baseline.probe, baseline.majority
+    beat = beating(majority, TEST_ROWS)  # what a model that learned something must reach (tests/test_gate_verdicts.py)
 
     first = gate_for(EvaluateConfig(), dataset, root, "digits-resnet18")  # no champion yet: the data's baseline
-    assert first.min_accuracy == pytest.approx(max(lower_bound(probe, TEST_ROWS), majority), abs=1e-4)
-    assert first.origin.startswith(f"the data's baseline: a nearest-centroid probe scored {probe:.2%}, less 3 standard errors")
+    assert first.min_accuracy == max(lower_bound(probe, TEST_ROWS), beat) == lower_bound(probe, TEST_ROWS)
+    assert first.origin == (f"the data's baseline: a nearest-centroid probe scored {probe:.2%}, less 3 standard errors "
+                            f"(above the majority class's {majority:.2%} by a one-sided test at 3 standard errors on "
+                            f"{TEST_ROWS} test images: {beat:.2%})")
 
     layout = StorageLayout.create(root, "setup")
     assert registry.promote(layout, "digits-resnet18", candidate(layout, "first-run", 0.9, dataset.directory)).promoted
-    later = gate_for(EvaluateConfig(), dataset, root, "digits-resnet18")  # held to its champion
-    assert later.min_accuracy == pytest.approx(lower_bound(0.9, TEST_ROWS), abs=1e-4) and 0.85 < later.min_accuracy < 0.9
-    assert later.origin == "its champion digits-resnet18 v1 (90.00%) less 3 standard errors"
+    later = gate_for(EvaluateConfig(), dataset, root, "digits-resnet18")  # held to its champion, trained on this data
+    assert later.min_accuracy == lower_bound(0.9, TEST_ROWS) and 0.85 < later.min_accuracy < 0.9
+    assert later.origin.startswith("its champion digits-resnet18 v1 (90.00%, on this run's data) less 3 standard errors (above")
+    assert later.champion.model_dump() == {"version": 1, "accuracy": 0.9, "rescored": False}
     assert gate_for(EvaluateConfig(), dataset, root, None).origin == first.origin  # promotion off: no champion to follow
 
     mnist = dataset.model_copy(update={"source": "idx"})  # MNIST's digits keep their own 97.5%
@@ -183,9 +142,11 @@ def test_small_grayscale_digits_train_with_defaults_and_pass_their_own_gate(tmp_
 
     out, again = train("second", "--train.epochs", "1", code=1)  # one epoch: far below what the champion scored
     gate = again["evaluation"]["min_accuracy"]
-    assert again["evaluation"]["gate"] == f"its champion digits8-resnet18 v1 ({summary['test_accuracy']:.2%}) less 3 standard errors"
+    assert again["evaluation"]["gate"].startswith(
+        f"its champion digits8-resnet18 v1 ({summary['test_accuracy']:.2%}, on this run's data) less 3 standard errors")
     assert gate == pytest.approx(lower_bound(summary["test_accuracy"], TEST_ROWS), abs=1e-4) and again["test_accuracy"] < gate
     assert again["stages"]["promote"]["status"] == "failed" and "QualityGateError" in again["stages"]["promote"]["error"]
+    assert f"is below the gate {gate:.4f}; the gate came from: {again['evaluation']['gate']};" in out.stderr
     assert f"  gate           {gate:.2%}: {again['evaluation']['gate']}" in out.stderr  # a failed run's lines go to stderr
     (failed,) = wait_for(lambda: sent(events.GATE_FAILED, "second"), 30, "the second run's gate-failed event")
     assert failed["payload"]["min_accuracy"] == gate and failed["payload"]["gate"] == again["evaluation"]["gate"]
