@@ -17,11 +17,12 @@ Registers and serves, until Ctrl-C:
 - ``train/manual``: the generic flow (``flows.train``) for any workload, no schedule; its form has
   the same fields, ``workload`` and ``model.name`` among them, starting from ``--manual-preset``.
 
-Runs of all four execute one at a time (``--limit 1``: on a small machine two runs, a search
-included, would fight over the same CPUs) in subprocesses of this process. They join one Ray
-cluster: a Ray head this process starts on 127.0.0.1 when it starts and stops when it stops
-(``--ray-address`` names a running cluster instead), so no run pays for starting a Ray of its
-own (`runner.ray_head`). The runs get this process's environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
+Runs of all four execute one at a time by default (``--limit 1``) in subprocesses of this process.
+They join one Ray cluster: a Ray head this process starts on 127.0.0.1 when it starts and stops when
+it stops (``--ray-address`` names a running cluster instead), so no run pays for starting a Ray of
+its own (`runner.ray_head`). With ``--limit 2`` (a scheduled run and a UI run at once) both start,
+and the runs take turns on the cluster: each plans its stages from the whole cluster, so the second
+waits before its first stage, saying for whom and how long, until the first ends (`runner.cluster_slot`). The runs get this process's environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
 ``PIPELINE_MODEL_MODULES``: the modules a run's ``model.name`` may import) and working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
@@ -182,7 +183,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tune-preset", default="default", choices=PRESETS, help="tune preset the search's run form starts from"
     )
-    parser.add_argument("--limit", type=int, default=1, help="flow runs executed at the same time (default: 1)")
+    parser.add_argument("--limit", type=int, default=1,
+                        help="flow runs executed at the same time (default: 1); runs on the cluster still take turns on it")
     parser.add_argument(
         "--watch", type=Path, metavar="CONFIG",
         help="a workload's config file: watch its download.path, train it (train/on-data) when its images change",

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from prefect_ray import RayTaskRunner
 
 from pipeline_config import RayConfig
+from runner import cluster_slot
 from runner.prefect_api import current_api_url
 from runner.ray_head import served
 from runner.stopping import sigterm_handler_kept
@@ -171,8 +172,35 @@ def _log_in_run(message: str) -> None:
 
 
 class SignalKeepingRayTaskRunner(RayTaskRunner):
-    """A RayTaskRunner whose ``ray.init`` leaves the flow's SIGTERM handler in place (``stopping.sigterm_handler_kept``)."""
+    """A RayTaskRunner whose ``ray.init`` leaves the flow's SIGTERM handler in place (``stopping.sigterm_handler_kept``),
+    and which, on a cluster it joins, runs its tasks only while it holds the cluster's run slot (`runner.cluster_slot`):
+    taken before the first stage (after the run's checks), freed when the runner exits."""
+
+    _slot = None  # the run slot's actor while this runner holds it
 
     def __enter__(self):
         with sigterm_handler_kept(), local_gcs_port(self.init_kwargs):
             return super().__enter__()
+
+    def hold_cluster(self) -> None:
+        """On a cluster this runner joined: take its run slot, waiting (and saying so) while another run holds it.
+        Once taken, held until the runner exits; a run's own local Ray needs none."""
+        if self._slot is None and self.address not in (None, "local"):
+            self._slot = cluster_slot.take(_run_name(), self.address)
+
+    def submit(self, task, parameters, wait_for=None, dependencies=None):
+        self.hold_cluster()  # the stage runner took it before the stage's line (`runner.stages.StageRecorder`)
+        return super().submit(task, parameters, wait_for, dependencies)
+
+    def __exit__(self, *exc_info):
+        if self._slot is not None:
+            cluster_slot.free(self._slot)
+            self._slot = None
+        return super().__exit__(*exc_info)
+
+
+def _run_name() -> str:
+    """The flow run's name (a pipeline run's name, `runner.harness.flow_run_name`), for the run slot's holder."""
+    from prefect.runtime import flow_run
+
+    return str(flow_run.name or "?")

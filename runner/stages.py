@@ -104,6 +104,7 @@ class StageRecorder:
         name = stage.name
         number = f"[{[s.name for s in self.plan].index(name) + 1}/{len(self.plan)}] {name}"
         detail = stage.starting(self, parameters)  # may refuse the stage before it starts
+        self.hold_cluster(name)
         record = self.stages[name] = StageRecord()
         console.say("%s ...%s", number, detail)
         start = time.perf_counter()
@@ -131,6 +132,22 @@ class StageRecorder:
         if self.tracker.enabled:
             self.tracker.sync(self.summary())
         return result
+
+    def hold_cluster(self, stage: str) -> None:
+        """On a shared cluster, wait for its run slot before the stage's line and seconds (`runner.cluster_slot`):
+        the wait is no stage's time. A stop meanwhile is recorded as one in ``stage``."""
+        hold = getattr(self.runner, "hold_cluster", None)  # a runner that joins no cluster has none
+        if hold is None:
+            return
+        try:
+            hold()
+        except stopping.RunStopped as stop:
+            self.record_stop("interrupted", stage, stop.reason)
+            raise
+        except BaseException:
+            if stopping.prefect_is_cancelling():  # Cancel in the Prefect UI while waiting
+                self.record_stop("cancelled", stage, "cancelled from Prefect")
+            raise
 
     def run_task(self, stage: Stage, parameters: dict[str, Any]) -> Any:
         """Submit the stage's task on Ray with the CPUs it holds, and wait for its output (a stop request cancels it)."""

@@ -6,9 +6,9 @@ small model: they prove recovery, not the network) against the session's Prefect
 ``MNIST_FAULT_INJECT``. The stall runs on the session's Ray cluster (``shared_ray``), as a
 deployment's runs do: the job's runtime env hands the fault to Ray Train's workers there, and the
 test asserts it fired (the stalled rank named). The others keep a Ray of their own: the worker
-kills' two runs at once would deadlock on one 2-CPU cluster (the test says why), the killed
-driver's test is about its local Ray going with it, and a node loss needs a cluster whose node the
-test can take away.
+kills' two runs are about overlapping, which on one cluster they would not (runs there take turns;
+the test says why), the killed driver's test is about its local Ray going with it, and a node loss
+needs a cluster whose node the test can take away.
 
 * worker kills: one Ray Train restarts (``max_failures``), one more exhausts it and Prefect's
   retry of the training stage resumes the same run from its latest checkpoint;
@@ -191,11 +191,12 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
     """Both runs are tracked in MLflow. The interrupted one keeps one MLflow run with one point per
     epoch through a worker restart and a Prefect retry, and its promoted model is the registered
     model's champion; the reference run loses its MLflow server mid-training and completes anyway.
-    Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): two runs at
-    once on one 2-CPU cluster deadlock. Each sizes its training placement group from the cluster's
-    CPUs as if it had the cluster alone (2 workers x 0.5 CPU, leaving 1 CPU for Ray Data's tasks), so
-    both groups were placed, all 2 CPUs reserved, and neither run's data tasks (0.25 CPU each) could
-    ever start: on the session's cluster both runs stayed at "[4/7] train".
+    Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): runs on one
+    cluster take turns (`runner.cluster_slot`; tests/test_shared_cluster.py), so there the reference
+    run would end before the killed one began, and the killed run would never wait on the other's
+    dataset build. (Before the turns, the two runs deadlocked on the
+    session's 2-CPU cluster: each sized its training placement group from the cluster's CPUs as if it
+    had the cluster alone, both groups were placed, and neither run's Ray Data tasks could start.)
     The fault reaching Ray Train's workers of a joined cluster is the stalled-worker test's."""
     storage = tmp_path / "storage"
     outage = MlflowServer(tmp_path / "mlflow-outage").start()

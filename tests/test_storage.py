@@ -152,12 +152,12 @@ def test_two_runs_at_once_on_s3_share_one_dataset_build_and_keep_their_runs_apar
     tests/test_fault_tolerance.py's worker-kill test, and four promotions at once of tests/test_promotion.py.
     Both runs report to the session's Prefect server, as runs of deployments do: two CLI runs
     without PREFECT_API_URL would each start a temporary server on the same default SQLite database.
-    Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): two runs at
-    once on one 2-CPU cluster deadlock. Each sizes its training placement group from the cluster's
-    CPUs as if it had the cluster alone (2 workers x 0.5 CPU, leaving 1 CPU for Ray Data's tasks), so
-    both groups were placed, all 2 CPUs reserved, and neither run's data tasks (0.25 CPU each) could
-    ever start: on the session's cluster both runs stayed at "[4/7] train"
-    (tests/test_fault_tolerance.py's worker kills, the same two runs at once on a local root).
+    Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): runs on one
+    cluster take turns (`runner.cluster_slot`; tests/test_shared_cluster.py), so there one would end
+    before the other began and the S3 build lock would never be waited on. (Before the turns, the two
+    runs deadlocked on the session's 2-CPU cluster: each sized its training placement group from the
+    cluster's CPUs as if it had the cluster alone, both groups were placed, and neither run's Ray Data
+    tasks could start; tests/test_fault_tolerance.py's worker kills, the same two runs on a local root.)
     """
     storage = s3_root
     flags = real_digits_mirror(tmp_path / "mirror", train_per_class=60, test_per_class=20)
