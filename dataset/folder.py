@@ -23,6 +23,11 @@ image, wherever they are: each is counted once (a hidden folder as one entry, wh
 line says how many ("2 hidden entries skipped"). The dataset's fingerprint and the listing cache are made
 of the images only, so a hidden entry added or removed changes neither.
 
+Each image is listed once (`storage_io.list_tree`): a link to a folder is not followed when it points into its
+split's folder or one around it (``train/a/loop -> ..``: a loop) or to a folder listed already, nor a link to an
+image listed already; each is passed over by name. A link to a folder outside the split's folder is followed,
+and the conversion's terminal line names it (`FolderLayout.links_out`: ``train/a/more -> /disk2/a``).
+
 The folder as a run's data source (its checks before any work, listing, fingerprint, conversion) is
 `dataset.folder_source`; its conversion to Parquet, with Ray Data, `dataset.folder_convert`.
 `check_source` and `keep_checks` here check any run's data (`dataset.source.source_for`).
@@ -39,7 +44,7 @@ import numpy as np
 from dataset import images
 from dataset.listing import ListingCache
 from dataset.source import source_for
-from storage_io import filesystem, is_dir, is_remote, join, list_dirs, list_files, read_bytes, sha256_file
+from storage_io import filesystem, is_dir, is_remote, join, list_dirs, list_tree, read_bytes, sha256_file
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 # PIL modes read as one channel; any other (RGB, RGBA, P, CMYK, ...) makes the dataset RGB.
@@ -59,6 +64,7 @@ class FolderLayout(NamedTuple):
     classes: list[str]
     files: dict[str, list[tuple[str, int]]]  # "train" / "val" / "test" -> [(relative path, label)], sorted
     skipped: tuple[str, ...] = ()
+    links_out: tuple[str, ...] = ()  # the links followed out of a split's folder, as ``train/a/more -> /elsewhere``
 
     @property
     def has_val(self) -> bool:
@@ -71,8 +77,12 @@ class FolderLayout(NamedTuple):
 
     def skipped_note(self, shown: int = 3) -> str | None:
         """What the check passed over: the hidden entries counted (``2 hidden entries skipped``), the other
-        files counted and the first ``shown`` named; None when there are none."""
+        files counted and the first ``shown`` named (a link not followed among them), and the links followed out of
+        the folder; None when there are none."""
         notes = []
+        if self.links_out:
+            more = f" and {len(self.links_out) - shown} more" if len(self.links_out) > shown else ""
+            notes.append(f"{len(self.links_out)} link(s) out of {self.path} followed: {', '.join(self.links_out[:shown])}{more}")
         if self.hidden:
             notes.append(f"{len(self.hidden)} hidden {'entry' if len(self.hidden) == 1 else 'entries'} skipped")
         others = [entry for entry in self.skipped if not entry.endswith(HIDDEN)]
@@ -129,12 +139,17 @@ def _dangling_links(folder: str) -> list[str]:
     return sorted(found)
 
 
-def _check_split(path: str, split: str, classes: list[str], field: str) -> tuple[list[str], list[tuple[str, int]], list[str]]:
-    """(class folder names, images as (relative path, label), files passed over) of one split; FolderError naming the path."""
+def _check_split(
+    path: str, split: str, classes: list[str], field: str,
+) -> tuple[list[str], list[tuple[str, int]], list[str], list[str]]:
+    """(class folder names, images as (relative path, label), files passed over, links followed out of the split's
+    folder) of one split; FolderError naming the path. Each file is listed once (`storage_io.list_tree`): a link
+    into the split's folder or around it is not followed, and is passed over by name."""
     split_dir = join(path, split)
     folders = list_dirs(split_dir)
     names = [name for name in folders if not name.startswith(".")]  # a hidden folder is never a class
-    listed = list_files(split_dir)
+    tree = list_tree(split_dir)
+    listed = tree.files
     loose = [name for name in listed if "/" not in name and _is_image(name)]
     if loose:
         raise FolderError(f"{join(split_dir, loose[0])}: an image outside a class folder; put it in {split}/<class>/")
@@ -158,9 +173,11 @@ def _check_split(path: str, split: str, classes: list[str], field: str) -> tuple
         label = (names if split == "train" else classes).index(name)
         rows += [(f"{split}/{rel}", label) for rel in by_class[name]]
     skipped = _passed_over(split, listed, [name for name in folders if name.startswith(".")])
+    skipped += [f"{split}/{rel} ({why})" for rel, why in tree.skipped if _hidden_part(rel) is None]
     if not is_remote(path):
         skipped += [f"{split}/{rel} (a link to a missing file)" for rel in _dangling_links(split_dir)]
-    return names, rows, skipped
+    links_out = [f"{split}/{rel} -> {target}" for rel, target in tree.links_out if _hidden_part(rel) is None]
+    return names, rows, skipped, links_out
 
 
 def _check_learnable(layout: FolderLayout, field: str) -> None:
@@ -202,12 +219,14 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
     classes: list[str] = []
     files: dict[str, list[tuple[str, int]]] = {}
     skipped: list[str] = []
+    links_out: list[str] = []
     for split in ("train", "val", "test"):
         if split in splits:
-            names, files[split], passed = _check_split(path, split, classes, field)
+            names, files[split], passed, linked = _check_split(path, split, classes, field)
             classes = names if split == "train" else classes
             skipped += passed
-    layout = FolderLayout(path=path, classes=classes, files=files, skipped=tuple(skipped))
+            links_out += linked
+    layout = FolderLayout(path=path, classes=classes, files=files, skipped=tuple(skipped), links_out=tuple(links_out))
     _check_learnable(layout, field)
     return layout
 

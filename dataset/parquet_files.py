@@ -13,12 +13,16 @@ Two columns are read, with pyarrow:
 - ``download.label_column`` (``label``): integers, or strings whose sorted training values become the
   classes. Integers take their class names from the file's Hugging Face metadata (the ``huggingface`` key of
   the Parquet schema's metadata: ``info.features.<label column>.names``, a ``ClassLabel``) when it has them,
-  else ``0``, ``1``, ... up to the largest training label.
+  else ``0``, ``1``, ... up to the largest training label. Every file's labels mean the same classes: all
+  integers or all strings, and every file that has ClassLabel names has the same names in the same order.
 
 `check_layout` refuses, before any work, naming the field or the file: no folder, no Parquet files, a file
 whose split its name does not tell, no train or test split, a file that is not Parquet, a missing column or
-one of another type, an empty (null) label or a label that is not a class (named by file and row), a test or
-validation class the training rows lack, one class only, an empty validation split. `scan` decodes the images
+one of another type, two files whose labels would mean different classes (string labels in one, integers in
+another; ClassLabel names that differ or come in another order: both files named), an empty (null) label or a
+label that is not a class (named by file and row), a test or validation class the training rows lack, one class
+only, an empty validation split. Each file is listed once (`listing`): a link into the folder or around it is
+not followed, a link out of it is, and the conversion's terminal line names both (`listing_notes`). `scan` decodes the images
 (named by file and row: not an image, cut short, over ``download.max_image_pixels``, sizes that differ
 without ``transform.image_size``). The folder is only read: never copied, modified or deleted.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
@@ -36,14 +41,17 @@ import pyarrow.parquet as pq
 from dataset import images
 from dataset.folder import GRAY_MODES
 from dataset.listing import ListingCache
-from storage_io import filesystem, is_dir, list_files
+from storage_io import filesystem, is_dir, list_tree
+from storage_io.walk import Listing
 
 SUFFIX = ".parquet"
 # The words that name a split at the start of a file or folder name, and the split each names.
 SPLIT_WORDS = {"train": "train", "test": "test", "validation": "val", "valid": "val", "val": "val"}
 _SPLIT = re.compile(r"^(train|test|validation|valid|val)(?=$|[-_.])")
 HF_METADATA = b"huggingface"
-ROWS_PER_READ = 1024  # rows of the image column read at once while checking
+ROWS_PER_READ = 1024  # rows of the image column read at once, at most
+READ_BYTES = 4 << 20  # encoded images read at once, about (`batch_rows`)
+READ_BUFFER = 1 << 20  # bytes a column chunk is read in (`iter_image_bytes`): never a whole chunk at once
 
 
 class ParquetSourceError(ValueError):
@@ -69,6 +77,33 @@ class ParquetLayout(NamedTuple):
         return list(dict.fromkeys(rel for split in ("train", "val", "test") for rel, _, _ in self.rows.get(split, [])))
 
 
+def listing(path: str) -> Listing:
+    """The folder's Parquet files, each once, hidden ones (a name starting with ``.``, at any depth) left out: a link
+    into the folder or around it is not followed, a link out of it is (`storage_io.list_tree`)."""
+    tree = list_tree(path, SUFFIX)
+
+    def seen(rel: str) -> bool:
+        return not any(part.startswith(".") for part in rel.split("/"))
+
+    return Listing([rel for rel in tree.files if seen(rel)], tuple(link for link in tree.links_out if seen(link[0])),
+                   tuple(link for link in tree.skipped if seen(link[0])))
+
+
+def listing_notes(path: str, shown: int = 3) -> list[str]:
+    """What the listing line says of the folder's links: those followed out of it, those not followed (a loop, a
+    folder or file listed already), each counted and the first ``shown`` named; empty when there are none."""
+    tree, notes = listing(path), []
+    if tree.links_out:
+        more = f" and {len(tree.links_out) - shown} more" if len(tree.links_out) > shown else ""
+        named = ", ".join(f"{rel} -> {target}" for rel, target in tree.links_out[:shown])
+        notes.append(f"{len(tree.links_out)} link(s) out of {path} followed: {named}{more}")
+    if tree.skipped:
+        more = f" and {len(tree.skipped) - shown} more" if len(tree.skipped) > shown else ""
+        named = ", ".join(f"{rel} ({why})" for rel, why in tree.skipped[:shown])
+        notes.append(f"{len(tree.skipped)} link(s) in {path} not followed: {named}{more}")
+    return notes
+
+
 def split_of(rel: str) -> str | None:
     """The split a file's relative path names (``train``, ``val``, ``test``), None when none does; ParquetSourceError
     when two of its names name different splits (``train/test-0.parquet``)."""
@@ -78,11 +113,13 @@ def split_of(rel: str) -> str | None:
     return found.pop() if found else None
 
 
-def open_file(path: str) -> pq.ParquetFile:
-    """The Parquet file at ``path`` (local or s3://), opened: only its footer is read."""
+def open_file(path: str, buffer_size: int = 0) -> pq.ParquetFile:
+    """The Parquet file at ``path`` (local or s3://), opened: only its footer is read. ``buffer_size``: 0 reads a
+    column chunk whole, more reads it in buffers of that size, page by page, and nothing ahead (pyarrow's
+    ``pre_buffer`` reads every row group asked for at once: a whole file's images held while reading its first)."""
     fs, where = filesystem(path)
     try:
-        return pq.ParquetFile(fs.open_input_file(where))
+        return pq.ParquetFile(fs.open_input_file(where), buffer_size=buffer_size, pre_buffer=not buffer_size)
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise ParquetSourceError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:300]})") from None
 
@@ -131,7 +168,7 @@ def check_layout(path: str, image_column: str = "image", label_column: str = "la
     (see the module's docstring). Reads every file's footer and label column, not its images."""
     if not is_dir(path):
         raise ParquetSourceError(f"{field} {path}: no such folder")
-    listed = [rel for rel in list_files(path, SUFFIX) if not any(part.startswith(".") for part in rel.split("/"))]
+    listed = listing(path).files
     if not listed:
         raise ParquetSourceError(f"{field} {path}: no Parquet files (*.parquet) in it")
     by_split: dict[str, list[str]] = {}
@@ -144,14 +181,14 @@ def check_layout(path: str, image_column: str = "image", label_column: str = "la
     for split in ("train", "test"):
         if split not in by_split:
             raise ParquetSourceError(f"{field} {path}: no {split} split: no file or folder named {split}*.parquet or {split}/")
-    names, raw = None, {}
+    labels, raw = _LabelsAgree(path, label_column), {}
     for split in ("train", "val", "test"):
         for rel in by_split.get(split, []):
             parquet = open_file(f"{path}/{rel}")
             _check_columns(f"{path}/{rel}", parquet.schema_arrow, image_column, label_column)
-            names = names or class_names(parquet.schema_arrow, label_column)
+            labels.add(rel, parquet.schema_arrow)
             raw[rel] = _labels(f"{path}/{rel}", parquet, label_column)
-    classes = _classes(path, by_split, raw, names, label_column)
+    classes = _classes(path, by_split, raw, labels.names, label_column)
     rows: dict[str, list[tuple[str, int, int]]] = {}
     for split in ("train", "val", "test"):
         rows[split] = [(rel, i, _label(path, rel, i, value, classes, split, label_column))
@@ -165,6 +202,47 @@ def check_layout(path: str, image_column: str = "image", label_column: str = "la
     layout = ParquetLayout(path, classes, rows, image_column, label_column)
     _check_learnable(layout, field)
     return layout
+
+
+class _LabelsAgree:
+    """The label column of every file read with one meaning, checked file by file (train's first): ParquetSourceError
+    naming two files whose labels would mean different classes: one of string labels and one of integers (an integer
+    would be read as an index into the sorted strings), or two ClassLabels whose names differ or come in another
+    order (label i would be another class in each). ``names``: the ClassLabel names the files that have them agree on
+    (None: no file has any)."""
+
+    def __init__(self, path: str, column: str):
+        self.path, self.column = path, column
+        self.first: tuple[str, str] | None = None  # (file, "integers" or "strings")
+        self.named: tuple[str, list[str]] | None = None  # (the first file with ClassLabel names, its names)
+
+    @property
+    def names(self) -> list[str] | None:
+        return self.named[1] if self.named else None
+
+    def add(self, rel: str, schema: pa.Schema) -> None:
+        path, column = self.path, self.column
+        kind = "integers" if pa.types.is_integer(schema.field(column).type) else "strings"
+        self.first = self.first or (rel, kind)
+        if kind != self.first[1]:
+            raise ParquetSourceError(
+                f"download.label_column {column!r}: {path}/{self.first[0]} holds {self.first[1]}, {path}/{rel} {kind}; "
+                "every file's labels must be of one type, or a label means another class in each file: write them all "
+                "as class names or all as ClassLabel integers")
+        names = class_names(schema, column)
+        if names is None:
+            return
+        self.named = self.named or (rel, names)
+        if names != self.named[1]:
+            order = " in order" if sorted(names) == sorted(self.named[1]) else ""
+            raise ParquetSourceError(
+                f"download.label_column {column!r}: the ClassLabel names of {path}/{self.named[0]} ({_shown(self.named[1])}) "
+                f"and of {path}/{rel} ({_shown(names)}) differ{order}; label i would be another class in each file: "
+                "write every file with the same ClassLabel names")
+
+
+def _shown(names: list[str], most: int = 10) -> str:
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
 def _classes(path: str, by_split: dict, raw: dict, names: list[str] | None, column: str) -> list[str]:
@@ -205,16 +283,27 @@ def _check_learnable(layout: ParquetLayout, field: str) -> None:
                                  "takes rows from training classes of two rows or more, and every class has one")
 
 
-def image_bytes(path: str, rel: str, column: str) -> list:
-    """The encoded images of one file (bytes, or None for an empty one), in row order."""
-    parquet = open_file(f"{path}/{rel}")
+def batch_rows(parquet: pq.ParquetFile, column: str) -> int:
+    """Rows of ``column`` read at once: about `READ_BYTES` of its values (from the footer's sizes), 1 to `ROWS_PER_READ`."""
+    meta, size = parquet.metadata, 0
+    for group in range(meta.num_row_groups):
+        chunks = meta.row_group(group)
+        size += sum(chunks.column(i).total_uncompressed_size for i in range(chunks.num_columns)
+                    if chunks.column(i).path_in_schema.split(".")[0] == column)
+    per_row = size / max(1, meta.num_rows)
+    return int(max(1, min(ROWS_PER_READ, READ_BYTES // max(1.0, per_row))))
+
+
+def iter_image_bytes(path: str, rel: str, column: str) -> Iterator[list]:
+    """The encoded images of one file (bytes, or None for an empty one), in row order, a batch at a time: about
+    `READ_BYTES` of them in memory, whatever the file's row groups (its pages are read as the batches need them)."""
+    parquet = open_file(f"{path}/{rel}", buffer_size=READ_BUFFER)
     try:
-        values = parquet.read(columns=[column]).column(column)
+        for batch in parquet.iter_batches(batch_size=batch_rows(parquet, column), columns=[column], use_threads=False):
+            values = batch.column(0)
+            yield (values.field("bytes") if pa.types.is_struct(values.type) else values).to_pylist()
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise ParquetSourceError(f"{path}/{rel}: damaged Parquet data ({' '.join(str(exc).split())[:300]})") from None
-    if pa.types.is_struct(values.type):
-        values = pa.chunked_array([chunk.field("bytes") for chunk in values.chunks], type=values.type.field("bytes").type)
-    return values.to_pylist()
 
 
 def scan(
@@ -248,7 +337,8 @@ def scan(
 def _scan_file(layout: ParquetLayout, rel: str, image_size: int | None, max_pixels: int | None, decode: bool) -> tuple[str, tuple[int, int]]:
     """("L" when every image of the file is gray, else "RGB"; the first image's (width, height))."""
     gray, first = True, None
-    for row, data in enumerate(image_bytes(layout.path, rel, layout.image_column)):
+    images_of = (data for batch in iter_image_bytes(layout.path, rel, layout.image_column) for data in batch)
+    for row, data in enumerate(images_of):
         name = f"{layout.path}/{rel} row {row}"
         if not data:
             raise ParquetSourceError(f"{name}: no image (empty bytes in download.image_column {layout.image_column!r})")

@@ -10,12 +10,15 @@ The conversion reads each split's encoded images with pyarrow, decodes them as a
 (`dataset.images`: 16-bit grayscale scaled to 8 bits, resized to ``transform.image_size`` when set, gray when
 every image is gray, else RGB) and writes the project's Parquet layout (`dataset.parquet`) with its manifest.
 Row ids: the training rows from 0 in an order drawn from ``parquet.split_seed``, then validation, then test,
-as for an image folder. A split's encoded images are held in memory while it is converted.
+as for an image folder. A split is converted in bounded memory: its encoded images read once, a batch at a
+time, and taken back one at a time in the planned order (`dataset.parquet_stream`).
 
 The folder is the user's: read where it is, never copied, changed or deleted; the watcher watches it.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 
@@ -23,7 +26,8 @@ from dataset import images
 from dataset.folder import stratified_split
 from dataset.listing import ListingCache, save_held
 from dataset.parquet import FORMAT_VERSION, SPLITS, ParquetDataset, _SplitWriter, build_manifest, schema_for, to_table
-from dataset.parquet_files import ParquetLayout, ParquetSourceError, check_layout, image_bytes, scan
+from dataset.parquet_files import ParquetLayout, ParquetSourceError, check_layout, listing_notes, scan
+from dataset.parquet_stream import PlannedImages
 from dataset.source import Defaults, Source, check_reachable
 from dataset.sources import RawData
 from pipeline_config import ParquetConfig
@@ -100,6 +104,10 @@ class ParquetSource(Source):
                "image_size": image_size, "decode": DECODE}
         return sha256_json(key)[:16]
 
+    def conversion_notes(self, raw: RawData) -> list[str]:
+        """The links of the folder the listing followed out of it or did not follow (`listing_notes`)."""
+        return [] if is_remote(raw.directory) else listing_notes(raw.directory)
+
     def convert(self, raw, cfg, final, fingerprint, logger, image_size, max_pixels, storage_root) -> ParquetDataset:
         """Every split decoded into a staging folder, published whole with its manifest last."""
         found = self._check_layout()
@@ -146,17 +154,18 @@ def convert_layout(
     size = (width, height) if resize else None
     counts = {}
     for split, planned in plan_rows(layout, cfg).items():
-        encoded = {rel: image_bytes(layout.path, rel, layout.image_column) for rel in dict.fromkeys(rel for rel, _, _, _ in planned)}
         writer = _SplitWriter(out_dir / split, cfg, schema_for(channels * height * width))
         try:
-            for start in range(0, len(planned), cfg.rows_per_group):
-                group = planned[start : start + cfg.rows_per_group]
-                pixels = np.empty((len(group), height * width * channels), dtype=np.uint8)
-                for i, (rel, row, _, _) in enumerate(group):
-                    pixels[i] = _decode(encoded[rel][row], f"{layout.path}/{rel} row {row}", shape, size, max_pixels)
-                ids = np.array([row_id for _, _, row_id, _ in group], dtype=np.int64)
-                labels = np.array([label for _, _, _, label in group], dtype=np.int64)
-                writer.write(to_table(ids, pixels, labels))
+            with PlannedImages(layout, planned, Path(out_dir) / f".{split}.spill") as in_plan:
+                encoded = iter(in_plan)  # one image at a time, in plan order (`dataset.parquet_stream`)
+                for start in range(0, len(planned), cfg.rows_per_group):
+                    group = planned[start : start + cfg.rows_per_group]
+                    pixels = np.empty((len(group), height * width * channels), dtype=np.uint8)
+                    for i, (rel, row, _, _) in enumerate(group):
+                        pixels[i] = _decode(next(encoded), f"{layout.path}/{rel} row {row}", shape, size, max_pixels)
+                    ids = np.array([row_id for _, _, row_id, _ in group], dtype=np.int64)
+                    labels = np.array([label for _, _, _, label in group], dtype=np.int64)
+                    writer.write(to_table(ids, pixels, labels))
         finally:
             writer.close()
         counts[split] = writer.rows

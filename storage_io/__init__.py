@@ -4,6 +4,7 @@ By concern, each importing only the ones above it in this list:
 
     redact      URLs as shown or stored: without the user, password or token they carry
     errors      a full, read-only or over-quota root as one clear `StorageWriteError`
+    walk        a local folder's files, each once: no link followed into itself, links out named
     filesystem  local and S3 primitives (join, exists, read_bytes, list_files, remove, sha256)
     writes      atomic writes, folders built in staging and published whole, local copies
     layout      where a run's files live under the root (`StorageLayout`)
@@ -34,6 +35,7 @@ from storage_io.filesystem import (
     join,
     list_dirs,
     list_files,
+    list_tree,
     parent,
     read_bytes,
     read_json,
@@ -108,6 +110,7 @@ __all__ = [
     "read_lines",
     "read_json",
     "list_files",
+    "list_tree",
     "list_dirs",
     "total_bytes",
     "remove",

@@ -22,6 +22,7 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from storage_io.errors import s3_write_error
+from storage_io.walk import Listing, walk_local
 
 S3_SCHEME = "s3://"
 
@@ -179,16 +180,26 @@ def read_json(path: str | os.PathLike[str]) -> Any | None:
         return None
 
 
-def list_files(directory: str | os.PathLike[str], suffix: str = "") -> list[str]:
-    """Relative paths (with '/') of every file under ``directory`` ending in ``suffix``, sorted."""
+def list_tree(directory: str | os.PathLike[str], suffix: str = "") -> Listing:
+    """Every file under ``directory`` ending in ``suffix``, each once, as relative paths (with '/'), sorted.
+
+    A local folder's links are followed by `storage_io.walk.walk_local`'s rules: never into the folder itself or
+    a folder around it, nor a second time into a folder listed already; a link out of it is followed and named
+    in `Listing.links_out`. An ``s3://`` prefix has no links: its keys, each relative path once."""
+    if not is_remote(directory):
+        return walk_local(str(Path(directory).absolute()), suffix)
     fs, where = filesystem(directory)
     try:
         infos = fs.get_file_info(pafs.FileSelector(where, recursive=True, allow_not_found=True))
     except NotADirectoryError:
-        return []
-    return sorted(
-        posixpath.relpath(info.path, where) for info in infos if info.type == pafs.FileType.File and info.path.endswith(suffix)
-    )
+        return Listing([])
+    rels = {posixpath.relpath(info.path, where) for info in infos if info.type == pafs.FileType.File and info.path.endswith(suffix)}
+    return Listing(sorted(rels))
+
+
+def list_files(directory: str | os.PathLike[str], suffix: str = "") -> list[str]:
+    """Relative paths (with '/') of every file under ``directory`` ending in ``suffix``, each once, sorted (`list_tree`)."""
+    return list_tree(directory, suffix).files
 
 
 def list_dirs(directory: str | os.PathLike[str]) -> list[str]:
