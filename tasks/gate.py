@@ -71,7 +71,7 @@ def gate_for(
     if own is not None:
         return Gate(min_accuracy=own, origin=f"the data's own gate ({dataset.source} data; evaluate.min_accuracy unset)")
     champion = _champion(root, registry_name)
-    scored = _champion_score(champion, dataset, rescore) if champion is not None else None
+    scored = _champion_score(champion, dataset, rescore, root, registry_name) if champion is not None else None
     baseline = class_counts(dataset) if scored is not None else centroid_probe(dataset)
     n, majority = baseline.rows, baseline.majority
     if scored is not None:
@@ -201,12 +201,15 @@ def _champion(root: str, registry_name: str | None) -> dict | None:
         return None  # promotion names the damage; the data's baseline holds meanwhile
 
 
-def _champion_score(champion: dict, dataset: ParquetDataset, rescore: Callable[[str], float] | None) -> ChampionScore | None:
+def _champion_score(
+    champion: dict, dataset: ParquetDataset, rescore: Callable[[str], float] | None, root: str, model: str,
+) -> ChampionScore | None:
     """The champion's accuracy on this run's test split: its recorded one on the same dataset, else scored
-    again; None when it was scored on other data and cannot be scored here (the data's baseline holds)."""
+    again; None when it was scored on other data and cannot be scored here, or its registry is damaged (the
+    data's baseline holds; promotion names the damage)."""
     if champion["data_hash"] == registry_files.data_hash(dataset.directory):
         return ChampionScore(version=champion["version"], accuracy=float(champion["test_accuracy"]))
-    if rescore is None:
+    if rescore is None or registry_files.problems(root, model):
         return None
     return ChampionScore(version=champion["version"], accuracy=float(rescore(champion["path"])), rescored=True)
 

@@ -143,3 +143,20 @@ def test_a_model_that_always_answers_the_majority_class_is_not_promoted_and_the_
     assert "class 'rare': recall 0" in message and f"the gate came from: {result.gate}" in message
     assert "evaluate.min_accuracy" not in message.split("; every artifact")[0]
     assert registry_files.read_champion(layout.root, "imbalanced-small-cnn") is None  # never promoted
+
+
+def test_a_damaged_champion_from_other_data_is_not_scored_and_the_datas_baseline_holds(tmp_path):
+    """Its weights fail their checksum: scoring them would fail the evaluation; the baseline holds instead, and
+    promotion names the damage (`training.registry`)."""
+    root = str(tmp_path / "root")
+    layout = StorageLayout.create(root, "setup")
+    dataset = digit_dataset(tmp_path / "digits")
+    assert registry.promote(layout, MODEL, small_champion(layout, make_dataset(layout, "old"), list(dataset.classes))).promoted
+    weights = tmp_path / "root" / "models" / MODEL / "v1" / MODEL_FILE
+    weights.write_bytes(weights.read_bytes()[:-8] + b"damaged!")
+
+    def never(folder: str) -> float:
+        raise AssertionError(f"{folder} was scored")
+
+    gate = gate_for(EvaluateConfig(), dataset, root, MODEL, never)
+    assert gate.champion is None and gate.origin.startswith("the data's baseline: a nearest-centroid probe scored")
