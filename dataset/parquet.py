@@ -17,6 +17,9 @@ The manifest (``_manifest.json``) records what the data is, and every stage take
 ``"image": {"channels": C, "height": H, "width": W}`` and ``"classes": [name, ...]`` (MNIST:
 1x28x28 and "0".."9"; a manifest written before these fields existed is MNIST's).
 
+``"leakage"`` counts the validation and test rows whose image is an exact copy of a training image (a
+blake2b hash of each row's pixel bytes, `find_leakage`), with the first few of their row ids.
+
 The training file is split once more: every n-th train row (``validation_every``) goes to
 ``val/`` for per-epoch validation, so the test split is touched only by evaluation.
 
@@ -28,6 +31,7 @@ and a half-written one is never read.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +42,7 @@ from pydantic import BaseModel
 
 from dataset.idx import IMAGE_BYTES, IMAGE_SHAPE, NUM_CLASSES, SOURCE_FILES, iter_idx_rows
 from pipeline_config import ParquetConfig
-from storage_io import MANIFEST, join, list_files, read_json, sha256_file
+from storage_io import MANIFEST, filesystem, join, list_files, read_json, sha256_file
 
 FORMAT_VERSION = 1
 
@@ -95,6 +99,8 @@ class ParquetDataset(BaseModel):
     # What the conversion's terminal line says besides the counts: a stored dataset that failed its
     # check and was rebuilt (naming the file), files of an image folder that were passed over.
     notes: list[str] = []
+    # Rows of "val" and "test" whose image is an exact copy of a training image (`find_leakage`, from the manifest).
+    leakage: dict[str, int] = {}
 
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)
@@ -204,13 +210,62 @@ def build_manifest(
     image_shape: tuple[int, int, int] = IMAGE_SHAPE,
     classes: list[str] | tuple[str, ...] = MNIST_CLASSES,
 ) -> dict:
-    """Manifest of a dataset folder: inputs, row counts, the images' shape and class names, and
-    the sha256 of every Parquet file."""
+    """Manifest of a dataset folder: inputs, row counts, the images' shape and class names, the validation and
+    test rows that copy a training image (`find_leakage`), and the sha256 of every Parquet file."""
     files = {name: sha256_file(join(directory, name)) for name in list_files(directory, ".parquet")}
     return {
         "format_version": FORMAT_VERSION, "fingerprint": fingerprint, "inputs": inputs, "rows": rows,
-        "image": image_record(image_shape), "classes": list(classes), "files": files,
+        "image": image_record(image_shape), "classes": list(classes), "files": files, "leakage": find_leakage(directory),
     }
+
+
+LEAKED_IDS_KEPT = 5  # row ids of copies a manifest names per split
+
+
+def _row_hashes(directory: str | Path, split: str, with_ids: bool = False):
+    """(hashes, row ids) of every row of ``split``: the first 8 bytes of a blake2b of its image bytes, as uint64,
+    read one row group's ``image`` column at a time (memory: 8 bytes a row, plus one row group)."""
+    fs, where = filesystem(join(directory, split))
+    hashes, ids = [], []
+    for name in list_files(join(directory, split), ".parquet"):
+        with fs.open_input_file(f"{where}/{name}") as handle:
+            parquet = pq.ParquetFile(handle)
+            for group in range(parquet.num_row_groups):
+                table = parquet.read_row_group(group, columns=["row_id", "image"] if with_ids else ["image"])
+                images = images_from_column(table.column("image"))
+                flat, width = memoryview(np.ascontiguousarray(images)).cast("B"), images.shape[1]
+                digests = b"".join([hashlib.blake2b(flat[i * width : (i + 1) * width], digest_size=8).digest() for i in range(len(images))])
+                hashes.append(np.frombuffer(digests, dtype="<u8").astype(np.uint64))
+                if with_ids:
+                    ids.append(table.column("row_id").to_numpy())
+    empty = np.zeros(0, dtype=np.uint64)
+    return (np.concatenate(hashes) if hashes else empty), (np.concatenate(ids) if ids else np.zeros(0, dtype=np.int64))
+
+
+def find_leakage(directory: str | Path) -> dict[str, dict]:
+    """The ``val`` and ``test`` rows of the dataset in ``directory`` whose image bytes are those of a training row:
+    ``{"test": {"rows": n, "row_ids": [the first few]}, "val": {...}}``, each split its own count (0: none).
+
+    Found by a 64-bit blake2b of each row's bytes: the training split's hashes are held (8 bytes a row),
+    each other split's rows are looked up in them a row group at a time."""
+    train, _ = _row_hashes(directory, "train")
+    train = np.unique(train)
+    found = {}
+    for split in ("val", "test"):
+        hashes, ids = _row_hashes(directory, split, with_ids=True)
+        copied = np.isin(hashes, train, assume_unique=False)
+        found[split] = {"rows": int(copied.sum()), "row_ids": [int(i) for i in np.sort(ids[copied])[:LEAKED_IDS_KEPT]]}
+    return found
+
+
+def manifest_leakage(manifest: dict) -> dict[str, dict] | None:
+    """What a manifest records of copies of training images (`find_leakage`), or None for one written before it did."""
+    leakage = manifest.get("leakage")
+    if not isinstance(leakage, dict):
+        return None
+    if not all(isinstance(leakage.get(split), dict) and isinstance(leakage[split].get("rows"), int) for split in ("val", "test")):
+        return None
+    return leakage
 
 
 def manifest_problem(directory: str, fingerprint: str) -> str | None:

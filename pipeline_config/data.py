@@ -7,9 +7,9 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlparse
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
-from pipeline_config.common import MNIST_FILES, _Section, _no_control_characters
+from pipeline_config.common import MNIST_FILES, _no_control_characters, _Section
 
 
 class MirrorChecksums(_Section):
@@ -189,6 +189,28 @@ class ParquetConfig(_Section):
             "validation images (the same seed and files give the same split). Not used by MNIST's IDX sources."
         ),
     )
+    leakage: Literal["warn", "error"] = Field(
+        "warn",
+        description=(
+            "Rows of the test or validation split whose image is an exact copy of a training image (the same pixels, "
+            "found by a hash of each row's bytes as the data is converted): warn names them in the to-parquet line and "
+            "the evaluation report; error fails the to-parquet stage, naming them, before any training."
+        ),
+    )
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict:
+        """``leakage`` left out while it is ``warn``: every dataset's fingerprint is made of this dump, and what the
+        stage does about copies (`conversion_settings`) changes nothing the conversion writes."""
+        dumped = handler(self)
+        if isinstance(dumped, dict) and dumped.get("leakage") == "warn":
+            dumped.pop("leakage")
+        return dumped
+
+    def conversion_settings(self) -> ParquetConfig:
+        """These settings less what changes nothing the conversion writes (``leakage``): what a dataset's fingerprint
+        is made of, so the same data is one dataset whatever the stage does about copies."""
+        return self.model_copy(update={"leakage": "warn"})
 
 
 class TransformConfig(_Section):

@@ -287,11 +287,13 @@ def publish_evaluation_report(evaluation, dataset, trained, workload: str = DEFA
 
     keys = artifact_keys(workload)
     gate = gate_verdict(evaluation.accuracy, evaluation.min_accuracy, getattr(evaluation, "gate_failures", ()))
+    leaked = leakage_warning(dataset)
     confusion = image_markdown(
         f"Confusion matrix ({gate})",
         confusion_matrix_png(evaluation.confusion, dataset.classes),
         f"Test accuracy **{evaluation.accuracy:.4f}** on {evaluation.rows} images; {gate}"
-        + (f" (the gate: {evaluation.gate})." if getattr(evaluation, "gate", "") else "."),
+        + (f" (the gate: {evaluation.gate})." if getattr(evaluation, "gate", "") else ".")
+        + (f"\n\n**Warning:** {leaked}" if leaked else ""),
     )
     checkpoints = [c.model_dump() for c in trained.checkpoints]
     return [
@@ -304,7 +306,7 @@ def publish_evaluation_report(evaluation, dataset, trained, workload: str = DEFA
         create_table_artifact(
             metrics_rows(evaluation.confusion, evaluation.precision, evaluation.recall, gate, dataset.classes),
             key=keys["metrics"],
-            description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}; {gate}",
+            description=f"Per-class test metrics; accuracy {evaluation.accuracy:.4f}; {gate}" + (f"; {leaked}" if leaked else ""),
         ),
         create_markdown_artifact(
             checkpoint_markdown(evaluation.checkpoint, checkpoints, trained.run_dir, evaluation.accuracy, gate),
@@ -312,6 +314,19 @@ def publish_evaluation_report(evaluation, dataset, trained, workload: str = DEFA
             description=f"Path of the checkpoint evaluation used; {gate}",
         ),
     ]
+
+
+def leakage_warning(dataset) -> str:
+    """What the evaluation report says when test or validation rows of ``dataset`` (a ``ParquetDataset``) are exact
+    copies of training images (its ``leakage``, from the to-parquet stage), or "" when none is."""
+    leakage = getattr(dataset, "leakage", None) or {}
+    rows = dataset.rows
+    parts = [f"{leakage[split]:,} of the {rows.get(split, 0):,} {name} images" for split, name in (("test", "test"), ("val", "validation"))
+             if leakage.get(split)]
+    if not parts:
+        return ""
+    return (f"{' and '.join(parts)} are exact copies of training images (leakage): the accuracy overstates what the "
+            "model learned; remove them, or set parquet.leakage=error to refuse such data")
 
 
 @_best_effort

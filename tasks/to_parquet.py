@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect import task
 
 from dataset.memory import release_memory
-from dataset.parquet import ParquetDataset, manifest_data, manifest_problem
+from dataset.parquet import ParquetDataset, find_leakage, manifest_data, manifest_leakage, manifest_problem
 from dataset.source import Source, source_of
 from dataset.sources import RawData
 from pipeline_config import DEFAULT_WORKLOAD, ParquetConfig
@@ -20,9 +20,13 @@ from reporting.logs import stage_logger
 from storage_io import MANIFEST, StorageLayout, exists, file_lock, join, parent, read_json, storage_writes
 
 
+class LeakageError(ValueError):
+    """Test or validation rows that copy training images, with ``parquet.leakage: error``: names them."""
+
+
 def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | None = None) -> str:
     """Content key of a conversion: input checksums plus every setting that changes the output (the source's)."""
-    return source_of(raw).fingerprint(raw, cfg, image_size)
+    return source_of(raw).fingerprint(raw, cfg.conversion_settings(), image_size)
 
 
 @task(name="to-parquet")
@@ -41,7 +45,7 @@ def to_parquet(
     stage's terminal line says so, naming the file."""
     logger = stage_logger(__name__)
     source = source_of(raw)
-    fingerprint = source.fingerprint(raw, cfg, image_size)
+    fingerprint = dataset_fingerprint(raw, cfg, image_size)
     final = layout.dataset_dir(fingerprint, workload)
     passed_over = source.conversion_notes(raw)
     # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
@@ -49,8 +53,39 @@ def to_parquet(
         dataset = _build_or_reuse(source, raw, cfg, final, fingerprint, logger, image_size, max_image_pixels, layout.root)
     for note in passed_over:
         logger.warning("%s: %s", source.title, note)
+    leakage = _leakage(dataset)
+    copied = leakage_note(leakage, dataset.rows)
+    if copied and cfg.leakage == "error":
+        raise LeakageError(f"{dataset.directory}: {copied}; parquet.leakage is error: remove the copies from the test and "
+                           "validation data, or set parquet.leakage=warn to train anyway")
+    if copied:
+        logger.warning("Leakage: %s", copied)
     release_memory()  # this Ray worker is reused by later stages: it should not hold the conversion's peak
-    return dataset.model_copy(update={"notes": [*dataset.notes, *passed_over], "source": source.kind})
+    notes = [*dataset.notes, *passed_over, *([f"leakage: {copied}"] if copied else [])]
+    counts = {split: found["rows"] for split, found in leakage.items()}
+    return dataset.model_copy(update={"notes": notes, "source": source.kind, "leakage": counts})
+
+
+def _leakage(dataset: ParquetDataset) -> dict[str, dict]:
+    """The dataset's validation and test rows that copy a training image: as its manifest records them, or found
+    now for a dataset converted before manifests recorded them (`dataset.parquet.find_leakage`)."""
+    recorded = manifest_leakage(read_json(join(dataset.directory, MANIFEST)) or {})
+    return recorded if recorded is not None else find_leakage(dataset.directory)
+
+
+def leakage_note(leakage: dict[str, dict], rows: dict[str, int]) -> str:
+    """``200 of 1,000 test rows (row_id 4000, 4001, ...) are exact copies of training images: ...``, or "" when none is."""
+    parts = []
+    for split, what in (("test", "test"), ("val", "validation")):
+        found = leakage.get(split) or {}
+        if found.get("rows"):
+            ids = ", ".join(str(i) for i in found.get("row_ids", []))
+            more = ", ..." if found["rows"] > len(found.get("row_ids", [])) else ""
+            parts.append(f"{found['rows']:,} of {rows.get(split, 0):,} {what} rows (row_id {ids}{more})")
+    if not parts:
+        return ""
+    return (f"{' and '.join(parts)} are exact copies of training images: their scores overstate what the model "
+            "learned")
 
 
 def _build_or_reuse(

@@ -96,3 +96,50 @@ def test_half_written_dataset_is_never_read(tmp_path, layout):
 def test_settings_change_the_fingerprint(tmp_path):
     raw = RawData(**write_raw(tmp_path / "raw"))
     assert dataset_fingerprint(raw, CFG) != dataset_fingerprint(raw, CFG.model_copy(update={"validation_every": 5}))
+
+
+def _raw_with_copies(folder: Path) -> RawData:
+    """The synthetic IDX files with test rows 0..39 copies of training rows 0..39, and training row 7 (every
+    4th goes to validation: row_id 7 is a validation row) a copy of training row 0."""
+    raw = write_raw(folder, n_train=120, n_test=40)
+    train_x, _ = synthetic_digits(120, seed=1)
+    train_x[7] = train_x[0]
+    (folder / "train-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(train_x), mtime=0))
+    (folder / "t10k-images-idx3-ubyte.gz").write_bytes(gzip.compress(idx_bytes(train_x[:40]), mtime=0))
+    from storage_io import sha256_file
+
+    return RawData(**(raw | {"files": {name: sha256_file(folder / name) for name in raw["files"]}}))
+
+
+def test_test_and_validation_rows_that_copy_training_images_are_counted_named_and_kept_in_the_manifest(tmp_path, layout):
+    """Issue 66: a test split of exact copies of training rows scored 100% with no word. Copies of images that went
+    to validation (row_id % 4 == 3 here) are not training images, but row 7's is row 0's: 31 of the 40 test rows
+    copy a training image."""
+    from reporting.artifacts import leakage_warning
+    from storage_io import read_json
+
+    raw = _raw_with_copies(tmp_path / "raw")
+    dataset = to_parquet.fn(raw, CFG, layout)
+    assert dataset.leakage == {"val": 1, "test": 31}
+    line = dataset.terminal_detail()
+    assert ("leakage: 31 of 40 test rows (row_id 120, 121, 122, 124, 125, ...) and 1 of 30 validation rows (row_id 7) "
+            "are exact copies of training images: their scores overstate what the model learned") in line
+    recorded = read_json(Path(dataset.directory) / MANIFEST)["leakage"]
+    assert recorded == {"test": {"rows": 31, "row_ids": [120, 121, 122, 124, 125]}, "val": {"rows": 1, "row_ids": [7]}}
+    again = to_parquet.fn(raw, CFG, layout)  # reused: the manifest's count, the same line
+    assert again.skipped and again.leakage == dataset.leakage and line.split("; ", 1)[1] in again.terminal_detail()
+    assert leakage_warning(again).startswith("31 of the 40 test images and 1 of the 30 validation images are exact copies")
+
+    clean = to_parquet.fn(RawData(**write_raw(tmp_path / "clean")), CFG, layout)
+    assert clean.leakage == {"val": 0, "test": 0} and "leakage" not in clean.terminal_detail() and leakage_warning(clean) == ""
+
+
+def test_leakage_error_fails_the_stage_naming_the_copies_and_the_setting(tmp_path, layout):
+    from tasks.to_parquet import LeakageError
+
+    raw = _raw_with_copies(tmp_path / "raw")
+    strict = CFG.model_copy(update={"leakage": "error"})
+    assert dataset_fingerprint(raw, strict) == dataset_fingerprint(raw, CFG)  # the same data is the same dataset
+    with pytest.raises(LeakageError, match=r"31 of 40 test rows .* exact copies of training images: .*; parquet.leakage is error"):
+        to_parquet.fn(raw, strict, layout)
+    assert "leakage" not in CFG.model_dump() and strict.model_dump()["leakage"] == "error"  # a default leaves fingerprints as they were
