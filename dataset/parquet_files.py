@@ -294,14 +294,17 @@ def batch_rows(parquet: pq.ParquetFile, column: str) -> int:
     return int(max(1, min(ROWS_PER_READ, READ_BYTES // max(1.0, per_row))))
 
 
-def iter_image_bytes(path: str, rel: str, column: str) -> Iterator[list]:
-    """The encoded images of one file (bytes, or None for an empty one), in row order, a batch at a time: about
-    `READ_BYTES` of them in memory, whatever the file's row groups (its pages are read as the batches need them)."""
+def iter_image_bytes(path: str, rel: str, column: str) -> Iterator[bytes | None]:
+    """The encoded images of one file (bytes, or None for an empty one), in row order, one at a time: read in batches
+    of about `READ_BYTES`, one batch in memory whatever the file's row groups (its pages are read as needed)."""
     parquet = open_file(f"{path}/{rel}", buffer_size=READ_BUFFER)
     try:
         for batch in parquet.iter_batches(batch_size=batch_rows(parquet, column), columns=[column], use_threads=False):
             values = batch.column(0)
-            yield (values.field("bytes") if pa.types.is_struct(values.type) else values).to_pylist()
+            encoded = (values.field("bytes") if pa.types.is_struct(values.type) else values).to_pylist()
+            del batch, values
+            yield from encoded
+            del encoded  # before the next batch is read: one batch held, not two
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise ParquetSourceError(f"{path}/{rel}: damaged Parquet data ({' '.join(str(exc).split())[:300]})") from None
 
@@ -337,8 +340,7 @@ def scan(
 def _scan_file(layout: ParquetLayout, rel: str, image_size: int | None, max_pixels: int | None, decode: bool) -> tuple[str, tuple[int, int]]:
     """("L" when every image of the file is gray, else "RGB"; the first image's (width, height))."""
     gray, first = True, None
-    images_of = (data for batch in iter_image_bytes(layout.path, rel, layout.image_column) for data in batch)
-    for row, data in enumerate(images_of):
+    for row, data in enumerate(iter_image_bytes(layout.path, rel, layout.image_column)):
         name = f"{layout.path}/{rel} row {row}"
         if not data:
             raise ParquetSourceError(f"{name}: no image (empty bytes in download.image_column {layout.image_column!r})")

@@ -45,17 +45,13 @@ class PlannedImages:
     def __exit__(self, *exc) -> None:
         self.spill.unlink(missing_ok=True)
 
-    def _read(self, rel: str) -> Iterator[bytes]:
-        for batch in iter_image_bytes(self.layout.path, rel, self.layout.image_column):
-            yield from (data or b"" for data in batch)
-
     def __iter__(self) -> Iterator[bytes]:
         offsets = np.zeros(len(self.planned), dtype=np.int64)
         lengths = np.zeros(len(self.planned), dtype=np.int64)
         with open(self.spill, "wb") as out:
             end = 0
             for rel in self.files:
-                for at, data in zip(self.index[rel].tolist(), self._read(rel)):
+                for at, data in zip(self.index[rel].tolist(), iter_image_bytes(self.layout.path, rel, self.layout.image_column)):
                     if at >= 0 and data:
                         out.write(data)
                         offsets[at], lengths[at] = end, len(data)

@@ -238,6 +238,27 @@ def test_labels_that_cannot_train_are_refused(tmp_path, capsys):
         tmp_path, capsys, tmp_path / "hf")
 
 
+def test_files_whose_labels_would_mean_other_classes_are_refused_naming_both(tmp_path, capsys):
+    """Issue 66: string labels in the train file and integers in the test file were read as indices into the sorted
+    names (labels flipped, a 50% model promoted); a test file whose ClassLabel names come in another order trained to
+    0.00% (only the first file's names were read). Both are refused before any work, naming the two files."""
+    encoded, labels = shapes(2, seed=0)
+    train = write_table(tmp_path / "mixed" / "train.parquet", encoded, [CLASSES[label] for label in labels], names=None)
+    test = write_table(tmp_path / "mixed" / "test.parquet", encoded, labels, names=None)
+    assert f"download.label_column 'label': {train} holds strings, {test} integers" in refused(tmp_path, capsys, tmp_path / "mixed")
+
+    train = write_table(tmp_path / "order" / "train.parquet", encoded, labels)  # ClassLabel names in CLASSES' order
+    reordered = ["red_square", "blue_cross", "green_disc"]
+    test = write_table(tmp_path / "order" / "test.parquet", encoded, [reordered.index(CLASSES[label]) for label in labels],
+                       names=reordered)
+    assert (f"the ClassLabel names of {train} (blue_cross, green_disc, red_square) and of {test} (red_square, blue_cross, "
+            "green_disc) differ in order") in refused(tmp_path, capsys, tmp_path / "order")
+    write_table(test, encoded, labels, names=["blue_cross", "green_disc", "yellow_star"])
+    assert f"and of {test} (blue_cross, green_disc, yellow_star) differ; " in refused(tmp_path, capsys, tmp_path / "order")
+    write_table(test, encoded, labels, names=None)  # integers without names beside a ClassLabel: read with its names
+    assert check_layout(str(tmp_path / "order")).classes == list(CLASSES)
+
+
 # --------------------------------------------------------------------------- predict, watch, s3
 
 
