@@ -8,7 +8,8 @@ MNIST's 1x28x28 digits 0-9 for a card from before it recorded them). Accepted, i
 - Parquet files of encoded images, as the Hugging Face ``datasets`` library writes a split (an ``image``
   column of structs ``{bytes, path}`` or binary, a ``label`` column of integers or class names; integers
   are read by the ClassLabel names in the file's metadata when it has them), decoded as the conversion
-  decodes them;
+  decodes them. The columns are those the model's run read (its ``download.image_column`` and
+  ``label_column``, ``columns``) in a file that has its image column, else ``image`` and ``label``;
 - IDX image files (``*-images-idx3-ubyte``, gzipped or not), each with its labels file
   (``*-labels-idx1-ubyte``) when there is one (one-channel models only);
 - PNG or JPEG images: in class subfolders (``<class>/*.png``, the layout of an image folder's
@@ -131,7 +132,16 @@ def _idx_table(images: Path, first_row: int, shape: tuple[int, int, int], num_cl
     return to_table(np.arange(first_row, first_row + len(pixels), dtype=np.int64), pixels, labels)
 
 
-def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE) -> pq.ParquetFile:
+COLUMNS = ("image", "label")  # the dataset schema's, and download.image_column/label_column's defaults
+
+
+def columns_of(schema: pa.Schema, columns: tuple[str, str] = COLUMNS) -> tuple[str, str]:
+    """(image column, label column) of a file with ``schema``: ``columns`` (the run's ``download.image_column`` and
+    ``label_column``) when it has that image column, else the dataset schema's ``image`` and ``label``."""
+    return tuple(columns) if columns[0] in schema.names else COLUMNS
+
+
+def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE, columns: tuple[str, str] = COLUMNS) -> pq.ParquetFile:
     """The opened Parquet file, its schema checked before any data is read; InputError naming it."""
     try:
         parquet = pq.ParquetFile(path)
@@ -139,13 +149,15 @@ def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE) -> pq.P
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise InputError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())[:300]})") from None
     image_bytes = int(np.prod(shape))
-    if "image" in schema.names and is_encoded(schema.field("image").type):
-        if "label" in schema.names and not (pa.types.is_integer(schema.field("label").type) or pa.types.is_string(schema.field("label").type)):
-            raise InputError(f"{path}: column 'label' is {schema.field('label').type}, expected integers or class names")
+    image, label = columns_of(schema, columns)
+    if image in schema.names and is_encoded(schema.field(image).type):
+        if label in schema.names and not (pa.types.is_integer(schema.field(label).type) or pa.types.is_string(schema.field(label).type)):
+            raise InputError(f"{path}: column '{label}' is {schema.field(label).type}, expected integers or class names")
         return parquet
-    if "image" not in schema.names or schema.field("image").type != pa.binary(image_bytes):
+    if image not in schema.names or schema.field(image).type != pa.binary(image_bytes):
+        theirs = f" or the '{columns[0]}' column the model's run read (download.image_column)" if columns[0] != image else ""
         raise InputError(
-            f"{path}: needs an 'image' column of {image_bytes}-byte images ({shape[1]}x{shape[2]}x{shape[0]} uint8), has {schema}"
+            f"{path}: needs an 'image' column of {image_bytes}-byte images ({shape[1]}x{shape[2]}x{shape[0]} uint8){theirs}, has {schema}"
         )
     for name in ("row_id", "label"):
         if name in schema.names and not pa.types.is_integer(schema.field(name).type):
@@ -187,16 +199,19 @@ def is_encoded(image_type: pa.DataType) -> bool:
 
 def _encoded_parquet_table(
     path: Path, parquet: pq.ParquetFile, shape: tuple[int, int, int], classes: list[str], image_size: int | None,
+    columns: tuple[str, str] = COLUMNS,
 ) -> pa.Table:
     """A Parquet file of encoded images (a Hugging Face dataset's split) decoded as the conversion decodes them;
     labels: integers (mapped by name when the file's ClassLabel names differ from the model's classes) or class
-    names. InputError naming the file and row of an image that cannot be read or a label that is not a class."""
-    names = ["image", *(["label"] if "label" in parquet.schema_arrow.names else [])]
+    names. ``columns``: the run's image and label columns (`columns_of`). InputError naming the file and row of
+    an image that cannot be read or a label that is not a class."""
+    image, label = columns_of(parquet.schema_arrow, columns)
+    names = [image, *([label] if label in parquet.schema_arrow.names else [])]
     try:
         table = parquet.read(columns=names)
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise InputError(f"{path}: damaged Parquet data ({' '.join(str(exc).split())[:300]})") from None
-    column = table.column("image")
+    column = table.column(image)
     if pa.types.is_struct(column.type):
         column = pa.chunked_array([chunk.field("bytes") for chunk in column.chunks], type=column.type.field("bytes").type)
     encoded = column.to_pylist()
@@ -205,7 +220,7 @@ def _encoded_parquet_table(
     for row, data in enumerate(encoded):
         name = f"{path} row {row}"
         if not data:
-            raise InputError(f"{name}: no image (empty bytes in column 'image')")
+            raise InputError(f"{name}: no image (empty bytes in column '{image}')")
         try:
             with images.open_image(data, name, MAX_IMAGE_PIXELS, None) as image:
                 if image_size is None and image.size != (width, height):
@@ -214,9 +229,9 @@ def _encoded_parquet_table(
         except images.ImageError as exc:
             raise InputError(str(exc)) from None
     labels = np.full(len(encoded), NO_LABEL, dtype=np.int64)
-    if "label" in names:
-        file_names = class_names(parquet.schema_arrow, "label")
-        for row, value in enumerate(table.column("label").to_pylist()):
+    if label in names:
+        file_names = class_names(parquet.schema_arrow, label)
+        for row, value in enumerate(table.column(label).to_pylist()):
             labels[row] = _class_of(value, classes, file_names, f"{path} row {row}")
     return to_table(np.arange(len(encoded), dtype=np.int64), pixels, labels)
 
@@ -279,10 +294,13 @@ def read_folder(
     shape: tuple[int, int, int] = IMAGE_SHAPE,
     classes: list[str] | tuple[str, ...] = MNIST_CLASSES,
     image_size: int | None = None,
+    columns: tuple[str, str] = COLUMNS,
 ) -> pa.Table:
     """Every image in ``folder`` as one table (row_id, image, label); ValueError (InputError) naming the folder or file.
 
-    ``shape`` (C, H, W), ``classes`` and ``image_size`` (``transform.image_size``): the model card's."""
+    ``shape`` (C, H, W), ``classes`` and ``image_size`` (``transform.image_size``): the model card's; ``columns``:
+    the image and label columns of Parquet files of encoded images (the run's ``download.image_column`` and
+    ``label_column``, read where a file has that image column)."""
     root = Path(folder).expanduser()
     shape, classes = tuple(shape), list(classes)
     if not root.is_dir():
@@ -303,14 +321,14 @@ def read_folder(
     if images:
         tables.append(_image_table(images, shape, image_size))
     if parquet:
-        opened = [(path, _parquet_file(path, shape)) for path in parquet]  # every file's schema before any file's data
+        opened = [(path, _parquet_file(path, shape, columns)) for path in parquet]  # every file's schema before any file's data
         rows = sum(p.metadata.num_rows for _, p in opened)
         if rows > MAX_IMAGES:
             raise InputError(f"input {root}: its Parquet files hold {rows:,} rows, more than the {MAX_IMAGES:,} scored in one call")
         tables = []
         for path, p in opened:  # encoded images: row ids are positions in file order, across the files
-            if is_encoded(p.schema_arrow.field("image").type):
-                table = _encoded_parquet_table(path, p, shape, classes, image_size)
+            if is_encoded(p.schema_arrow.field(columns_of(p.schema_arrow, columns)[0]).type):
+                table = _encoded_parquet_table(path, p, shape, classes, image_size, columns)
                 first = sum(len(t) for t in tables)
                 table = table.set_column(0, "row_id", pa.array(np.arange(first, first + len(table), dtype=np.int64)))
             else:

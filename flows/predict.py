@@ -10,7 +10,9 @@
 The images must be what the model was trained on: the model card records their shape, the class
 names and the normalization (`training.registry_files.card_data`), and `dataset.inputs` reads the
 input to that shape (an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
-run set it). Predictions are class numbers; the ``pred_class`` column names them.
+run set it; Parquet files of encoded images read from the columns the run read, its
+``download.image_column`` and ``label_column``). Predictions are class numbers; the ``pred_class``
+column names them.
 
 The images go through the same Ray Data actor pool the evaluation stage uses
 (`training.inference`), normalized and scored exactly as the model card's configuration says
@@ -45,6 +47,7 @@ from dataset.inputs import NO_LABEL, read_folder
 from dataset.parquet import MNIST_CLASSES
 from pipeline_config import (
     DEFAULT_WORKLOAD,
+    DownloadConfig,
     EvaluateConfig,
     ModelConfig,
     PipelineConfig,
@@ -180,6 +183,7 @@ class CardScoring(NamedTuple):
     evaluate: EvaluateConfig  # the run's (``tta``), with this command's actor pool and batch size
     model: ModelSpec  # the architecture model.pt holds
     data: dict[str, Any]  # `training.registry_files.card_data`: shape, classes, mean, std, image_size
+    columns: tuple[str, str] = ("image", "label")  # the run's download.image_column and label_column (`card_columns`)
 
 
 def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, deployed: bool = False) -> CardScoring:
@@ -206,7 +210,18 @@ def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, depl
     except ValueError as exc:
         named = f"{card.get('model')} v{card.get('version')}" if card.get("model") else join(folder, registry_files.CARD_FILE)
         raise ValueError(f"the model card of {named} ({folder}) names its architecture; {exc}") from None
-    return CardScoring(transform, evaluate, model_spec, data)
+    return CardScoring(transform, evaluate, model_spec, data, card_columns(run_config))
+
+
+def card_columns(run_config: dict) -> tuple[str, str]:
+    """The Parquet columns the model's run read its images and labels from (``download.image_column`` and
+    ``label_column`` of its configuration, as its card records it; a card without them: ``image`` and ``label``)."""
+    download = run_config.get("download") if isinstance(run_config.get("download"), dict) else {}
+    defaults = DownloadConfig.model_fields
+    return tuple(
+        value if isinstance(value := download.get(field), str) and value else defaults[field].default
+        for field in ("image_column", "label_column")
+    )
 
 
 def score_table(table: pa.Table, folder: str, scoring: CardScoring, ray_cfg: RayConfig) -> dict[str, np.ndarray]:
@@ -290,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         version, folder, card = registry_files.resolve(layout.root, model, settings.version)
         scoring = card_scoring(card, folder, settings.num_actors, settings.batch_rows)
         data = scoring.data
-        table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"])
+        table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"], scoring.columns)
         output = settings.output or default_output(layout.root, model, version)
     except ValidationError as exc:
         print(f"invalid input:\n{field_lines(exc)}", file=sys.stderr)
