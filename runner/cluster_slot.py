@@ -38,8 +38,8 @@ POLL_S = 1.0
 class RunSlot:
     """The actor that is the slot: it only says who holds it."""
 
-    def __init__(self, run: str):
-        self.holder = {"run": run, "since": time.time()}
+    def __init__(self, run: str, since: float):
+        self.holder = {"run": run, "since": since}  # when the run took it (the actor's process may start later)
 
     def held_by(self) -> dict[str, Any]:
         return self.holder
@@ -93,7 +93,7 @@ def _try_take(run: str) -> Any:
     import ray
 
     try:
-        return ray.remote(RunSlot).options(name=SLOT_NAME, namespace=SLOT_NAMESPACE, num_cpus=0, max_restarts=0).remote(run)
+        return ray.remote(RunSlot).options(name=SLOT_NAME, namespace=SLOT_NAMESPACE, num_cpus=0, max_restarts=0).remote(run, time.time())
     except ValueError:  # ActorAlreadyExistsError is one: another run holds the slot
         return None
 
