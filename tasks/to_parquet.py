@@ -11,13 +11,26 @@ from __future__ import annotations
 
 from prefect import task
 
+from dataset.listing import cache_path
 from dataset.memory import release_memory
 from dataset.parquet import ParquetDataset, find_leakage, manifest_data, manifest_leakage, manifest_problem
 from dataset.source import Source, source_of
 from dataset.sources import RawData
 from pipeline_config import DEFAULT_WORKLOAD, ParquetConfig
 from reporting.logs import stage_logger
-from storage_io import MANIFEST, StorageLayout, exists, file_lock, join, parent, read_json, storage_writes
+from storage_io import (
+    MANIFEST,
+    StorageLayout,
+    exists,
+    file_lock,
+    is_remote,
+    join,
+    parent,
+    read_json,
+    remove,
+    sha256_file,
+    storage_writes,
+)
 
 
 class LeakageError(ValueError):
@@ -48,6 +61,12 @@ def to_parquet(
     fingerprint = dataset_fingerprint(raw, cfg, image_size)
     final = layout.dataset_dir(fingerprint, workload)
     passed_over = source.conversion_notes(raw)
+    if exists(final):  # a dataset to reuse: first, are the user's files what their recorded sha256 says?
+        raw, replaced = content_checked(source, raw, layout.root)
+        if replaced:
+            passed_over.append(replaced)  # said in the stage's line and logged with the notes below
+            fingerprint = dataset_fingerprint(raw, cfg, image_size)
+            final = layout.dataset_dir(fingerprint, workload)
     # A concurrent run building it: wait, then reuse. A full or read-only root: one clear error.
     with storage_writes("to-parquet", parent(final)), file_lock(layout, f"dataset-{fingerprint}"):
         dataset = _build_or_reuse(source, raw, cfg, final, fingerprint, logger, image_size, max_image_pixels, layout.root)
@@ -64,6 +83,30 @@ def to_parquet(
     notes = [*dataset.notes, *passed_over, *([f"leakage: {copied}"] if copied else [])]
     counts = {split: found["rows"] for split, found in leakage.items()}
     return dataset.model_copy(update={"notes": notes, "source": source.kind, "leakage": counts})
+
+
+def content_checked(source: Source, raw: RawData, storage_root: str) -> tuple[RawData, str]:
+    """``raw`` with the sha256 of every file of a user's local folder read from its content, and what changed.
+
+    The download stage took an unchanged file's sha256 from the listing cache, which trusts a file whose size and
+    modification time are those it recorded (`dataset.listing`); a file replaced keeping both named the old
+    dataset, and a forced retrain (``--no-promote.skip-unchanged``) trained on it again. Before a stored
+    dataset is reused, the files are read once more; a changed one gives its new sha256 (another fingerprint:
+    the data is converted again) and drops the folder's listing cache, which vouched for it. An ``s3://``
+    object cannot be replaced keeping its time, and MNIST's IDX files are verified by the download stage."""
+    if not source.user_data or is_remote(raw.directory):
+        return raw, ""
+    changed = {rel: digest for rel, recorded in raw.files.items() if (digest := sha256_file(join(raw.directory, rel))) != recorded}
+    if not changed:
+        return raw, ""
+    try:
+        remove(cache_path(storage_root, raw.directory))  # it vouched for files that changed: every file is read again next time
+    except OSError:  # a read-only root: the cache only saves work, and the next forced run reads the files again
+        pass
+    named = ", ".join(sorted(changed)[:3]) + (", ..." if len(changed) > 3 else "")
+    note = (f"{len(changed)} file(s) changed keeping their size and modification time ({named}): their content read again, "
+            "converted anew; the folder's listing cache dropped")
+    return raw.model_copy(update={"files": {**raw.files, **changed}}), note
 
 
 def _leakage(dataset: ParquetDataset) -> dict[str, dict]:

@@ -143,3 +143,50 @@ def test_leakage_error_fails_the_stage_naming_the_copies_and_the_setting(tmp_pat
     with pytest.raises(LeakageError, match=r"31 of 40 test rows .* exact copies of training images: .*; parquet.leakage is error"):
         to_parquet.fn(raw, strict, layout)
     assert "leakage" not in CFG.model_dump() and strict.model_dump()["leakage"] == "error"  # a default leaves fingerprints as they were
+
+
+def test_a_file_replaced_keeping_its_size_and_time_is_read_again_before_its_old_dataset_is_reused(tmp_path, layout):
+    """Issue 66: a user's file replaced by one of the same size and modification time kept the sha256 the listing cache
+    had for it, so a forced retrain (``--no-promote.skip-unchanged``) reused the old dataset. Real parts: a Parquet folder
+    (uncompressed, so two rows swapped keep the file's size), the download stage with its listing cache on the root."""
+    import os
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dataset.listing import cache_path
+    from pipeline_config import DownloadConfig
+    from storage_io import sha256_file
+    from tasks.download import download
+    from tests.support.parquet_hf import hf_metadata, shapes
+
+    def write(path: Path, order: list[int]) -> None:
+        encoded, labels = shapes(4, seed=0)
+        table = pa.table({"image": pa.array([encoded[i] for i in order], pa.binary()), "label": pa.array([labels[i] for i in order])})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(table.replace_schema_metadata(hf_metadata(["blue_cross", "green_disc", "red_square"])), path,
+                       compression="none", use_dictionary=False)
+
+    data = tmp_path / "hf"
+    rows = list(range(12))
+    write(data / "train.parquet", rows)
+    write(data / "test.parquet", rows)
+    cfg, parquet = DownloadConfig(source="parquet", path=str(data)), ParquetConfig()
+    listed = download.fn(cfg, layout)
+    first = to_parquet.fn(listed, parquet, layout)
+    assert Path(cache_path(layout.root, str(data))).is_file()
+
+    before = (data / "train.parquet").stat()
+    write(data / "train.parquet", [1, 0, *rows[2:]])  # two images of two classes swapped: other data, same bytes count
+    os.utime(data / "train.parquet", ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = (data / "train.parquet").stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+    raw = download.fn(cfg, layout)  # the listing cache vouches for the old sha256: the premise of the case
+    assert raw.files == listed.files and raw.files["train.parquet"] != sha256_file(data / "train.parquet")
+    second = to_parquet.fn(raw, parquet, layout)
+    assert not second.skipped and second.directory != first.directory  # before: the old dataset, reused
+    assert ("1 file(s) changed keeping their size and modification time (train.parquet): their content read again"
+            in second.terminal_detail())
+    assert not Path(cache_path(layout.root, str(data))).exists()  # the cache that vouched for it is gone
+    third = to_parquet.fn(download.fn(cfg, layout), parquet, layout)  # the next run: the new dataset, by its own sha256
+    assert third.skipped and third.directory == second.directory and "changed keeping" not in third.terminal_detail()

@@ -18,9 +18,10 @@ data whose model lost to the champion, or failed the gate, is not trained again 
 nothing changed since.
 
 Anything else (a first run, a damaged registry, a champion whose card does not record its
-configuration) is "changed": the run trains. What is not seen: an image folder's file replaced with
-the same size and modification time (the listing cache, `dataset.listing`, trusts both), and the code
-of a ``module:function`` model whose name did not change.
+configuration) is "changed": the run trains. What is not seen here: an image folder's file replaced with
+the same size and modification time (the listing cache, `dataset.listing`, trusts both; a run that trains,
+``--no-promote.skip-unchanged`` among them, reads the files again before it reuses a dataset:
+`tasks.to_parquet.content_checked`), and the code of a ``module:function`` model whose name did not change.
 """
 
 from __future__ import annotations
