@@ -50,7 +50,7 @@ SPLIT_WORDS = {"train": "train", "test": "test", "validation": "val", "valid": "
 _SPLIT = re.compile(r"^(train|test|validation|valid|val)(?=$|[-_.])")
 HF_METADATA = b"huggingface"
 ROWS_PER_READ = 1024  # rows of the image column read at once, at most
-READ_BYTES = 4 << 20  # encoded images read at once, about (`batch_rows`)
+READ_BYTES = 1 << 20  # encoded images read at once, about (`batch_rows`)
 READ_BUFFER = 1 << 20  # bytes a column chunk is read in (`iter_image_bytes`): never a whole chunk at once
 
 
@@ -305,6 +305,7 @@ def iter_image_bytes(path: str, rel: str, column: str) -> Iterator[bytes | None]
             del batch, values
             yield from encoded
             del encoded  # before the next batch is read: one batch held, not two
+            pa.default_memory_pool().release_unused()
     except (pa.ArrowException, OSError, ValueError, EOFError) as exc:
         raise ParquetSourceError(f"{path}/{rel}: damaged Parquet data ({' '.join(str(exc).split())[:300]})") from None
 

@@ -25,6 +25,7 @@ import numpy as np
 from dataset import images
 from dataset.folder import stratified_split
 from dataset.listing import ListingCache, save_held
+from dataset.memory import release_memory
 from dataset.parquet import FORMAT_VERSION, SPLITS, ParquetDataset, _SplitWriter, build_manifest, schema_for, to_table
 from dataset.parquet_files import ParquetLayout, ParquetSourceError, check_layout, listing_notes, scan
 from dataset.parquet_stream import PlannedImages
@@ -166,6 +167,8 @@ def convert_layout(
                     ids = np.array([row_id for _, _, row_id, _ in group], dtype=np.int64)
                     labels = np.array([label for _, _, _, label in group], dtype=np.int64)
                     writer.write(to_table(ids, pixels, labels))
+                    del pixels
+                    release_memory()  # what the group's decoding and compression took, handed back: the peak stays one group's
         finally:
             writer.close()
         counts[split] = writer.rows
