@@ -99,3 +99,14 @@ def test_an_empty_image_is_named_by_file_and_row_in_the_planned_order(tmp_path):
     with pytest.raises(ParquetSourceError, match=f"{path} row {first}: no image"):
         convert_layout(layout, tmp_path / "out", CFG, (3, 20, 20), False, None)
     assert not list((tmp_path / "out").glob(".*"))
+
+
+def test_the_benchmark_prints_its_peaks_and_their_ratio(capsys):
+    from benchmarks import parquet_memory as bench
+
+    assert bench.main(["--small", "20", "--large", "60", "--size", "8"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("Parquet conversion, RGB 8x8 PNGs; ")
+    assert [line.split()[0] for line in lines[2:4]] == ["20", "60"]
+    peaks = [float(line.split()[3]) for line in lines[2:4]]
+    assert lines[4] == f"peak ratio 60 / 20 images: {peaks[1] / peaks[0]:.3f}"
