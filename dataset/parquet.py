@@ -101,6 +101,8 @@ class ParquetDataset(BaseModel):
     notes: list[str] = []
     # Rows of "val" and "test" whose image is an exact copy of a training image (`find_leakage`, from the manifest).
     leakage: dict[str, int] = {}
+    # (height, width) of the images as they were, when transform.image_size auto chose their size (`dataset.sizing`).
+    auto_from: tuple[int, int] | None = None
 
     def split_dir(self, split: str) -> str:
         return join(self.directory, split)

@@ -41,21 +41,26 @@ class TransformSpec(BaseModel):
         return auto_in_memory_mb()
 
     def terminal_detail(self) -> str:
-        """What the transform stage's closing terminal line adds after its name and seconds."""
-        reused = " (checks of this dataset and config reused)" if self.skipped else ""
-        if not self.streamed:
-            return reused
-        return f"{reused}; {', '.join(self.streamed)} streamed in windows (over the {self.budget_mb():,} MB in-memory budget)"
+        """What the transform stage's closing terminal line adds after its name and seconds: the checks reused, the
+        size ``transform.image_size: auto`` chose, the splits streamed."""
+        parts = [" (checks of this dataset and config reused)" if self.skipped else ""]
+        if self.dataset.auto_from is not None:
+            (height, width), (_, size_h, size_w) = self.dataset.auto_from, self.dataset.image_shape
+            chosen = f"enlarged from {width}x{height} to {size_w}x{size_h}" if (height, width) != (size_h, size_w) else f"kept at {width}x{height}"
+            parts.append(f"; images {chosen} (transform.image_size auto)")
+        if self.streamed:
+            parts.append(f"; {', '.join(self.streamed)} streamed in windows (over the {self.budget_mb():,} MB in-memory budget)")
+        return "".join(parts)
 
 
 CHECKS_RECORD_PREFIX = "transform-checks-"
 
 
 def _config_key(cfg: TransformConfig) -> dict:
-    """The transform config as the checks record keys it; an unset image_size is left out (so a record
+    """The transform config as the checks record keys it; an image_size unset or auto is left out (so a record
     written before the field existed still matches: it is read by the conversion, not by the transform)."""
     dumped = cfg.model_dump(mode="json", exclude={"in_memory_mb", "window_mb"})  # how a split is read, not what comes out
-    if dumped.get("image_size") is None:
+    if dumped.get("image_size") in (None, "auto"):
         dumped.pop("image_size", None)
     return dumped
 

@@ -7,6 +7,7 @@ from its source (`dataset.source.Source.data_to_come`): the flow never asks whic
 
 from __future__ import annotations
 
+from dataset import sizing
 from dataset.source import source_for
 from pipeline_config import PipelineConfig
 from pipeline_config.model import folder_workload
@@ -44,7 +45,7 @@ def data_to_come(config: PipelineConfig) -> tuple[tuple[int | None, ...], list[s
     """((channels, height, width), classes) of the data the run will convert, known before any work
     (`dataset.source.Source.data_to_come`): a user's folder's from its listing and (local folders) its images'
     headers, None where not known yet (an s3:// folder's channels); MNIST's IDX sources' from their format."""
-    return source_for(config.download).data_to_come(config.transform.image_size, config.storage_root)
+    return source_for(config.download).data_to_come(sizing.resolved(config).transform.image_size, config.storage_root)
 
 
 def check_registry_fits(config: PipelineConfig) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 from urllib.parse import urlparse
 
 from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
@@ -213,6 +213,20 @@ class ParquetConfig(_Section):
         return self.model_copy(update={"leakage": "warn"})
 
 
+# transform.image_size auto: images whose shorter side is under AUTO_MIN_SIDE pixels are enlarged to AUTO_IMAGE_SIZE.
+# ResNet-18's stem (a stride-2 convolution, then a stride-2 pool) divides a side by 4: 8x8 digits leave 2x2 for its
+# 3x3 convolutions, 16x16 pictures 4x4, 28x28 7x7, the size the default recipe was tuned on (docs/design.md,
+# "Tiny images").
+AUTO_MIN_SIDE = 16
+AUTO_IMAGE_SIZE = 28
+
+
+def auto_image_size(height: int, width: int) -> int | None:
+    """What ``transform.image_size: auto`` resizes images of ``height`` x ``width`` pixels to: `AUTO_IMAGE_SIZE` when
+    their shorter side is under `AUTO_MIN_SIDE`, else None (kept as they are)."""
+    return AUTO_IMAGE_SIZE if min(height, width) < AUTO_MIN_SIDE else None
+
+
 class TransformConfig(_Section):
     """The Ray Data transform that feeds training and evaluation."""
 
@@ -247,13 +261,14 @@ class TransformConfig(_Section):
         0.1, ge=0, le=0.5,
         description="Augmentation: random zoom by a factor in [1 - scale, 1 + scale] (affine) or [1, 1 + scale] (crops).",
     )
-    image_size: int | None = Field(
-        None,
-        ge=4,
-        le=4096,
+    image_size: Annotated[int, Field(ge=4, le=4096)] | Literal["auto"] | None = Field(
+        "auto",
         description=(
-            "download.source=folder: resize every image to image_size x image_size pixels when the conversion reads it "
-            "(needed when the folder's images differ in size). Unset: images are kept as they are and must all be one size."
+            "download.source=folder or parquet: resize every image to image_size x image_size pixels when the conversion "
+            "reads it (needed when the images differ in size). auto: images whose shorter side is under "
+            f"{AUTO_MIN_SIDE} pixels are enlarged to {AUTO_IMAGE_SIZE}x{AUTO_IMAGE_SIZE} (at 8x8, ResNet-18's stem "
+            "leaves 2x2 for its convolutions), larger ones kept as they are; the transform's line names the size "
+            "chosen. None: images are kept as they are. Kept, by auto or None, they must all be one size."
         ),
     )
     batch_rows: int = Field(512, ge=1, le=65536, description="Rows per map_batches call.")

@@ -19,7 +19,7 @@ from typing import Any
 from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
-from dataset import folder
+from dataset import folder, sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import parse_cli
 from reporting import artifacts, environment
@@ -79,12 +79,13 @@ def run_flow(
     that reason as its message; None goes on.
     """
     model_trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
-    source = folder.check_source(config.download, config.transform.image_size, config.storage_root)  # source=folder: a bad layout or image, named
+    source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)  # a bad layout or image, named
     tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
-    model_trust.check_model(config, source)  # ValueError naming model.name: it does not import, build or run on this data
+    model_trust.check_model(sizing.resolved(config, source), source)  # ValueError naming model.name: it does not import, build or run on this data
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
-    ended = nothing_new(config, layout, module) if nothing_new is not None else None
+    # The size transform.image_size auto chose: the nothing-new check names the dataset by it.
+    ended = nothing_new(sizing.resolved(config, source), layout, module) if nothing_new is not None else None
     if ended is not None:
         return Completed(message=f"nothing new to train on: {ended.nothing_new}", data=ended)
     stage = None
@@ -213,9 +214,9 @@ def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, Pipeli
     ValidationError or ValueError naming the field when something cannot work, before any work starts."""
     settings = parse_cli(argv, settings_class)
     config = settings.pipeline_config()
-    source = folder.check_source(config.download, config.transform.image_size, config.storage_root)
+    source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)
     tracking_uri(config)  # MLFLOW_TRACKING_URI the tracker cannot use, or with credentials: refused, naming it
-    model_trust.check_model(config, source)  # the command line's user may import any module
+    model_trust.check_model(sizing.resolved(config, source), source)  # the command line's user may import any module
     if config.run_name is None:
         config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
     layout = StorageLayout.create(config.storage_root, config.run_name)

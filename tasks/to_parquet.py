@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from prefect import task
 
+from dataset import sizing
 from dataset.listing import cache_path
 from dataset.memory import release_memory
 from dataset.parquet import ParquetDataset, find_leakage, manifest_data, manifest_leakage, manifest_problem
@@ -37,19 +38,23 @@ class LeakageError(ValueError):
     """Test or validation rows that copy training images, with ``parquet.leakage: error``: names them."""
 
 
-def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | None = None) -> str:
-    """Content key of a conversion: input checksums plus every setting that changes the output (the source's)."""
-    return source_of(raw).fingerprint(raw, cfg.conversion_settings(), image_size)
+def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | str | None = None, storage_root: str | None = None) -> str:
+    """Content key of a conversion: input checksums plus every setting that changes the output (the source's).
+    ``image_size``: ``auto`` is made concrete for the data first (`dataset.sizing`; ``storage_root``: its listing cache)."""
+    source = source_of(raw)
+    return source.fingerprint(raw, cfg.conversion_settings(), sizing.image_size_for(source, image_size, storage_root))
 
 
 @task(name="to-parquet")
 def to_parquet(
-    raw: RawData, cfg: ParquetConfig, layout: StorageLayout, image_size: int | None = None, workload: str = DEFAULT_WORKLOAD,
+    raw: RawData, cfg: ParquetConfig, layout: StorageLayout, image_size: int | str | None = None, workload: str = DEFAULT_WORKLOAD,
     max_image_pixels: int | None = None,
 ) -> ParquetDataset:
     """Convert the downloaded data to train/val/test Parquet (skipped when a verified build exists).
 
-    ``image_size``: ``transform.image_size``, the square size a user's images are resized to.
+    ``image_size``: ``transform.image_size``, the square size a user's images are resized to; ``auto``: made
+    concrete for their own size (`dataset.sizing`), which the dataset then carries (``auto_from``) for the
+    transform's line.
     ``workload``: names the dataset folder, ``datasets/<workload>-<fingerprint>``.
     ``max_image_pixels``: ``download.max_image_pixels``, checked again as a user's images are read
     (None: not again; a local folder's images were checked before any work).
@@ -58,6 +63,9 @@ def to_parquet(
     stage's terminal line says so, naming the file."""
     logger = stage_logger(__name__)
     source = source_of(raw)
+    auto = image_size == "auto" and source.resizable
+    own = sizing.own_size(source, layout.root) if auto else None
+    image_size = sizing.image_size_for(source, image_size, layout.root)
     fingerprint = dataset_fingerprint(raw, cfg, image_size)
     final = layout.dataset_dir(fingerprint, workload)
     passed_over = source.conversion_notes(raw)
@@ -80,9 +88,10 @@ def to_parquet(
     if copied:
         logger.warning("Leakage: %s", copied)
     release_memory()  # this Ray worker is reused by later stages: it should not hold the conversion's peak
-    notes = [*dataset.notes, *passed_over, *([f"leakage: {copied}"] if copied else [])]
+    notes = [*dataset.notes, *([f"leakage: {copied}"] if copied else []), *passed_over]
     counts = {split: found["rows"] for split, found in leakage.items()}
-    return dataset.model_copy(update={"notes": notes, "source": source.kind, "leakage": counts})
+    auto_from = (own or tuple(dataset.image_shape[1:])) if auto else None  # an s3:// folder's own size: known only now
+    return dataset.model_copy(update={"notes": notes, "source": source.kind, "leakage": counts, "auto_from": auto_from})
 
 
 def content_checked(source: Source, raw: RawData, storage_root: str) -> tuple[RawData, str]:

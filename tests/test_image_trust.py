@@ -158,7 +158,7 @@ def store_dataset(directory: Path, fingerprint: str, inputs: dict[str, str]) -> 
     """A published dataset (real Parquet and manifest) of one 20x20 RGB row per split."""
     for row_id, split in enumerate(SPLITS):
         writer = _SplitWriter(directory / split, ParquetConfig(), schema_for(SIZE * SIZE * 3))
-        writer.write(to_table(np.array([row_id]), np.zeros((1, SIZE * SIZE * 3), np.uint8), np.array([0])))
+        writer.write(to_table(np.array([row_id]), np.full((1, SIZE * SIZE * 3), row_id, np.uint8), np.array([0])))  # no copies across splits
         writer.close()
     manifest = build_manifest(directory, fingerprint, inputs, dict.fromkeys(SPLITS, 1), (3, SIZE, SIZE), ["a", "b"])
     atomic_write_json(directory / MANIFEST, manifest)

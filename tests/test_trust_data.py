@@ -169,7 +169,7 @@ def test_hidden_entries_change_neither_the_fingerprint_nor_the_listing_cache_and
     final = Path(layout.dataset_dir(dataset_fingerprint(raw, cfg), "mnist"))
     for row_id, split in enumerate(SPLITS):
         writer = _SplitWriter(final / split, cfg, schema_for(20 * 20 * 3))
-        writer.write(to_table(np.array([row_id]), np.zeros((1, 20 * 20 * 3), np.uint8), np.array([0])))
+        writer.write(to_table(np.array([row_id]), np.full((1, 20 * 20 * 3), row_id, np.uint8), np.array([0])))  # no copies across splits
         writer.close()
     shape, classes = (3, 20, 20), ["blue_cross", "green_disc", "red_square"]
     atomic_write_json(final / MANIFEST, build_manifest(final, dataset_fingerprint(raw, cfg), raw.files, dict.fromkeys(SPLITS, 1), shape, classes))
@@ -214,7 +214,8 @@ def refused(monkeypatch, capsys, tmp_path):
 
 @pytest.mark.parametrize(("args", "said"), [
     (["--model.name", "no_such_team_module:net"], "model.name 'no_such_team_module:net'"),
-    (["--model.name", "training.models:small_cnn"], "model.name 'training.models:small_cnn'"),  # 4x4 images: too small
+    # 4x4 images kept as they are (transform.image_size auto would enlarge them): too small
+    (["--model.name", "training.models:small_cnn", "--transform.image-size", "None"], "model.name 'training.models:small_cnn'"),
     (["--transform.mean", "[0.1, 0.2, 0.3]"], "transform.mean has 3 values; the images have 1 channels"),
 ], ids=["a-model-that-does-not-import", "a-model-the-images-are-too-small-for", "a-mean-per-channel-of-other-images"])
 def test_a_refusal_after_the_folder_check_leaves_the_storage_root_as_it_was(tmp_path, refused, args, said):
@@ -231,7 +232,7 @@ def test_a_deployments_run_refused_before_any_work_writes_nothing_either(tmp_pat
 
     storage = tmp_path / "storage"
     config = PipelineConfig.model_validate({
-        "storage_root": str(storage), "model": {"name": "training.models:small_cnn"},
+        "storage_root": str(storage), "model": {"name": "training.models:small_cnn"}, "transform": {"image_size": None},
         "download": {"source": "folder", "path": str(tiny_folder(tmp_path / "tiny", 4))},
     })
     with pytest.raises(ValueError, match="model.name 'training.models:small_cnn'"):
@@ -261,8 +262,10 @@ def test_what_the_checks_learned_is_written_once_the_run_goes_on(tmp_path):
 
 def test_images_too_small_for_the_model_are_refused_naming_transform_image_size_and_the_smallest_size(tmp_path, refused):
     """training.models:small_cnn halves its input three times: 4x4 images leave nothing to pool. The smallest
-    size comes from running the model, not from a table."""
-    code, err = refused("--download.path", str(tiny_folder(tmp_path / "tiny", 4)), "--model.name", "training.models:small_cnn")
+    size comes from running the model, not from a table. (Kept at their size: transform.image_size auto would
+    enlarge them to 28x28.)"""
+    code, err = refused("--download.path", str(tiny_folder(tmp_path / "tiny", 4)), "--model.name", "training.models:small_cnn",
+                        "--transform.image-size", "None")
     assert code == 2, err
     assert "transform.image_size: images of 4x4 pixels are too small for model.name 'training.models:small_cnn'" in err
     assert "the smallest size it runs on is 8x8: set transform.image_size to 8 or more" in err

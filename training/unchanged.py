@@ -42,8 +42,10 @@ OPERATIONAL = {
         "hang_timeout_s", "checkpoint_every_steps", "num_to_keep",
     },
 }
-# Fields compared by what they hold, not by how they are written (`weights_sha256`).
-BY_CONTENT = {"model": {"weights"}}
+# Fields compared by what they hold, not by how they are written (`weights_sha256`); ``transform.image_size`` by
+# the data: the size the images were converted to is part of the dataset's fingerprint (``auto`` and the size it
+# chose are the same recipe), and MNIST's IDX digits are never resized.
+BY_CONTENT = {"model": {"weights"}, "transform": {"image_size"}}
 RECIPE_SECTIONS = ("model", "transform", "train")
 LAST_TRAINED_FILE = "last_trained.json"  # in models/<registry name>/: the last run that trained and was evaluated
 
