@@ -2,6 +2,7 @@
 
     python -m benchmarks.tiny_images                      # auto (the default) and 32
     python -m benchmarks.tiny_images --sizes auto,32,None # and the images kept at 8x8, as before auto
+    python -m benchmarks.tiny_images --seeds 0,1          # each size with train.seed 0, then 1
 
 The data: 8x8 grayscale digits made from the bundled MNIST sample the way the classic 8x8 digits set was
 made (each digit's central 24x24 averaged over 3x3 blocks, 17 gray levels): 1,257 training and 540 test
@@ -57,14 +58,14 @@ def write_folder(root: Path) -> Path:
     return root
 
 
-def run(folder: Path, work: Path, size: str, timeout_s: int) -> dict:
-    """One ``flows.train`` run with every default but ``transform.image_size`` = ``size``; what it scored."""
-    storage = work / f"storage-{size}"
+def run(folder: Path, work: Path, size: str, timeout_s: int, seed: int = 0) -> dict:
+    """One ``flows.train`` run with every default but ``transform.image_size`` = ``size`` (and ``train.seed``); what it scored."""
+    storage = work / f"storage-{size}-{seed}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MNIST_", "PIPELINE_", "PREFECT_API_URL"))}
     started = time.perf_counter()
     done = subprocess.run(
         [sys.executable, "-m", "flows.train", "--download.source", "folder", "--download.path", str(folder),
-         "--storage-root", str(storage), "--run-name", f"size-{size}", "--transform.image-size", size],
+         "--storage-root", str(storage), "--run-name", f"size-{size}", "--transform.image-size", size, "--train.seed", str(seed)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s, check=False,
     )
     wall = time.perf_counter() - started
@@ -74,7 +75,7 @@ def run(folder: Path, work: Path, size: str, timeout_s: int) -> dict:
     said = (done.stdout + done.stderr).splitlines()
     transform_line = next((line.split(" - ", 1)[-1] for line in said if "transform done" in line), None)
     return {
-        "image_size": size, "exit_code": done.returncode, "test_accuracy": summary.get("test_accuracy"),
+        "image_size": size, "seed": seed, "exit_code": done.returncode, "test_accuracy": summary.get("test_accuracy"),
         "trained_at": manifest.get("image"), "transform_line": transform_line, "wall_s": round(wall, 1),
     }
 
@@ -82,6 +83,7 @@ def run(folder: Path, work: Path, size: str, timeout_s: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="auto,32", help="transform.image_size of each run, comma-separated")
+    parser.add_argument("--seeds", default="0", help="train.seed of each run of each size, comma-separated")
     parser.add_argument("--timeout-s", type=int, default=7200, help="the most one run may take")
     parser.add_argument("--out", default=None, help="JSON file to write the rows to")
     args = parser.parse_args(argv)
@@ -91,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         folder = write_folder(work / "digits8")
         rows = []
-        for size in args.sizes.split(","):
-            rows.append(run(folder, work, size.strip(), args.timeout_s))
-            print(json.dumps(rows[-1]), flush=True)
+        for seed in (int(value) for value in args.seeds.split(",")):
+            for size in args.sizes.split(","):
+                rows.append(run(folder, work, size.strip(), args.timeout_s, seed))
+                print(json.dumps(rows[-1]), flush=True)
     result = {"cpu": cpu_model(), "cores": os.cpu_count(), "train_rows": TRAIN_ROWS, "test_rows": TEST_ROWS, "runs": rows}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -39,11 +39,14 @@ def own_size(source: Source, storage_root: str | None, checked: Any = None) -> t
     return int(shape[1]), int(shape[2])
 
 
-def image_size_for(source: Source, image_size: int | str | None, storage_root: str | None, checked: Any = None) -> int | None:
-    """``image_size`` (``transform.image_size``) for this source's images: ``auto`` made concrete (`auto_image_size`)."""
+def image_size_for(
+    source: Source, image_size: int | str | None, storage_root: str | None, checked: Any = None, own: tuple[int, int] | None = None,
+) -> int | None:
+    """``image_size`` (``transform.image_size``) for this source's images: ``auto`` made concrete (`auto_image_size`).
+    ``own``: their `own_size`, when the caller read it already."""
     if image_size != "auto":
         return image_size
-    size = own_size(source, storage_root, checked)
+    size = own if own is not None else own_size(source, storage_root, checked)
     return auto_image_size(*size) if size is not None else None
 
 

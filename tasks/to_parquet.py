@@ -64,8 +64,8 @@ def to_parquet(
     logger = stage_logger(__name__)
     source = source_of(raw)
     auto = image_size == "auto" and source.resizable
-    own = sizing.own_size(source, layout.root) if auto else None
-    image_size = sizing.image_size_for(source, image_size, layout.root)
+    own = sizing.own_size(source, layout.root) if auto else None  # (height, width) as they are
+    image_size = sizing.image_size_for(source, image_size, layout.root, own=own)
     fingerprint = dataset_fingerprint(raw, cfg, image_size)
     final = layout.dataset_dir(fingerprint, workload)
     passed_over = source.conversion_notes(raw)
