@@ -56,6 +56,7 @@ from pipeline_config import (
     TransformConfig,
     registry_model_name,
 )
+from runner import ray_auth
 from runner.runtime import local_gcs_port, ray_init_args
 from storage_io import (
     StorageLayout,
@@ -307,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         data = scoring.data
         table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"], scoring.columns)
         output = settings.output or default_output(layout.root, model, version)
+        refused = ray_auth.token_problem(ray_cfg.address)  # a cluster that would turn this process's token away
+        if refused:
+            raise ValueError(refused.replace("ray.address", "--ray-address", 1))
     except ValidationError as exc:
         print(f"invalid input:\n{field_lines(exc)}", file=sys.stderr)
         return 2

@@ -39,3 +39,21 @@ def test_a_wrong_token_is_named_by_where_it_came_from(shared_ray, monkeypatch):
     assert problem is not None and problem.startswith(f"ray.address {shared_ray.address}: that Ray cluster refused")
     assert "(from RAY_AUTH_TOKEN)" in problem and "not-the-cluster-token" not in problem
     assert token_problem("auto") is None and token_problem("ray://127.0.0.1:10001") is None and token_problem(None) is None
+
+
+def test_predict_joining_a_token_head_without_the_token_is_refused_naming_its_flag(shared_ray, tmp_path):
+    """``flows.predict --ray-address``: the same one line, naming the flag, exit 2, before Ray starts."""
+    from storage_io import StorageLayout
+    from tests.support.registry import candidate, make_dataset
+    from training import registry
+
+    layout = StorageLayout.create(str(tmp_path / "root"), "unused")
+    assert registry.promote(layout, "mnist-resnet18", candidate(layout, "good", 0.97, make_dataset(layout, "mnist-a"))).promoted
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.predict", "--storage-root", layout.root, "--input", str(ROOT / "data" / "mnist-sample"),
+         "--ray-address", shared_ray.address],
+        cwd=ROOT, env=head_base_env(), capture_output=True, text=True, timeout=300, check=False,
+    )
+    assert out.returncode == 2, (out.stdout + out.stderr)[-3000:]
+    assert f"--ray-address {shared_ray.address}: that Ray cluster asks for an authentication token" in out.stderr
+    assert "InvalidAuthToken" not in out.stdout + out.stderr
