@@ -32,10 +32,16 @@ def test_a_run_joining_a_token_head_without_the_token_is_refused_in_one_line_wit
     assert not (storage / "runs" / "no-token").exists()  # nothing of the run written
 
 
-def test_a_wrong_token_is_named_by_where_it_came_from(shared_ray, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-cluster-token-0123456789abcdef")
-    problem = token_problem(shared_ray.address)
+def test_a_wrong_token_is_named_by_where_it_came_from(shared_ray):
+    """In a fresh interpreter, as the CLI asks: Ray reads its authentication mode once a process, so a test
+    process that met Ray earlier would keep the mode it read then."""
+    env = head_base_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-cluster-token-0123456789abcdef"}
+    asked = subprocess.run(
+        [sys.executable, "-c", f"from runner.ray_auth import token_problem; print(token_problem({shared_ray.address!r}))"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert asked.returncode == 0, asked.stderr[-3000:]
+    problem = asked.stdout.strip().splitlines()[-1]
     assert problem is not None and problem.startswith(f"ray.address {shared_ray.address}: that Ray cluster refused")
     assert "(from RAY_AUTH_TOKEN)" in problem and "not-the-cluster-token" not in problem
     assert token_problem("auto") is None and token_problem("ray://127.0.0.1:10001") is None and token_problem(None) is None

@@ -149,11 +149,11 @@ def best_config_values(
     """The fields a best trial sets, as a config file for ``python -m flows.train --config-file``
     (with ``model.name`` when given: the model the trials trained; with ``workload`` when given; with
     ``download``, the data the search ran on, when given: an image folder's source and path).
-    ``transform.image_size``, when the search's images were resized, comes along too."""
+    ``transform.image_size``, when the search set one other than ``auto``, comes along too."""
     chosen = trial_train_config(train, sampled)
     augmented = scaled_augmentation(transform, float(sampled["augmentation"]))
     transform_values = {name: getattr(augmented, name) for name in ("shift_px", "rotate_deg", "scale")}
-    if transform.image_size is not None:
+    if transform.image_size != "auto":  # the default decides the same on the same data; a size or None (kept) comes along
         transform_values["image_size"] = transform.image_size
     return {
         **({"workload": workload} if workload else {}),
