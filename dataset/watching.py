@@ -3,7 +3,7 @@
 The files listed are the ones a run reads from it: images (``download.source=folder``) and Parquet files
 (``download.source=parquet``).
 
-The listing is one recursive directory walk (local) or one paginated LIST (``s3://``): no image is
+The listing is one directory walk (local, each file once: `storage_io.list_files`) or one paginated LIST (``s3://``): no image is
 opened, so it costs about the same at ten thousand images as the folder's metadata does. A file
 counts as changed when it was added, removed, or its size or modification time differs; an edit
 that keeps both is not seen (as with ``make`` and ``rsync``'s default check). The last listing is
@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from storage_io import atomic_write_json, filesystem, join, read_json, sha256_json
+from storage_io import atomic_write_json, filesystem, is_remote, join, list_files, read_json, sha256_json
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 WATCHED_SUFFIXES = (*IMAGE_SUFFIXES, ".parquet")
@@ -27,7 +28,16 @@ WATCH_DIR = "watch"
 
 def listing(path: str) -> dict[str, list[int]]:
     """Relative path -> [size, mtime_ns] of every image and Parquet file under ``path`` (hidden files and other
-    suffixes left out)."""
+    suffixes left out). A local folder is listed as a run reads it (`storage_io.list_files`: each file once, no
+    link followed into the folder or around it), then each file's size and time read."""
+    if not is_remote(path):
+        root = Path(path)
+        found = {}
+        for rel in list_files(path):
+            if rel.lower().endswith(WATCHED_SUFFIXES) and not any(part.startswith(".") for part in rel.split("/")):
+                stat = (root / rel).stat()
+                found[rel] = [int(stat.st_size), int(stat.st_mtime_ns)]
+        return found
     fs, where = filesystem(path)
     infos = fs.get_file_info(pafs.FileSelector(where, recursive=True, allow_not_found=True))
     base = where.rstrip("/") + "/"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dataset import folder
+from dataset import folder, watching
 from dataset.parquet_files import check_layout, listing_notes
 from dataset.source import source_for
 from dataset.sources import RawData
@@ -110,3 +110,14 @@ def test_an_s3_prefix_lists_each_key_once(tmp_path, s3_root):
         atomic_write_bytes(f"{s3_root}/shapes/{rel}", b"x")
     assert list_files(f"{s3_root}/shapes/train") == ["a/1.png", "a/2.png", "b/1.png"]
     assert list_tree(f"{s3_root}/shapes/train", ".png").links_out == ()
+
+
+def test_the_watcher_lists_a_folder_with_a_link_loop_as_a_run_reads_it(tmp_path):
+    """The data-event watcher (`dataset.watching`) compares listings: a loop must not multiply its files either."""
+    root = two_classes(tmp_path / "shapes")
+    before = watching.listing(str(root))
+    os.symlink("..", root / "train" / "a" / "loop")
+    after = watching.listing(str(root))
+    assert len(after) == 44 and after == before  # was 1,644: the loop adds nothing to watch
+    stat = (root / "train" / "b" / "b-000.png").stat()
+    assert after["train/b/b-000.png"] == [stat.st_size, stat.st_mtime_ns]
