@@ -311,16 +311,28 @@ def read_ahead(batches: Iterable[dict[str, np.ndarray]], depth: int = 2) -> Iter
 def _rows_in_memory(
     table: pa.Table, augment: bool, seed: int, epoch: int, exclude: np.ndarray | None, part: tuple[int, int] | None
 ) -> pa.Table:
-    """`build_split`'s rows of an in-memory split: shuffled (training), without ``exclude``, then every
-    n-th row of ``part=(i, n)``, cut to an equal count per part on the training split."""
-    if augment:
-        table = table.take(np.random.default_rng(epoch_seed(seed, epoch)).permutation(len(table)))
+    """`build_split`'s rows of an in-memory split: the table's rows at `epoch_positions` (the table itself when
+    that is every row in file order, as an unshuffled split whole is)."""
+    positions = epoch_positions(table.column("row_id").to_numpy(), augment, seed, epoch, exclude, part)
+    return table if not augment and len(positions) == len(table) else table.take(positions)
+
+
+def epoch_positions(
+    row_ids: np.ndarray, augment: bool, seed: int, epoch: int, exclude: np.ndarray | None = None,
+    part: tuple[int, int] | None = None,
+) -> np.ndarray:
+    """The positions (into ``row_ids``, a split's rows in file order) of one epoch's rows of an in-memory split,
+    in `build_split`'s order: shuffled by `epoch_seed` (training, ``augment``), without the rows whose row_id
+    is in ``exclude``, then every n-th of ``part=(i, n)`` from the i-th, cut to an equal count per part on the
+    training split. Shared by the Ray Data path (`_rows_in_memory`) and a split held on the device
+    (`dataset.resident`), so both yield the same rows in the same order."""
+    positions = np.random.default_rng(epoch_seed(seed, epoch)).permutation(len(row_ids)) if augment else np.arange(len(row_ids))
     if exclude is not None and len(exclude):
-        table = drop_rows(table, exclude)
+        positions = positions[~np.isin(np.asarray(row_ids)[positions], np.asarray(exclude, dtype=np.int64))]
     if part is not None and part[1] > 1:
         index, count = part
-        table = table.take(np.arange(index, len(table) // count * count if augment else len(table), count))
-    return table
+        positions = positions[index:len(positions) // count * count if augment else len(positions):count]
+    return positions
 
 
 def _rows_streamed(
