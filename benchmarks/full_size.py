@@ -149,9 +149,13 @@ class PeakMemory:
 
 def run_default(mirror: Path, checksums: dict[str, str], storage: Path, extra: list[str]) -> dict:
     """One ``python -m flows.mnist`` run on the mirror; its summary, wall time, epochs and peak memory."""
+    return run_flow(storage, "full-size", [*mirror_flags(mirror, checksums), *extra])
+
+
+def run_flow(storage: Path, run_name: str, flags: list[str]) -> dict:
+    """One ``python -m flows.mnist`` run in a fresh process with ``flags``; its summary, wall time, epochs and peak memory."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    args = [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), "--run-name", "full-size",
-            *mirror_flags(mirror, checksums), "--json", *extra]
+    args = [sys.executable, "-m", "flows.mnist", "--storage-root", str(storage), "--run-name", run_name, "--json", *flags]
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
@@ -164,8 +168,8 @@ def run_default(mirror: Path, checksums: dict[str, str], storage: Path, extra: l
     if code != 0:
         raise RuntimeError(f"the run failed (exit {code}):\n{stderr[-3000:]}")
     summary = json.loads(stdout[stdout.index("{") : stdout.rindex("}") + 1])
-    history = [json.loads(line) for line in (storage / "runs" / "full-size" / "history.jsonl").read_text().splitlines()]
-    config = json.loads((storage / "runs" / "full-size" / "summary.json").read_text())["config"]  # not in the printed summary
+    history = [json.loads(line) for line in (storage / "runs" / run_name / "history.jsonl").read_text().splitlines()]
+    config = json.loads((storage / "runs" / run_name / "summary.json").read_text())["config"]  # not in the printed summary
     return {
         "wall_s": round(wall, 1),
         "stages_s": {name: stage["seconds"] for name, stage in summary["stages"].items()},
@@ -173,17 +177,21 @@ def run_default(mirror: Path, checksums: dict[str, str], storage: Path, extra: l
         "workers": config["train"]["num_workers"],
         "epoch_s": [round(row["epoch_seconds"], 1) for row in history],
         "images_per_s": [round(row["images_per_s"], 1) for row in history],
+        "history": history,
         "rows": summary["data"]["rows"],
         "test_accuracy_on_derived_digits": summary["test_accuracy"],
+        "test_accuracy": summary["test_accuracy"],
         "peak_rss_mb": {role: round(mb) for role, mb in memory.peak_mb.items()},
         "environment": summary.get("environment"),
+        "stderr_tail": stderr[-4000:],
     }
 
 
 def measure(mirror: Path, checksums: dict[str, str], storage: Path, epochs: int, extra: tuple[str, ...] = ()) -> dict:
     """One row: `run_default` with ``--train.epochs epochs`` (and ``extra`` flags), split by stage."""
     result = run_default(mirror, checksums, storage, ["--train.epochs", str(epochs), *extra])
-    result.pop("environment", None)  # the suite's JSON describes the machine once
+    for key in ("environment", "history", "test_accuracy", "stderr_tail"):  # the suite's JSON describes the machine once
+        result.pop(key, None)
     # The rest of the wall time: imports, the temporary Prefect server and the local Ray, shutdown.
     outside = round(result["wall_s"] - sum(result["stages_s"].values()), 1)
     return {"benchmark": "full-size default flow, by stage", **result, "outside_stages_s": outside,
@@ -201,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         work = Path(tmp)
         checksums = make_mirror(work / "mirror", args.train, args.test)
         result = run_default(work / "mirror", checksums, work / "storage", args.cli)
+        result.pop("stderr_tail")
     result = {"when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "mirror": {"train": args.train, "test": args.test}} | result
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -14,6 +14,8 @@ otherwise), one JSON line per variant with milliseconds per step and images/s:
   GPU) over an in-memory dataset of as many random rows as the steps need, as the pipeline's loop takes them
   (`training.loop._batches`: a few steps' rows at a time, cut on the device);
 * ``ours_fed_per_step``: the same with one Ray Data batch a step, as the loop took them before;
+* ``ours_captured``: the pipeline's step as ``train.cuda_graph`` runs it (`training.captured_step.CapturedStep`:
+  replayed from a CUDA graph on a GPU, after its eager warm-up steps; its eager form on a CPU), on one batch;
 * ``plain_graph`` (GPU only): the plain step captured once as a CUDA graph and replayed, with the
   capturable fused AdamW: the same arithmetic without Python or kernel-launch cost per step, what the
   GPU itself takes.
@@ -27,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-
+from pathlib import Path
 
 WARMUP: dict[str, float] = {}  # seconds of the last `_timed` call's three untimed calls (cuDNN's autotuner runs there)
 
@@ -47,7 +49,7 @@ def _timed(step, steps: int, sync) -> float:
     return (time.perf_counter() - start) * 1000 / steps
 
 
-def _loop_config(batch: int, precision: str, ema_decay: float, train_rows: int, threads: int) -> dict:
+def _loop_config(batch: int, precision: str, ema_decay: float, train_rows: int, threads: int, cuda_graph: str = "off") -> dict:
     from benchmarks import model_name
     from training.loop import LoopConfig
     from training.model import SEEDS_MODEL
@@ -55,21 +57,26 @@ def _loop_config(batch: int, precision: str, ema_decay: float, train_rows: int, 
     spec = {"name": model_name(), "in_channels": SEEDS_MODEL.in_channels, "num_classes": SEEDS_MODEL.num_classes}
     return LoopConfig(model=spec, epochs=1, global_batch_size=batch, learning_rate=3e-3, weight_decay=5e-4,
                       label_smoothing=0.1, ema_decay=ema_decay, seed=0, train_rows=train_rows, torch_threads=threads,
-                      precision=precision).model_dump()
+                      precision=precision, cuda_graph=cuda_graph).model_dump()
 
 
 def ours_ms(device: str, batch: int, precision: str, steps: int, ema: bool, fed: bool, threads: int = 2,
-            per_step_feed: bool = False) -> float:
-    """Milliseconds per step of the pipeline's step (`training.loop._train_step`), on one batch or fed by Ray Data."""
+            per_step_feed: bool = False, captured: bool = False) -> float:
+    """Milliseconds per step of the pipeline's step (`training.loop._train_step`, or with ``captured``
+    `training.captured_step.CapturedStep`), on one batch or fed by Ray Data."""
     import numpy as np
     import torch
 
-    from training.loop import LoopConfig, _batches, _train_step, _zero, start_attempt
+    from training.loop import LoopConfig, _batches, _train_step, _zero, attach_step, start_attempt
 
     target = torch.device(device)
     rows = batch * (steps + 3)
-    cfg = LoopConfig.model_validate(_loop_config(batch, precision, 0.99 if ema else 0.0, rows, threads))
+    cfg = LoopConfig.model_validate(_loop_config(batch, precision, 0.99 if ema else 0.0, rows, threads,
+                                                 cuda_graph="on" if captured else "off"))
     attempt = start_attempt(cfg, 1, target, prepare=lambda model: model.to(target))
+    attach_step(attempt, 1)
+    if captured:
+        attempt.captured.begin_epoch(0)
     shape = (batch, cfg.model["in_channels"], 28, 28)
     loss_sum, correct = _zero(target), _zero(target)
 
@@ -83,6 +90,9 @@ def ours_ms(device: str, batch: int, precision: str, steps: int, ema: bool, fed:
 
         def step() -> None:
             nonlocal loss_sum, correct
+            if captured:
+                attempt.captured(x, y)
+                return
             loss, right = _train_step(attempt, x, y, 1e-3)
             loss_sum, correct = loss_sum + loss, correct + right
 
@@ -154,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, nargs="+", default=[64])
     parser.add_argument("--precision", default="auto", choices=["auto", "bf16", "fp16", "fp32"])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--variants", nargs="+", default=None,
+                        help="only these (plain is always measured): ours ours_no_ema ours_captured ours_fed ours_fed_per_step plain_graph")
+    parser.add_argument("--out", default=None, help="also write the rows as one JSON list to this file")
     args = parser.parse_args(argv)
 
     import ray
@@ -161,24 +174,33 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.device_rows import device_name, plain_images_per_s_on
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+    written: list[dict] = []
     try:
         for batch in args.batch:
             plain = plain_images_per_s_on(args.device, args.steps, batch, args.precision)
             runs = {"ours": lambda: ours_ms(args.device, batch, args.precision, args.steps, ema=True, fed=False),
                     "ours_no_ema": lambda: ours_ms(args.device, batch, args.precision, args.steps, ema=False, fed=False),
+                    "ours_captured": lambda: ours_ms(args.device, batch, args.precision, args.steps, ema=True, fed=False,
+                                                     captured=True),
                     "ours_fed": lambda: ours_ms(args.device, batch, args.precision, args.steps, ema=True, fed=True),
                     "ours_fed_per_step": lambda: ours_ms(args.device, batch, args.precision, args.steps, ema=True, fed=True,
                                                          per_step_feed=True)}
             if args.device.startswith("cuda"):
                 runs["plain_graph"] = lambda: plain_graph_ms(batch, args.precision, args.steps)
+            if args.variants:
+                runs = {name: run for name, run in runs.items() if name in args.variants}
             rows = [("plain", batch * 1000 / plain["images_per_s"], None)]
             for name, run in runs.items():
                 WARMUP.clear()
                 rows.append((name, run(), WARMUP.get("s")))
             for name, ms, warmup in rows:
-                print(json.dumps({"device": device_name(args.device), "batch": batch, "precision": plain["precision"],
-                                  "variant": name, "ms_per_step": round(ms, 3), "images_per_s": round(batch * 1000 / ms, 1),
-                                  "first_3_steps_s": None if warmup is None else round(warmup, 3)}), flush=True)
+                row = {"device": device_name(args.device), "batch": batch, "precision": plain["precision"],
+                       "variant": name, "ms_per_step": round(ms, 3), "images_per_s": round(batch * 1000 / ms, 1),
+                       "first_3_steps_s": None if warmup is None else round(warmup, 3)}
+                written.append(row)
+                print(json.dumps(row), flush=True)
+        if args.out:
+            Path(args.out).write_text(json.dumps(written, indent=1) + "\n")
     finally:
         ray.shutdown()
     return 0

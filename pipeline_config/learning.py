@@ -166,6 +166,22 @@ class TrainConfig(_Section):
             "stay fp32 either way; the precision used is recorded in the checkpoint, the model card and summary.json."
         ),
     )
+    cuda_graph: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "The training step (forward, backward, AdamW, the weight average) captured once as a CUDA graph and "
+            "replayed: the host launches one graph a step instead of hundreds of kernels. auto: on one GPU in bf16 or "
+            "fp32 (several workers, FSDP and fp16 stay eager); on: also its eager form on a CPU; off: never."
+        ),
+    )
+    resident_data: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description=(
+            "Hold the training and validation splits on the device for the whole attempt and build each epoch there "
+            "(the same order, sharding and augmentation as Ray Data's): auto: on a GPU when the split fits in memory and "
+            "in a quarter of the GPU's free memory, else Ray Data streams it; on: also on a CPU; off: always Ray Data."
+        ),
+    )
     data_cpus: float = Field(
         1.0,
         ge=1,
@@ -194,6 +210,16 @@ class TrainConfig(_Section):
             "Every this many optimizer steps the workers ask Ray Train whether a node of theirs is being preempted "
             "(ray.train.get_preemption_info, one small call shared by all ranks); if so they save a mid-epoch "
             "checkpoint at once, which the restart resumes from. 0: never ask."
+        ),
+    )
+    preemption_check_s: float = Field(
+        5.0,
+        ge=0,
+        le=3600,
+        description=(
+            "After the first epoch the preemption check runs about this many seconds apart (at least "
+            "preemption_check_steps steps): on a GPU a step takes milliseconds and each check is a round trip through "
+            "Ray Train. 0: every preemption_check_steps steps throughout."
         ),
     )
     stage_retries: int = Field(

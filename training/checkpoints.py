@@ -57,10 +57,11 @@ def restore(
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """``optimizer.load_state_dict(state)``, keeping this optimizer's kernel (fused or not).
 
-    A state dict carries its writer's ``fused`` and ``foreach`` flags, which loading would adopt:
-    a checkpoint written before the fused AdamW would turn it off for the rest of the run.
+    A state dict carries its writer's ``fused``, ``foreach`` and ``capturable`` flags, which loading would adopt:
+    a checkpoint written before the fused AdamW would turn it off for the rest of the run, and one written by a
+    captured GPU step (`training.captured_step`) would make a CPU run's AdamW refuse to step.
     """
-    kernels = [{key: group.get(key) for key in ("fused", "foreach")} for group in optimizer.param_groups]
+    kernels = [{key: group.get(key) for key in ("fused", "foreach", "capturable")} for group in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, kept in zip(optimizer.param_groups, kernels, strict=True):
         group.update(kept)

@@ -86,3 +86,35 @@ def images_for(images: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch of (N, C, H, W) images in the layout `prepare_for` gave the model."""
     return images.contiguous(memory_format=torch.channels_last) if device.type == "cuda" else images
 
+
+
+class StepClock:
+    """How long the GPU worked on an epoch's steps, from CUDA events recorded around each step on its stream.
+
+    `seconds` reads them once, at the epoch's end (the events are done by then: the epoch's totals were read).
+    A step's span runs from its first kernel to its last, so an eager step whose launches the GPU outruns counts
+    its gaps too; a graph replay has none. The events are made once and reused every epoch.
+    """
+
+    def __init__(self):
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self.used = 0
+
+    def begin_epoch(self) -> None:
+        self.used = 0
+
+    def start(self) -> None:
+        if self.used == len(self.events):
+            self.events.append((torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)))
+        self.events[self.used][0].record()
+
+    def stop(self) -> None:
+        self.events[self.used][1].record()
+        self.used += 1
+
+    def seconds(self) -> float:
+        """The epoch's steps' summed spans on the GPU, in seconds."""
+        if not self.used:
+            return 0.0
+        self.events[self.used - 1][1].synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.events[: self.used]) / 1000.0

@@ -26,17 +26,25 @@ import torch
 import torch.distributed as dist
 from torch.optim.swa_utils import AveragedModel
 
-from dataset.transform import TransformSpec, build_split
 from storage_io import storage_writes
+from training.captured_step import CapturedStep, use_captured_step
 from training.checkpoints import Position, report, report_mid_epoch, restore
-from training.device import autocast, backward_and_step, grad_scaler, images_for, prepare_for, resolve_precision
+from training.device import (
+    StepClock,
+    autocast,
+    backward_and_step,
+    grad_scaler,
+    images_for,
+    prepare_for,
+    resolve_precision,
+)
 from training.guard import StepGuard
-from training.manifests import LoopConfig  # noqa: F401 (the name callers have always imported from here)
+from training.manifests import LoopConfig
 from training.model import unwrap
 from training.models import ModelSpec, configure_cpu
 from training.recipe import Plan, inference_model, make_ema, make_optimizer, plan_for
 from training.records import RowLog, record_attempt, record_epoch
-from training.sharding import EpochShards, gather_rows
+from training.sharding import attempt_splits, gather_rows
 from training.weights import start_from
 
 
@@ -60,6 +68,8 @@ class Attempt:
     row_log: RowLog | None = None
     precision: str = "fp32"  # the step's arithmetic: bf16 / fp16 autocast or fp32 (`training.device`)
     scaler: torch.amp.GradScaler | None = None  # fp16's gradient scaler
+    captured: CapturedStep | None = None  # the step replayed from CUDA graphs (`use_captured_step`), else `_train_step`
+    busy: StepClock | None = None  # on a GPU: how long the device worked on each step (CUDA events)
 
     def weights(self) -> torch.nn.Module:
         """The weights validated and shipped: the moving average's, else the model's own."""
@@ -100,6 +110,15 @@ def start_attempt(
     )
 
 
+def attach_step(attempt: Attempt, world_size: int) -> None:
+    """After the attempt's checkpoint is restored: its step (captured or eager, ``train.cuda_graph``) and, on a GPU,
+    its step clock."""
+    cfg = attempt.cfg
+    if use_captured_step(cfg.cuda_graph, attempt.device, world_size, attempt.precision, cfg.strategy):
+        attempt.captured = CapturedStep(attempt, capture=attempt.device.type == "cuda")
+    attempt.busy = StepClock() if attempt.device.type == "cuda" else None
+
+
 def _all_reduce_sum(values: list[torch.Tensor | float], device: torch.device) -> list[float]:
     """The sums across ranks of ``values`` (device tensors or numbers): the one read from the device they need."""
     tensor = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
@@ -130,6 +149,12 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     loss_sum, correct, seen, start_time = _zero(attempt.device), _zero(attempt.device), 0, time.perf_counter()
     data_wait, mark, first_step_at = 0.0, start_time, None
     lr = attempt.plan.lr(epoch * steps_per_epoch)
+    captured, busy = attempt.captured, attempt.busy
+    if captured is not None:
+        captured.begin_epoch(epoch * steps_per_epoch + first_step)
+    if busy is not None:
+        busy.begin_epoch()
+    steps = 0
     for step, batch in enumerate(_batches(attempt, shard, training=True), start=first_step):
         data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
         if first_step_at is None:
@@ -137,21 +162,33 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         if guard is not None:
             guard.before_step(epoch, step)
         lr = attempt.plan.lr(epoch * steps_per_epoch + min(step, steps_per_epoch))
-        batch_loss, batch_correct = _train_step(attempt, batch["image"], batch["label"], lr)
-        loss_sum += batch_loss
-        correct += batch_correct
+        if busy is not None:
+            busy.start()
+        if captured is not None:  # the same step, its learning rate read on the device (`training.captured_step`)
+            captured(batch["image"], batch["label"])
+        else:
+            batch_loss, batch_correct = _train_step(attempt, batch["image"], batch["label"], lr)
+            loss_sum += batch_loss
+            correct += batch_correct
+        if busy is not None:
+            busy.stop()
         seen += len(batch["label"])
+        steps += 1
         consumed.append(batch["row_id"])
         if row_log is not None:  # test-only
             row_log.write(epoch, step, batch["row_id"].cpu())
         periodic = attempt.checkpoint_every and (step + 1) % attempt.checkpoint_every == 0
-        if periodic or preempted(attempt, step):
+        if periodic or preempted(attempt, step, run_step=epoch * steps_per_epoch + step):
             rows = gather_rows([torch.cat(consumed).cpu()])
             position = {"epoch": epoch, "step": step + 1, "row_ids": torch.cat([*earlier, rows])}
             report_mid_epoch(position, model, optimizer, ema, cfg.run_dir, cfg.model, attempt.precision, attempt.scaler)
         mark = time.perf_counter()
+    if captured is not None:
+        loss_sum, correct = captured.totals()
     elapsed = time.perf_counter() - start_time
-    loss_sum, correct, seen = _all_reduce_sum([loss_sum, correct, seen], attempt.device)
+    loss_sum, correct, seen, step_s = _all_reduce_sum([loss_sum, correct, seen, elapsed / max(steps, 1)], attempt.device)
+    busy_s = busy.seconds() if busy is not None else None  # after the reduction's read: every step has finished
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     return {
         "train_loss": loss_sum / max(seen, 1),
         "train_accuracy": correct / max(seen, 1),
@@ -160,7 +197,8 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         "epoch_train_s": elapsed,
         "data_wait_s": data_wait,
         "lr": lr,
-    } | ({"first_step_at": first_step_at} if first_step_at is not None else {})  # no step: a resumed epoch already done
+        "step_s": step_s / world,  # seconds a step took, the ranks' mean: the same number on every rank
+    } | ({"gpu_busy": round(min(1.0, busy_s / max(elapsed, 1e-9)), 4)} if busy_s is not None else {}) | ({"first_step_at": first_step_at} if first_step_at is not None else {})  # no step: a resumed epoch already done
 
 
 # Ray Data hands the loop a few hundred rows at a time and the loop cuts them into steps on the device:
@@ -228,16 +266,18 @@ def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr
     return loss.detach().double() * len(labels), (logits.argmax(1) == labels).sum()
 
 
-def preempted(attempt: Attempt, step: int) -> bool:
+def preempted(attempt: Attempt, step: int, run_step: int | None = None) -> bool:
     """Whether a node of this worker group is being preempted and no just-in-time checkpoint was saved yet.
 
-    Asked every ``attempt.preemption_check`` steps, at the same steps on every rank (the call is a
-    barrier, rank 0's answer is everyone's). Ray marks a node draining when it is preempted or its
+    Asked every ``attempt.preemption_check`` steps of the run (``run_step``: the run's step count, unset: ``step``,
+    the epoch's), at the same steps on every rank (the call is a barrier through Ray Train's synchronization
+    actor, rank 0's answer is everyone's: a round trip, which is why it is not asked every step, `preemption_cadence`). Ray marks a node draining when it is preempted or its
     ``ray start`` gets SIGTERM; the node keeps running until the drain deadline, so the ranks save
     a mid-epoch checkpoint (with the data position) at once and train on. When the node goes, Ray
     Train restarts from that checkpoint, on the preemption budget (``train.max_preemption_failures``).
     """
-    if not attempt.preemption_check or attempt.saved_for_preemption or (step + 1) % attempt.preemption_check:
+    counted = step if run_step is None else run_step
+    if not attempt.preemption_check or attempt.saved_for_preemption or (counted + 1) % attempt.preemption_check:
         return False
     info = ray.train.get_preemption_info()
     if info is None:
@@ -247,6 +287,17 @@ def preempted(attempt: Attempt, step: int) -> bool:
         print(f"[preemption] nodes {info.preempted_node_ids} (ranks {info.preempted_ranks}) are being preempted: "
               f"checkpoint after step {step + 1}", flush=True)
     return True
+
+
+def preemption_cadence(every_steps: int, every_s: float, step_s: float) -> int:
+    """Steps between preemption checks after an epoch whose steps took ``step_s`` seconds (the ranks' mean, so
+    every rank gets the same answer): about ``every_s`` seconds apart (``train.preemption_check_s``), never
+    more often than ``every_steps`` (``train.preemption_check_steps``, the first epoch's cadence); 0: never."""
+    if not every_steps:
+        return 0
+    if every_s <= 0 or step_s <= 0:
+        return every_steps
+    return max(every_steps, math.ceil(every_s / step_s))
 
 
 @torch.no_grad()
@@ -288,22 +339,23 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     attempt.preemption_check = cfg.preemption_check_steps
     attempt.guard = StepGuard(rank, world_size, cfg.hang_timeout_s, cfg.fault_dir)
     attempt.row_log = RowLog(cfg.row_log_dir, start, world_size, rank) if cfg.row_log_dir else None
+    attach_step(attempt, world_size)
 
-    # This rank's share of the validation rows, built here once per attempt: a Ray Train dataset
-    # shard would start a split coordinator actor first (measured: 8.6 s for epoch 0's validation
-    # of 200 rows with it, against 0.2-0.4 s for every later epoch).
-    val_shard = build_split(TransformSpec.model_validate(cfg.transform), "val", part=(rank, world_size))
-    epoch_shard = EpochShards(cfg.transform, cfg.seed, cfg.epochs, start, rank, world_size)
+    epoch_shard, val_shard = attempt_splits(cfg, attempt.device, start, rank, world_size)
+    reported_in = None  # seconds the last epoch's report (metrics and checkpoint) took, recorded with the next epoch
     for epoch in range(start.epoch, cfg.epochs):
         begin = time.perf_counter()
         resuming = epoch == start.epoch and start.step > 0
-        metrics = {"epoch": epoch}
+        metrics = {"epoch": epoch} | ({"previous_report_s": reported_in} if reported_in is not None else {})
         metrics |= train_epoch(attempt, epoch_shard(epoch), epoch, start=start if resuming else None)
         metrics |= validate(attempt, val_shard)
+        attempt.preemption_check = preemption_cadence(cfg.preemption_check_steps, cfg.preemption_check_s, metrics["step_s"])
         metrics["epoch_seconds"] = time.perf_counter() - begin
         metrics["finished_at"] = time.time()  # wall clock, for time-to-accuracy (benchmarks/accuracy.py)
         if rank == 0 and cfg.history_path:
             with storage_writes("train", cfg.history_path):
                 record_epoch(cfg.history_path, metrics)
+        reporting = time.perf_counter()
         report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir, model_spec=cfg.model,
                precision=attempt.precision, scaler=attempt.scaler)
+        reported_in = round(time.perf_counter() - reporting, 4)

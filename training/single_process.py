@@ -16,13 +16,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dataset.transform import build_split
 from storage_io import building, publish_dir
 from training.checkpoints import Position, checkpoint_extra, load_checkpoint
 from training.device import pick_device, visible_gpus
-from training.loop import LoopConfig, start_attempt, train_epoch, validate
+from training.loop import LoopConfig, attach_step, start_attempt, train_epoch, validate
 from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
 from training.records import HISTORY_FILE, read_history, record_attempt, record_epoch
+from training.sharding import attempt_splits
 
 SINGLE_DIR = "single"
 
@@ -62,14 +62,16 @@ def fit_single(config: dict[str, Any], spec, run_dir: str, num_to_keep: int, sco
     # The Ray Train ranks' setup; model.weights loaded only when there is no checkpoint to resume from.
     attempt = start_attempt(cfg, 1, device, prepare=lambda model: model.to(device), fresh=not existing)
     start = load_checkpoint(existing[-1], attempt.model, attempt.optimizer, attempt.ema, attempt.scaler) if existing else Position()
+    attach_step(attempt, 1)  # after the restore: the captured step binds the learning rate and reads the average's count
     if cfg.attempts_log:
         record_attempt(cfg.attempts_log, start, world_size=1, device=device.type, precision=attempt.precision)
+    epoch_shard, val_shard = attempt_splits(cfg, device, start, rank=0, world_size=1)  # on the device, or Ray Data's
     history_path = folder / HISTORY_FILE
     history = [row for row in read_history(history_path) if row["epoch"] < start.epoch]  # later epochs were rolled back
     for epoch in range(start.epoch, cfg.epochs):
         metrics: dict[str, Any] = {"epoch": epoch}
-        metrics |= train_epoch(attempt, build_split(spec, "train", cfg.seed, epoch), epoch)
-        metrics |= validate(attempt, build_split(spec, "val", cfg.seed))
+        metrics |= train_epoch(attempt, epoch_shard(epoch), epoch)
+        metrics |= validate(attempt, val_shard)
         metrics["finished_at"] = time.time()
         extra = checkpoint_extra(metrics, attempt.model, epoch, attempt.ema, model_spec=cfg.model, precision=attempt.precision,
                                  scaler=attempt.scaler)

@@ -82,6 +82,9 @@ def loop_config(
         history_path=join(run_dir, HISTORY_FILE) if run_dir else None,
         checkpoint_every_steps=cfg.checkpoint_every_steps,
         preemption_check_steps=cfg.preemption_check_steps,
+        preemption_check_s=cfg.preemption_check_s,
+        cuda_graph=cfg.cuda_graph,
+        resident_data=cfg.resident_data,
         # Each epoch builds its train pipeline from it (a resumed one without the rows already trained on).
         transform=spec.model_dump(mode="json") if spec is not None else None,
         # Test-only: every rank logs the row_ids it trains on (training.faults.ROW_LOG_ENV).

@@ -38,7 +38,8 @@ from training import registry_files
 OPERATIONAL = {
     "train": {
         "mode", "num_workers", "min_workers", "placement", "use_gpu", "data_cpus", "max_failures",
-        "max_preemption_failures", "preemption_check_steps", "stage_retries", "stage_retry_delay_s",
+        "max_preemption_failures", "preemption_check_steps", "preemption_check_s", "stage_retries", "stage_retry_delay_s",
+        "cuda_graph", "resident_data",
         "hang_timeout_s", "checkpoint_every_steps", "num_to_keep",
     },
 }
