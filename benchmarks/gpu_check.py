@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                       "step_s": [row.get("step_s") for row in default["history"]],
                       "epoch_train_s": [row.get("epoch_train_s") for row in default["history"]],
                       "report_s": [row.get("previous_report_s") for row in default["history"][1:]],
+                      "checkpoint_save_s": [row.get("previous_checkpoint_save_s") for row in default["history"][1:]],
                       "data_wait_s": [row.get("data_wait_s") for row in default["history"]]}}
         if img_s:
             result |= {"pipeline_vs_plain_eager": round(img_s / result["plain_eager_img_s"], 3),
@@ -125,7 +126,10 @@ def main(argv: list[str] | None = None) -> int:
         full_img_s, full_busy = epochs_after_first(full["history"])
         result |= {"full_size_wall_s": full["wall_s"], "full_size_test_accuracy_on_derived_digits": full["test_accuracy"],
                    "full_size_run": {key: full[key] for key in ("stages_s", "epochs", "epoch_s", "images_per_s", "rows")}
-                   | {"img_s_after_first": full_img_s, "busy": full_busy}}
+                   | {"img_s_after_first": full_img_s, "busy": full_busy,
+                      "gpu_busy": [row.get("gpu_busy") for row in full["history"]],
+                      "epoch_train_s": [row.get("epoch_train_s") for row in full["history"]],
+                      "report_s": [row.get("previous_report_s") for row in full["history"][1:]]}}
         save()
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -200,8 +201,9 @@ def report(
     metrics: dict, model, optimizer, epoch: int, ema: AveragedModel | None = None, position: dict | None = None,
     run_dir: str | None = None, model_spec: dict | None = None, precision: str | None = None,
     scaler: torch.amp.GradScaler | None = None,
-) -> None:
-    """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state).
+) -> float | None:
+    """Report on every rank; rank 0 attaches the checkpoint (model, optimizer, extra state) and returns the seconds
+    writing its files took (the rest of a report is Ray Train's upload and bookkeeping); None on other ranks.
 
     ``extra_state.pt`` keeps the seeds' meaning of ``epoch`` (the last completed epoch); a
     mid-epoch checkpoint adds ``position`` (epoch in progress, steps done, consumed row_ids).
@@ -221,10 +223,12 @@ def report(
             optimizer_state = fsdp.FullyShardedDataParallel.optim_state_dict(model, optimizer)
         model = _StateDictView(full_state)
     with tempfile.TemporaryDirectory() as tmp:
-        checkpoint, name, target = None, None, None
+        checkpoint, name, target, saved_in = None, None, None, None
         if ray.train.get_context().get_world_rank() == 0:
+            began = time.perf_counter()
             extra = checkpoint_extra(metrics, model, epoch, ema, position, model_spec, precision, scaler)
             save_checkpoint_files(tmp, inference_model(model, ema), optimizer, extra, optimizer_state)
+            saved_in = round(time.perf_counter() - began, 4)
             checkpoint = ray.train.Checkpoint.from_directory(tmp)
             if run_dir is not None:  # only rank 0's name counts: Ray Train broadcasts it to the others
                 name = unused_checkpoint_dir(run_dir, checkpoint_dir_name(metrics["epoch"], metrics.get("step")))
@@ -239,6 +243,7 @@ def report(
             if error is None:
                 raise
             raise error from exc
+    return saved_in
 
 
 def report_mid_epoch(
