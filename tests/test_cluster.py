@@ -100,7 +100,8 @@ def test_pipeline_on_the_cluster_survives_a_preempted_worker(cluster, tmp_path):
         "python", "-m", "flows.mnist", "--preset", "smoke", *SMALL_MODEL_ARGS,
         "--storage-root", ROOT_URI, "--ray.address", "auto", "--run-name", run,
         "--train.epochs", "3", "--train.num-workers", "2", "--train.min-workers", "1", "--train.placement", "SPREAD",
-        "--train.preemption-check-steps", "2", "--train.stage-retry-delay-s", "1", "--evaluate.min-accuracy", "0",
+        "--train.preemption-check-steps", "2", "--train.preemption-check-s", "0",  # every 2 steps throughout: the drain comes in epoch 1
+        "--train.stage-retry-delay-s", "1", "--evaluate.min-accuracy", "0",
         "--json",
     ]
     # Rank 0 holds at step 4 of epoch 1 (the test preempts worker-2 there), and again at step 10,
