@@ -174,12 +174,13 @@ class TrainConfig(_Section):
             "fp32 (several workers, FSDP and fp16 stay eager); on: also its eager form on a CPU; off: never."
         ),
     )
-    resident_data: Literal["auto", "on", "off"] = Field(
+    resident_data: Literal["auto", "off"] = Field(
         "auto",
         description=(
-            "Hold the training and validation splits on the device for the whole attempt and build each epoch there "
-            "(the same order, sharding and augmentation as Ray Data's): auto: on a GPU when the split fits in memory and "
-            "in a quarter of the GPU's free memory, else Ray Data streams it; on: also on a CPU; off: always Ray Data."
+            "Hold the training and validation splits in each training worker for the whole attempt (on its GPU, or in "
+            "memory on a CPU) and build each epoch there, with the same order, sharding, augmentation and resumption as "
+            "Ray Data's. auto: when both splits fit in memory (transform.in_memory_mb) and, on a GPU, in a quarter "
+            "of its free memory; what does not fit streams through Ray Data. off: always Ray Data."
         ),
     )
     data_cpus: float = Field(

@@ -131,6 +131,18 @@ def test_what_fits_on_the_device(datasets):
         ResidentSplit.load(streamed, "train", CPU)
 
 
+def test_a_training_worker_holds_the_splits_when_they_fit_unless_asked_not_to(datasets):
+    """``train.resident_data``: auto holds both splits wherever they fit (a CPU worker's memory too), off never;
+    a split that streams is never held."""
+    from training.sharding import holds_on_device
+
+    digits, _, layout = datasets
+    spec = transform.fn(digits, TransformConfig(), layout)
+    assert holds_on_device("auto", spec, CPU) and not holds_on_device("off", spec, CPU)
+    streamed = transform.fn(digits, TransformConfig(in_memory_mb=0, window_mb=0.05), layout)
+    assert not holds_on_device("auto", streamed, CPU)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_rows_match_and_pixels_agree_closely(datasets):
     digits, _, layout = datasets

@@ -169,7 +169,7 @@ class LoopConfig(BaseModel):
     preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
     preemption_check_s: float = 0.0  # ... and after the first epoch about this many seconds apart (`training.loop.preemption_cadence`)
     cuda_graph: str = "auto"  # train.cuda_graph: the step replayed from CUDA graphs (`training.captured_step`)
-    resident_data: str = "auto"  # train.resident_data: the splits held on the device (`dataset.resident`)
+    resident_data: str = "auto"  # train.resident_data: the splits held by each worker (`dataset.resident`)
     transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
     row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
     precision: str = "auto"  # train.precision, resolved per device (`training.device.resolve_precision`)

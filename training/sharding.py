@@ -54,9 +54,12 @@ class EpochShards:
 
 
 def holds_on_device(choice: str, spec: TransformSpec, device: torch.device) -> bool:
-    """Whether ``train.resident_data`` = ``choice`` holds the training and validation splits on ``device``:
-    ``auto`` on a GPU, ``on`` anywhere, when both fit (`dataset.resident.fits_on_device`); ``off`` never."""
-    if choice == "off" or (choice == "auto" and device.type != "cuda"):
+    """Whether ``train.resident_data`` = ``choice`` holds the training and validation splits on ``device`` (a GPU, or
+    the worker's memory on a CPU): ``auto`` when both fit (`dataset.resident.fits_on_device`), ``off`` never.
+
+    On a CPU too: Ray Data's first execution of an epoch started worker processes that import torch, 4.4-5.2 s before
+    the first step and about 360 MB at a small run's peak (docs/performance.md, "Data held by the training worker")."""
+    if choice == "off":
         return False
     return all(fits_on_device(spec, split, device) for split in ("train", "val"))
 
@@ -74,7 +77,8 @@ def attempt_splits(cfg, device: torch.device, start: Position, rank: int, world_
         train, val = (ResidentSplit.load(spec, split, device) for split in ("train", "val"))
         if rank == 0:
             mb = sum(resident_bytes(spec, split) for split in ("train", "val")) / 2**20
-            print(f"[data] train ({len(train):,} rows) and val ({len(val):,}) held on {device} for this attempt "
+            where = f"on {device}" if device.type == "cuda" else "in this worker's memory"
+            print(f"[data] train ({len(train):,} rows) and val ({len(val):,}) held {where} for this attempt "
                   f"(up to {mb:,.0f} MB; train.resident_data={cfg.resident_data})", flush=True)
         return EpochShards(spec, cfg.seed, cfg.epochs, start, rank, world_size, resident=train), val.rows(part=part)
     return EpochShards(spec, cfg.seed, cfg.epochs, start, rank, world_size), build_split(spec, "val", part=part)
