@@ -198,7 +198,7 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     elapsed = time.perf_counter() - start_time
     step_s = _mean_across_ranks(elapsed / max(steps, 1), attempt.device)
     busy_s = busy.seconds() if busy is not None else None  # every step has finished
-    return {
+    metrics = {
         "train_loss": loss_sum / max(seen, 1),
         "train_accuracy": correct / max(seen, 1),
         "images_per_s": seen / max(elapsed, 1e-9),
@@ -207,7 +207,12 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
         "data_wait_s": data_wait,
         "lr": lr,
         "step_s": step_s,  # seconds a step took, the ranks' mean: the same number on every rank
-    } | ({"gpu_busy": round(min(1.0, busy_s / max(elapsed, 1e-9)), 4)} if busy_s is not None else {}) | ({"first_step_at": first_step_at} if first_step_at is not None else {})  # no step: a resumed epoch already done
+    }
+    if busy_s is not None:  # the share of the epoch's seconds the GPU spent on its steps
+        metrics["gpu_busy"] = round(min(1.0, busy_s / max(elapsed, 1e-9)), 4)
+    if first_step_at is not None:  # none: a resumed epoch already done
+        metrics["first_step_at"] = first_step_at
+    return metrics
 
 
 # Ray Data hands the loop a few hundred rows at a time and the loop cuts them into steps on the device:
@@ -280,7 +285,8 @@ def preempted(attempt: Attempt, step: int, run_step: int | None = None) -> bool:
 
     Asked every ``attempt.preemption_check`` steps of the run (``run_step``: the run's step count, unset: ``step``,
     the epoch's), at the same steps on every rank (the call is a barrier through Ray Train's synchronization
-    actor, rank 0's answer is everyone's: a round trip, which is why it is not asked every step, `preemption_cadence`). Ray marks a node draining when it is preempted or its
+    actor, rank 0's answer is everyone's: a round trip, which is why it is not asked every step, `preemption_cadence`).
+    Ray marks a node draining when it is preempted or its
     ``ray start`` gets SIGTERM; the node keeps running until the drain deadline, so the ranks save
     a mid-epoch checkpoint (with the data position) at once and train on. When the node goes, Ray
     Train restarts from that checkpoint, on the preemption budget (``train.max_preemption_failures``).
@@ -351,7 +357,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     attach_step(attempt, world_size)
 
     epoch_shard, val_shard = attempt_splits(cfg, attempt.device, start, rank, world_size)
-    reported_in: dict = {}  # seconds the last epoch's report took (and of it writing the checkpoint's files), recorded with the next epoch
+    reported_in: dict = {}  # the last epoch's report seconds (and of them writing the files), kept with the next epoch
     for epoch in range(start.epoch, cfg.epochs):
         begin = time.perf_counter()
         resuming = epoch == start.epoch and start.step > 0
@@ -365,6 +371,6 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             with storage_writes("train", cfg.history_path):
                 record_epoch(cfg.history_path, metrics)
         reporting = time.perf_counter()
-        saved_in = report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir, model_spec=cfg.model,
-               precision=attempt.precision, scaler=attempt.scaler)
+        saved_in = report(metrics, attempt.model, attempt.optimizer, epoch, attempt.ema, run_dir=cfg.run_dir,
+                          model_spec=cfg.model, precision=attempt.precision, scaler=attempt.scaler)
         reported_in = {"previous_report_s": round(time.perf_counter() - reporting, 4), "previous_checkpoint_save_s": saved_in}

@@ -38,8 +38,8 @@ class EpochShards:
     coordinator actor, nothing sent between ranks.
     """
 
-    def __init__(self, transform: dict[str, Any] | TransformSpec, seed: int, epochs: int, start: Position, rank: int, world_size: int,
-                 resident: ResidentSplit | None = None):
+    def __init__(self, transform: dict[str, Any] | TransformSpec, seed: int, epochs: int, start: Position, rank: int,
+                 world_size: int, resident: ResidentSplit | None = None):
         self.seed, self.epochs, self.start, self.rank, self.world_size = seed, epochs, start, rank, world_size
         self.spec = TransformSpec.model_validate(transform)
         self.resident = resident  # the training split held on the device (`dataset.resident`), else Ray Data streams it
