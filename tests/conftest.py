@@ -203,3 +203,26 @@ def shared_ray(tmp_path_factory) -> Iterator[SharedRay]:
         yield cluster
         stray = cluster.stray_files()
     assert not stray, f"Ray workers wrote into their working folder {cluster.cwd} instead of a storage root: {stray}"
+
+
+# Every way Python code reads a tensor's value back to the host: on a GPU each one waits for the device.
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+@pytest.fixture
+def host_reads(monkeypatch) -> dict[str, int]:
+    """How many times each of `HOST_READS` was called on a tensor while the test ran (what the training loop must
+    not do per step)."""
+    import torch  # here: most tests never load torch in this process
+
+    counts: dict[str, int] = {}
+
+    def counting(name, method):
+        def read(self, *args, **kwargs):
+            counts[name] = counts.get(name, 0) + 1
+            return method(self, *args, **kwargs)
+        return read
+
+    for name in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    return counts

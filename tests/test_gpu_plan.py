@@ -21,6 +21,7 @@ from runner import stopping
 from runner.harness import checked_settings, close_cli
 from runner.summary import outcome_of
 from storage_io import read_lines
+from tests.support.shards import Rows
 from training.checkpoints import Position, checkpoint_extra, load_checkpoint
 from training.device import autocast, pick_device, resolve_precision
 from training.inference import actor_gpus
@@ -111,44 +112,7 @@ def test_a_search_on_one_gpu_runs_the_trials_one_gpu_holds():
         plan_trials(TrainConfig(num_workers=1), TuneConfig(max_concurrent_trials=2), 16, 1)
 
 
-# A step that never waits for the device.
-class Rows:
-    """A shard as the training loop reads one (``iter_torch_batches``), over tensors in memory.
-
-    Not a Ray Data dataset: its prefetch threads would make reads of their own, and only the
-    loop's are counted here."""
-
-    def __init__(self, rows: int, seed: int = 0):
-        generator = torch.Generator().manual_seed(seed)
-        self.images = torch.randn(rows, 1, 28, 28, generator=generator)
-        self.labels = torch.randint(0, 10, (rows,), generator=generator)
-
-    def iter_torch_batches(self, *, batch_size: int, device: torch.device, pin_memory: bool = False):
-        for start in range(0, len(self.labels), batch_size):
-            end = start + batch_size
-            yield {"image": self.images[start:end].to(device), "label": self.labels[start:end].to(device),
-                   "row_id": torch.arange(start, min(end, len(self.labels))).to(device)}
-
-
-# Every way Python code reads a tensor's value back to the host: on a GPU each one waits for the device.
-HOST_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__")
-
-
-@pytest.fixture
-def host_reads(monkeypatch):
-    counts: dict[str, int] = {}
-
-    def counting(name, method):
-        def read(self, *args, **kwargs):
-            counts[name] = counts.get(name, 0) + 1
-            return method(self, *args, **kwargs)
-        return read
-
-    for name in HOST_READS:
-        monkeypatch.setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
-    return counts
-
-
+# A step that never waits for the device (`host_reads`, tests/conftest.py, counts what would wait for it).
 def _attempt(precision: str = "auto", rows: int = 64, batch: int = 8):
     cfg = TrainConfig(global_batch_size=batch, precision=precision)
     loop = LoopConfig.model_validate(loop_config(cfg, rows, torch.get_num_threads(), SMALL))  # keep the process's threads
