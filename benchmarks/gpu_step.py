@@ -12,7 +12,7 @@ otherwise), one JSON line per variant with milliseconds per step and images/s:
 * ``ours_no_ema``: the same with ``ema_decay`` 0, to price the weight average alone;
 * ``ours_fed``: ``ours`` with its batches from Ray Data's ``iter_torch_batches`` (to the device, pinned on a
   GPU) over an in-memory dataset of as many random rows as the steps need, as the pipeline's loop takes them
-  (`training.loop._batches`: a few steps' rows at a time, cut on the device);
+  (`training.feeding.batches`: a few steps' rows at a time, cut on the device);
 * ``ours_fed_per_step``: the same with one Ray Data batch a step, as the loop took them before;
 * ``ours_captured``: the pipeline's step as ``train.cuda_graph`` runs it (`training.captured_step.CapturedStep`:
   replayed from a CUDA graph on a GPU, after its eager warm-up steps; its eager form on a CPU), on one batch;
@@ -67,7 +67,8 @@ def ours_ms(device: str, batch: int, precision: str, steps: int, ema: bool, fed:
     import numpy as np
     import torch
 
-    from training.loop import LoopConfig, _batches, _train_step, _zero, attach_step, start_attempt
+    from training.feeding import batches as feed
+    from training.loop import LoopConfig, _train_step, _zero, attach_step, start_attempt
 
     target = torch.device(device)
     rows = batch * (steps + 3)
@@ -109,7 +110,7 @@ def ours_ms(device: str, batch: int, precision: str, steps: int, ema: bool, fed:
     if per_step_feed:  # one Ray Data batch a step, as the loop took them before 2026-11-28
         batches = iter(ds.iter_torch_batches(batch_size=batch, device=target, pin_memory=target.type == "cuda"))
     else:
-        batches = iter(_batches(attempt, ds))
+        batches = iter(feed(attempt, ds))
 
     def fed_step() -> None:
         nonlocal loss_sum, correct

@@ -15,7 +15,8 @@ import torch
 from pipeline_config import TrainConfig
 from tests.support.shards import Rows
 from training.captured_step import CapturedStep, use_captured_step
-from training.loop import LoopConfig, attach_step, preemption_cadence, start_attempt, train_epoch
+from training.guard import preemption_cadence
+from training.loop import LoopConfig, attach_step, start_attempt, train_epoch
 from training.models import ModelSpec
 from training.trainer import loop_config
 

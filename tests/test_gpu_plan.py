@@ -260,14 +260,14 @@ def _row_ids(batches) -> list[list[int]]:
 
 def test_the_loop_takes_whole_steps_from_ray_data_and_cuts_them_in_the_same_order():
     """Fewer, larger batches from Ray Data (each costs the host about 2 ms on a GPU), the steps exactly as before."""
-    from training.loop import FEED_BYTES, FEED_ROWS, _batches, feed_rows
+    from training.feeding import FEED_BYTES, FEED_ROWS, batches, feed_rows
 
     assert feed_rows(64, (1, 28, 28)) == 512 and feed_rows(512, (1, 28, 28)) == 512 and feed_rows(1000, None) == 1000
     assert feed_rows(64, (3, 224, 224)) == 64  # 38 MB of images a step already: one step at a time
     assert feed_rows(64, (3, 128, 128)) * 3 * 128 * 128 * 4 <= FEED_BYTES and FEED_ROWS == 512
     attempt = _attempt(rows=1000, batch=64)
     shard = CountedRows(1000)
-    steps = _row_ids(_batches(attempt, shard))
+    steps = _row_ids(batches(attempt, shard))
     assert shard.asked == [512]
     assert steps == _row_ids(Rows(1000).iter_torch_batches(batch_size=64, device=torch.device("cpu")))
     assert [len(s) for s in steps] == [64] * 15 + [40]
@@ -278,13 +278,13 @@ def test_a_last_batch_of_one_image_joins_the_step_before_and_every_row_trains_on
     """ResNet-18 on 28x28 ends in a 1x1 block: a training step of one image fails in BatchNorm ("Expected more than
     1 value per channel"). The loop folds such a tail into the step before (alone in its epoch, it is left out);
     validation, in eval mode, scores every row."""
-    from training.loop import _batches
+    from training.feeding import batches
 
     cfg = TrainConfig(global_batch_size=8)
     resnet = ModelSpec(name="resnet18", in_channels=1, num_classes=10)
     attempt = start_attempt(LoopConfig.model_validate(loop_config(cfg, rows, 1, resnet)), 1, torch.device("cpu"),
                             prepare=lambda model: model)
-    trained = _row_ids(_batches(attempt, Rows(rows), training=True))
+    trained = _row_ids(batches(attempt, Rows(rows), training=True))
     expected = [] if rows == 1 else [list(range(rows))[i:i + 8] for i in range(0, rows - 1, 8)]
     if expected:
         expected[-1].append(rows - 1)  # the one-image tail joined the last full step
@@ -293,7 +293,7 @@ def test_a_last_batch_of_one_image_joins_the_step_before_and_every_row_trains_on
     assert metrics["train_accuracy"] >= 0 and (metrics["images_per_s"] > 0) == (rows > 1)
     scored = validate(attempt, Rows(rows, seed=1))
     assert 0 <= scored["val_accuracy"] <= 1
-    assert _row_ids(_batches(attempt, Rows(rows))) == [list(range(rows))[i:i + 8] for i in range(0, rows, 8)]
+    assert _row_ids(batches(attempt, Rows(rows))) == [list(range(rows))[i:i + 8] for i in range(0, rows, 8)]
 
 
 def test_the_weight_average_updates_with_the_same_few_operations_whatever_the_depth():

@@ -38,7 +38,8 @@ from training.device import (
     prepare_for,
     resolve_precision,
 )
-from training.guard import StepGuard
+from training.feeding import batches
+from training.guard import StepGuard, preempted, preemption_cadence
 from training.manifests import LoopConfig
 from training.model import unwrap
 from training.models import ModelSpec, configure_cpu
@@ -162,7 +163,7 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     if busy is not None:
         busy.begin_epoch()
     steps = 0
-    for step, batch in enumerate(_batches(attempt, shard, training=True), start=first_step):
+    for step, batch in enumerate(batches(attempt, shard, training=True), start=first_step):
         data_wait += time.perf_counter() - mark  # time this rank waited for its next batch
         if first_step_at is None:
             first_step_at = time.time()  # wall clock: the fixed overhead ends here (benchmarks/deployment_overhead.py)
@@ -215,51 +216,6 @@ def train_epoch(attempt: Attempt, shard, epoch: int, start: Position | None = No
     return metrics
 
 
-# Ray Data hands the loop a few hundred rows at a time and the loop cuts them into steps on the device:
-# each batch Ray Data makes costs the training process about 2 ms of host time whatever its size
-# (measured on an H200, docs/performance.md "On a GPU"), as much as a quarter of a small model's step.
-FEED_ROWS = 512  # rows per batch taken from Ray Data, at most (rounded down to whole steps, at least one)
-FEED_BYTES = 32 << 20  # ... and at most this many bytes of float32 images
-MIN_TRAIN_ROWS = 2  # a training step on fewer rows fails in BatchNorm when the last block is 1x1
-
-
-def feed_rows(batch_size: int, image_shape: tuple[int, ...] | None) -> int:
-    """Rows per batch taken from Ray Data for steps of ``batch_size`` rows: whole steps, up to `FEED_ROWS` rows
-    and `FEED_BYTES` of ``image_shape`` float32 images (unknown shape: `FEED_ROWS` alone)."""
-    steps = max(1, FEED_ROWS // batch_size)
-    if image_shape:
-        steps = max(1, min(steps, FEED_BYTES // (4 * math.prod(image_shape) * batch_size)))
-    return steps * batch_size
-
-
-def _batches(attempt: Attempt, shard, training: bool = False):
-    """The shard's batches of ``attempt.batch_size`` rows on the attempt's device, in the shard's order.
-
-    Ray Data delivers `feed_rows` rows at a time (on a GPU from pinned host memory, copies that need not
-    wait), cut here into steps. ``training``: a last batch of fewer than `MIN_TRAIN_ROWS` rows joins the
-    step before it (every rank's share has the same count, so every rank does the same), or is left out
-    when it is the epoch's only one; validation scores every row in batches as they come.
-    """
-    spec = attempt.cfg.transform or {}
-    shape = (spec.get("dataset") or {}).get("image_shape")
-    size = attempt.batch_size
-    held = None  # the last step cut, yielded once the next one shows it is not to be merged with a short tail
-    for chunk in shard.iter_torch_batches(batch_size=feed_rows(size, shape), device=attempt.device,
-                                          pin_memory=attempt.device.type == "cuda"):
-        rows = len(chunk["label"])
-        for start in range(0, rows, size):
-            piece = {name: column[start:start + size] for name, column in chunk.items()} if rows > size else chunk
-            if training and len(piece["label"]) < MIN_TRAIN_ROWS:  # the epoch's last rows: only the last piece is short
-                if held is not None:
-                    held = {name: torch.cat([held[name], piece[name]]) for name in held}
-                continue
-            if held is not None:
-                yield held
-            held = piece
-    if held is not None:
-        yield held
-
-
 def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One optimizer step on a batch at learning rate ``lr`` in the attempt's precision, then the weight average's update.
 
@@ -280,41 +236,6 @@ def _train_step(attempt: Attempt, images: torch.Tensor, labels: torch.Tensor, lr
     return loss.detach().double() * len(labels), (logits.argmax(1) == labels).sum()
 
 
-def preempted(attempt: Attempt, step: int, run_step: int | None = None) -> bool:
-    """Whether a node of this worker group is being preempted and no just-in-time checkpoint was saved yet.
-
-    Asked every ``attempt.preemption_check`` steps of the run (``run_step``: the run's step count, unset: ``step``,
-    the epoch's), at the same steps on every rank (the call is a barrier through Ray Train's synchronization
-    actor, rank 0's answer is everyone's: a round trip, which is why it is not asked every step, `preemption_cadence`).
-    Ray marks a node draining when it is preempted or its
-    ``ray start`` gets SIGTERM; the node keeps running until the drain deadline, so the ranks save
-    a mid-epoch checkpoint (with the data position) at once and train on. When the node goes, Ray
-    Train restarts from that checkpoint, on the preemption budget (``train.max_preemption_failures``).
-    """
-    counted = step if run_step is None else run_step
-    if not attempt.preemption_check or attempt.saved_for_preemption or (counted + 1) % attempt.preemption_check:
-        return False
-    info = ray.train.get_preemption_info()
-    if info is None:
-        return False
-    attempt.saved_for_preemption = True
-    if ray.train.get_context().get_world_rank() == 0:
-        print(f"[preemption] nodes {info.preempted_node_ids} (ranks {info.preempted_ranks}) are being preempted: "
-              f"checkpoint after step {step + 1}", flush=True)
-    return True
-
-
-def preemption_cadence(every_steps: int, every_s: float, step_s: float) -> int:
-    """Steps between preemption checks after an epoch whose steps took ``step_s`` seconds (the ranks' mean, so
-    every rank gets the same answer): about ``every_s`` seconds apart (``train.preemption_check_s``), never
-    more often than ``every_steps`` (``train.preemption_check_steps``, the first epoch's cadence); 0: never."""
-    if not every_steps:
-        return 0
-    if every_s <= 0 or step_s <= 0:
-        return every_steps
-    return max(every_steps, math.ceil(every_s / step_s))
-
-
 @torch.no_grad()
 def validate(attempt: Attempt, shard) -> dict:
     """Loss and accuracy of the attempt's shipped weights (`Attempt.weights`) over the validation split (summed across ranks).
@@ -325,7 +246,7 @@ def validate(attempt: Attempt, shard) -> dict:
     model, criterion, device = attempt.weights(), attempt.criterion, attempt.device
     model.eval()
     loss_sum, ce_sum, correct, seen = _zero(device), _zero(device), _zero(device), 0
-    for batch in _batches(attempt, shard):
+    for batch in batches(attempt, shard):
         logits = model(images_for(batch["image"], device))
         loss_sum += criterion(logits, batch["label"]).double() * len(batch["label"])
         ce_sum += torch.nn.functional.cross_entropy(logits, batch["label"], reduction="sum").double()

@@ -167,7 +167,7 @@ class LoopConfig(BaseModel):
     history_path: str | None = None  # every epoch's metrics, from rank 0
     checkpoint_every_steps: int = 0
     preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
-    preemption_check_s: float = 0.0  # ... and after the first epoch about this many seconds apart (`training.loop.preemption_cadence`)
+    preemption_check_s: float = 0.0  # ... and after the first epoch about this many seconds apart (`training.guard.preemption_cadence`)
     cuda_graph: str = "auto"  # train.cuda_graph: the step replayed from CUDA graphs (`training.captured_step`)
     resident_data: str = "auto"  # train.resident_data: the splits held by each worker (`dataset.resident`)
     transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
