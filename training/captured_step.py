@@ -35,13 +35,14 @@ from training.recipe import ema_decay_at
 WARMUP_STEPS = 2  # eager steps of a batch size before it is captured (cuDNN's autotuner runs in them)
 
 
-def use_captured_step(choice: str, device: torch.device, world_size: int, precision: str, strategy: str) -> bool:
+def use_captured_step(choice: str, device: torch.device, world_size: int, precision: str) -> bool:
     """Whether a worker runs `CapturedStep` for ``train.cuda_graph`` = ``choice`` (``auto``, ``on`` or ``off``).
 
-    ``auto``: on one GPU in bf16 or fp32 (DDP's all-reduce, FSDP and fp16's gradient scaler stay eager);
+    ``auto``: on one GPU in bf16 or fp32 (several workers' DDP or FSDP and fp16's gradient scaler stay eager;
+    Ray Train wraps a model for either strategy only across several workers);
     ``on``: the same, and its eager form on a CPU (what tests run); ``off``: never.
     """
-    if choice == "off" or world_size > 1 or precision == "fp16" or strategy == "fsdp" and world_size > 1:
+    if choice == "off" or world_size > 1 or precision == "fp16":
         return False
     return device.type == "cuda" or choice == "on"
 

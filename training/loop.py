@@ -115,7 +115,7 @@ def attach_step(attempt: Attempt, world_size: int) -> None:
     """After the attempt's checkpoint is restored: its step (captured or eager, ``train.cuda_graph``) and, on a GPU,
     its step clock."""
     cfg = attempt.cfg
-    if use_captured_step(cfg.cuda_graph, attempt.device, world_size, attempt.precision, cfg.strategy):
+    if use_captured_step(cfg.cuda_graph, attempt.device, world_size, attempt.precision):
         attempt.captured = CapturedStep(attempt, capture=attempt.device.type == "cuda")
     attempt.busy = StepClock() if attempt.device.type == "cuda" else None
 
