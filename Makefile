@@ -52,14 +52,20 @@ system-parts: install
 	SYSTEM_PARTS=$(SYSTEM_PARTS) $(PY) -m tests.support.system_parts
 
 # The tiers (docs/testing.md, Tiers): `slow` marks an end-to-end test, `spine` the slow ones CI runs.
+# TEST_WORKERS pytest processes (pytest-xdist), each taking whole modules (a module's fixtures start once) and
+# starting its own session server and Ray cluster: an end-to-end test mostly waits on processes that start, so
+# two keep a 2-core machine busy. Not `-n auto`: every worker runs whole pipeline runs (GBs each), not one per
+# core of a big machine. TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: system-parts
-	SYSTEM_PARTS=$(SYSTEM_PARTS) $(PY) -m pytest -m "not slow or spine" $(ARGS)
+	SYSTEM_PARTS=$(SYSTEM_PARTS) $(PY) -m pytest $(XDIST) -m "not slow or spine" $(ARGS)
 
 test-all: system-parts
-	SYSTEM_PARTS=$(SYSTEM_PARTS) $(PY) -m pytest $(ARGS)
+	SYSTEM_PARTS=$(SYSTEM_PARTS) $(PY) -m pytest $(XDIST) $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest $(XDIST) -m "not slow" $(ARGS)
 
 # The pipeline's rows (benchmarks/results/latest.json), then the recipe's cells on data the
 # benchmark makes itself (benchmarks/results/recipe.json; RECIPE_ARGS="--seeds 0,1,2"), then image

@@ -19,6 +19,21 @@ from tests.support.system_parts import ENV as SYSTEM_PARTS_ENV
 from tests.support.system_parts import PARTS, REQUIRED, missing, required
 
 
+def pytest_configure(config):
+    """Once, in the controller (with pytest-xdist, as `make test` runs, before its workers start): stop at once when
+    SYSTEM_PARTS=required and a system part is missing; make the home's Ray token, so two workers' session clusters
+    never each generate one."""
+    if hasattr(config, "workerinput"):
+        return
+    absent = missing()
+    if absent and required():  # CI: nothing may be skipped for a missing part (before any worker starts)
+        lines = "; ".join(part.missing_line() for part in absent)
+        raise pytest.UsageError(f"{SYSTEM_PARTS_ENV}={REQUIRED} and {lines}")
+    from runner.ray_head import ensure_token, head_env
+
+    ensure_token(head_env())
+
+
 @pytest.fixture(autouse=True)
 def no_tracking_unless_asked(monkeypatch):
     """A developer's MLFLOW_TRACKING_URI (or one a library wrote into os.environ) must not send every
@@ -52,7 +67,7 @@ def pytest_collection_modifyitems(config, items):
     loose = [item.nodeid for item in items if "spine" in item.keywords and "slow" not in item.keywords]
     if loose:  # the spine is the part of the slow tier CI runs: a spine test outside it would be a third tier
         raise pytest.UsageError(f"marked spine but not slow: {loose}")
-    skip_for_missing_parts(config, items)
+    skip_for_missing_parts(items)
     if os.environ.get(CLUSTER_OPT_IN) == "1":
         return
     skip = pytest.mark.skip(reason=f"cluster test: opt in with `make test-cluster` ({CLUSTER_OPT_IN}=1), needs Docker")
@@ -61,12 +76,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def skip_for_missing_parts(config, items) -> None:
+def skip_for_missing_parts(items) -> None:
     """A test marked ``needs("<part>")`` (a system program, `tests.support.system_parts`) is skipped with one reason
-    naming the part and its install command when the part is absent; with SYSTEM_PARTS=required (CI) collection
-    stops instead, so nothing is skipped for a missing part there."""
+    naming the part and its install command when the part is absent (with SYSTEM_PARTS=required, as in CI, the
+    session has already stopped in `pytest_configure`)."""
     absent = {part.name: part for part in missing()}
-    skipped: dict[str, int] = {}
     for item in items:
         for marker in item.iter_markers("needs"):
             name = marker.args[0]
@@ -74,26 +88,24 @@ def skip_for_missing_parts(config, items) -> None:
                 raise pytest.UsageError(f"{item.nodeid}: needs({name!r}) names no part of tests/support/system_parts.py")
             if name in absent:
                 item.add_marker(pytest.mark.skip(reason=absent[name].missing_line()))
-                skipped[name] = skipped.get(name, 0) + 1
-    if skipped and required():
-        lines = "; ".join(absent[name].missing_line() for name in skipped)
-        raise pytest.UsageError(f"{SYSTEM_PARTS_ENV}={REQUIRED} and {lines}")
-    config.stash[MISSING_PARTS] = skipped
-
-
-MISSING_PARTS = pytest.StashKey[dict]()
 
 
 def pytest_unconfigure(config):
-    """The session's last line(s), after pytest's own totals: how many tests were skipped for which missing part,
-    and what to run."""
+    """The session's last line(s), after pytest's own totals: how many tests were skipped for which missing part, and
+    what to run. Counted from the skip reports, which reach this process from pytest-xdist's workers too."""
     terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
-    if terminalreporter is None:
+    if terminalreporter is None or hasattr(config, "workerinput"):
         return
-    for name, count in config.stash.get(MISSING_PARTS, {}).items():
-        part = PARTS[name]
+    reasons = {part.missing_line(): part for part in missing()}
+    counts: dict[str, int] = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else ""
+        part = reasons.get(reason.removeprefix("Skipped: "))
+        if part is not None:
+            counts[part.name] = counts.get(part.name, 0) + 1
+    for name, count in counts.items():
         terminalreporter.write_line(
-            f"{count} test(s) skipped because {name} is not installed: install it with `{part.install_command()}` "
+            f"{count} test(s) skipped because {name} is not installed: install it with `{PARTS[name].install_command()}` "
             "(or run `make test` as root, which installs it)", yellow=True,
         )
 

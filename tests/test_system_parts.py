@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.system_parts import CHROMIUM
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,8 +42,10 @@ def test_a_missing_part_is_one_line_with_its_install_command_and_a_failure_only_
     assert "SYSTEM_PARTS=required: no test may be skipped for a missing part" in strict.stdout
 
 
-def test_the_tests_of_a_missing_part_are_skipped_saying_why_and_counted_at_the_end_or_stop_collection_in_ci():
-    args = ("-m", "pytest", "tests/test_ui_browser.py", "-m", "not slow or spine", "-p", "no:cacheprovider", "-q")
+@pytest.mark.parametrize("workers", [("-n", "2", "--dist", "loadfile"), ()], ids=["two-workers", "one-process"])
+def test_the_tests_of_a_missing_part_are_skipped_saying_why_and_counted_at_the_end_or_stop_collection_in_ci(workers):
+    """As `make test` runs them (two pytest-xdist workers, whose skips the controller counts) and in one process."""
+    args = ("-m", "pytest", *workers, "tests/test_ui_browser.py", "-m", "not slow or spine", "-p", "no:cacheprovider", "-q")
     done = run(*args, env=without_parts())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"{UI_TESTS} skipped" in done.stdout
