@@ -4,7 +4,8 @@ Stages that do not train or score (download, to-parquet, promote, cleanup) must 
 Ray Train: checked on the stage modules in fresh interpreters, and on the real stages run in a fresh
 Ray worker of a real local Ray against a real Prefect server. The flow modules must not import torch
 either: Prefect's Ray task runner ships the flow run's context, the flow included, with every stage,
-so each stage's Ray worker imports the flow's module, and with it whatever that imports. A download whose files are already on
+so each stage's Ray worker imports the flow's module, and with it whatever that imports. The model's
+trial before any work runs in a process that ends, so the flow's own process loads no torch. A download whose files are already on
 storage and verify touches no network: a real HTTP server on loopback stands in for the official
 mirrors and counts every connection and request.
 """
@@ -12,6 +13,7 @@ mirrors and counts every connection and request.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import socket
 import subprocess
@@ -45,6 +47,32 @@ def test_a_stage_that_neither_trains_nor_scores_imports_no_torch(module):
     code = f"import sys, {module}; print(sorted(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", f"importing {module} imported {out.stdout.strip()}"
+
+
+def test_the_model_is_tried_in_a_process_that_ends_and_the_flows_process_loads_no_torch(tmp_path):
+    """The CLI's checks before any work (`runner.harness.checked_settings`) try ResNet-18 and the small CNN on the
+    sample's digits and refuse a function the module lacks, naming model.name with the refusal's own class, and
+    the checking process has loaded neither torch nor torchvision afterwards (issue 67: the driver holds no torch)."""
+    code = f"""
+import json, sys
+from pipeline_config.settings import PipelineSettings
+from runner.harness import checked_settings
+root = {str(tmp_path / "storage")!r}
+for name in ("resnet18", "training.models:small_cnn"):
+    checked_settings(["--storage-root", root, "--model.name", name], PipelineSettings)
+try:
+    checked_settings(["--storage-root", root, "--model.name", "training.models:no_such_net"], PipelineSettings)
+    refused = None
+except ValueError as exc:
+    refused = [type(exc).__name__, str(exc)]
+print(json.dumps({{"refused": refused, "loaded": sorted(m for m in ("torch", "torchvision") if m in sys.modules)}}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    answer = json.loads(out.stdout.strip().splitlines()[-1])
+    assert answer["loaded"] == []
+    assert answer["refused"][0] == "ModelNameError"
+    assert answer["refused"][1].startswith("model.name 'training.models:no_such_net': training.models has no function")
 
 
 def test_the_copied_official_checksums_are_torchvisions():

@@ -16,6 +16,11 @@ model (a forward pass that raises on them and runs on larger ones: `smallest_siz
 square size that works, by running the model) are refused naming ``transform.image_size`` and that
 size. `data_for_trial` says what shape and classes are known before any work.
 
+`check_model` runs the trial in a process that ends (`trial_apart`: ``python -m training.model_trust``, the
+trial on stdin, a refusal's class and message on stdout): torch, the model's module and the weights are
+loaded there, so the flow's process, which lives for the whole run, never holds torch (about 300 MB and the
+import's seconds of CPU, issue 67). A trial that passed is not run again by the same process.
+
 What "too small" means is the model's own: ResNet-18 and MobileNet-V3 run on two images of 1x1 pixels in
 train mode (their global pooling takes any size; batch norm needs two values per channel, and the
 training loop never steps on fewer than two images), ``training.models:small_cnn`` needs 8x8 (three 2x2
@@ -25,8 +30,11 @@ max-pools).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
+import subprocess
+import sys
 from typing import Any
 
 from dataset.source import source_for
@@ -89,17 +97,50 @@ def data_for_trial(config: PipelineConfig, checked: Any = None) -> tuple[tuple[i
 
 
 def check_model(config: PipelineConfig, checked: Any = None) -> None:
-    """Before any work: ``model.name`` resolves (imports what it names) and, when the data's shape is known,
-    builds and runs (`try_model`); ValueError naming model.name. ``model.weights``: found, read and loaded
-    into that model (`training.weights.check`); ValueError naming model.weights. ``checked``: what the data
+    """Before any work, in a process that ends (`trial_apart`): ``model.name`` resolves (imports what it names) and,
+    when the data's shape is known, builds and runs (`try_model`); ValueError naming model.name. ``model.weights``:
+    found, read and loaded into that model (`training.weights.check`); ValueError naming model.weights. ``checked``: what the data
     source's check before any work returned (`dataset.folder.check_source`)."""
-    check_name(config.model.name)
     data = data_for_trial(config, checked)
     if data is not None:
         config.transform.per_channel(data[0][0])  # a per-channel mean or std must have one value per channel
-        try_model(config.model.name, *data, resizable=source_for(config.download).resizable)
-    if config.model.weights:  # an s3:// folder's shape comes with its conversion: any channels fit the names
-        weights.check(config.model.weights, config.storage_root, config.model.name, *(data or ((3, 32, 32), 2)))
+        data = (tuple(data[0]), int(data[1]))
+    trial_apart(config.model.name, data, source_for(config.download).resizable, config.model.weights, config.storage_root)
+
+
+def trial(name: str, data: tuple | None, resizable: bool, weights_source: str | None, root: str) -> None:
+    """The trial itself: ``name`` resolves (`check_name`), builds and runs on ``data`` (`try_model`, when the data's
+    shape is known) and loads ``weights_source`` (`training.weights.check`); ValueError naming the field."""
+    check_name(name)
+    if data is not None:
+        try_model(name, *data, resizable=resizable)
+    if weights_source:  # an s3:// folder's shape comes with its conversion: any channels fit the names
+        weights.check(weights_source, root, name, *(data or ((3, 32, 32), 2)))
+
+
+# The refusals a trial's process sends back by class name, raised here as the same class.
+_REFUSALS = {cls.__name__: cls for cls in (ValueError, ModelNameError, weights.WeightsError)}
+
+
+@functools.lru_cache(maxsize=16)
+def trial_apart(name: str, data: tuple | None, resizable: bool, weights_source: str | None, root: str) -> None:
+    """`trial` in a fresh ``python -m training.model_trust`` with this process's import path and environment;
+    its refusal raised here (same class, same message). RuntimeError when that process ends without an answer."""
+    request = json.dumps({"name": name, "data": data, "resizable": resizable, "weights_source": weights_source,
+                          "root": root})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}  # a user's model module too
+    done = subprocess.run([sys.executable, "-m", "training.model_trust"], input=request, capture_output=True, text=True,
+                          env=env, check=False)
+    if done.returncode == 0:
+        return
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1])
+        refusal = _REFUSALS[answer["refused"]](answer["message"])
+    except (IndexError, ValueError, KeyError, TypeError):
+        raise RuntimeError(f"the model's trial ({sys.executable} -m training.model_trust) ended with exit code "
+                           f"{done.returncode} and no answer: {done.stderr.strip()[-2000:]}") from None
+    raise refusal
 
 
 @functools.lru_cache(maxsize=16)
@@ -109,8 +150,8 @@ def try_model(name: str, shape: tuple[int, int, int], num_classes: int, resizabl
     or the model returned or raised; when the pass raised and the model runs on larger images, naming
     ``transform.image_size`` and the smallest size it runs on (`smallest_size`; ``resizable``: the images
     can be resized, an image folder's; MNIST's IDX digits cannot). Torch's random state is left as it was.
-    A model that passed is not tried again in this process (the CLI checks before Ray starts, the flow
-    again in its body)."""
+    A model that passed is not tried again in this process (`trial_apart` keeps the same rule for the flow's
+    process: the CLI checks before Ray starts, the flow again in its body)."""
     import torch
 
     channels, height, width = shape
@@ -195,4 +236,24 @@ def try_on_dataset(config: PipelineConfig, dataset) -> None:
     """After the conversion: `try_model` on the converted ``dataset``'s shape and classes (a
     `dataset.parquet.ParquetDataset`) when they were not known before any work (an ``s3://`` folder)."""
     if not source_for(config.download).shape_known_before_work():
-        try_model(config.model.name, tuple(dataset.image_shape), dataset.num_classes)
+        shape = (tuple(dataset.image_shape), int(dataset.num_classes))
+        trial_apart(config.model.name, shape, True, None, config.storage_root)
+
+
+def main() -> int:
+    """The trial's process: the trial (JSON) on stdin; exit 0 when it passed, else 2 with the refusal (its class
+    and message, JSON) as the last line of stdout."""
+    request = json.loads(sys.stdin.read())
+    data = request["data"]
+    try:
+        trial(request["name"], (tuple(data[0]), data[1]) if data else None, request["resizable"],
+              request["weights_source"], request["root"])
+    except ValueError as exc:
+        refused = type(exc).__name__ if type(exc).__name__ in _REFUSALS else "ValueError"
+        print(json.dumps({"refused": refused, "message": str(exc)}), flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
