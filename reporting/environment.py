@@ -11,7 +11,9 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -79,15 +81,43 @@ def usable_cores() -> int | None:
 
 
 def gpus() -> list[str]:
-    """Names of the CUDA devices torch sees (empty on a CPU machine or without torch)."""
-    try:
-        import torch
+    """Names of the CUDA devices this process may use (empty on a CPU machine or without a driver).
 
-        if not torch.cuda.is_available():
+    Asked of torch only where torch is already loaded; otherwise of ``nvidia-smi`` (with ``CUDA_VISIBLE_DEVICES``'s
+    indices applied), so describing a run's environment neither imports torch into the flow's process (about
+    300 MB for the whole run, issue 67) nor starts CUDA there."""
+    try:
+        if "torch" in sys.modules:
+            import torch
+
+            if not torch.cuda.is_available():
+                return []
+            return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
             return []
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        names = subprocess.run([smi, "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True,
+                               timeout=10, check=True).stdout.split("\n")
+        names = [name.strip() for name in names if name.strip()]
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is None:
+            return names
+        return _visible(names, [item.strip() for item in visible.split(",") if item.strip()])
     except Exception:  # a broken driver must not fail a run's summary
         return []
+
+
+def _visible(names: list[str], entries: list[str]) -> list[str]:
+    """The devices of ``names`` (nvidia-smi's order) that ``CUDA_VISIBLE_DEVICES``'s ``entries`` leave visible: indices
+    up to the first one that is not a device (as CUDA reads them); UUIDs (``GPU-...``, ``MIG-...``) one device each."""
+    if entries and entries[0].startswith(("GPU-", "MIG-")):
+        return names[: len(entries)]
+    shown = []
+    for entry in entries:
+        if not entry.isdigit() or int(entry) >= len(names):
+            break
+        shown.append(names[int(entry)])
+    return shown
 
 
 def git_commit(directory: Path = PROJECT_DIR) -> str | None:

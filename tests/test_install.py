@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -80,3 +82,28 @@ def test_environment_names_versions_machine_and_commit():
     cpu_row = next(row["value"] for row in rows if row["what"] == "cpu")
     assert f"family {env['cpu']['cpu_family']} model {env['cpu']['model']}" in cpu_row
     assert ("avx2" in cpu_row) == ("avx2" in flags)
+
+
+def test_the_gpus_a_run_names_are_read_without_loading_torch(tmp_path):
+    """`environment.gpus` in a process without torch asks ``nvidia-smi`` (with ``CUDA_VISIBLE_DEVICES`` applied) and
+    leaves torch unloaded, so the flow's process never holds it. There is no NVIDIA driver here: a two-line
+    ``nvidia-smi`` script on PATH stands in for the real one (its ``--query-gpu=name --format=csv,noheader`` output)."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nprintf 'NVIDIA H200\\nNVIDIA L4\\n'\n")
+    smi.chmod(0o755)
+    code = "import sys; from reporting import environment as e; print(e.gpus(), 'torch' in sys.modules)"
+    answers = {}
+    for visible in (None, "1", "", "1,7,0", "GPU-5f1c"):
+        env = {**{k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}, "PATH": f"{tmp_path}:{os.environ['PATH']}"}
+        if visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = visible
+        out = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        answers[visible] = out.stdout.strip()
+    assert answers == {
+        None: "['NVIDIA H200', 'NVIDIA L4'] False",
+        "1": "['NVIDIA L4'] False",
+        "": "[] False",
+        "1,7,0": "['NVIDIA L4'] False",  # CUDA stops at the first index that is not a device
+        "GPU-5f1c": "['NVIDIA H200'] False",
+    }
