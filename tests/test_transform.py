@@ -48,6 +48,53 @@ def test_random_shift_moves_content_exactly_and_fills_with_zero():
     np.testing.assert_allclose(identity, image / 255, rtol=1e-6)
 
 
+@pytest.mark.parametrize("choice", ["affine", "shifts", "crops", "flips"])
+@pytest.mark.parametrize("shape", [(12, 28, 28), (6, 3, 20, 17)], ids=["gray", "rgb"])
+def test_a_ray_data_tasks_augmentation_in_numpy_agrees_with_torchs(choice, shape):
+    """`augment` (numpy: what a Ray Data task runs, no torch) against `augment_tensor` (torch: the split held by the
+    training worker) on the same images and draws, with each choice's parameters and both fills: equal to float32
+    rounding (under 2e-5), far below one grey level (1/255)."""
+    import torch
+
+    from dataset.augment import augment, augment_tensor, augmentation
+
+    rng = np.random.default_rng(7)
+    images = rng.integers(0, 256, shape, dtype=np.uint8)
+    draws = rng.random((shape[0], 4))
+    for source in ("idx", "folder"):  # black edges, repeated edges
+        params = augmentation(TransformConfig(augment=choice, rotate_deg=20, scale=0.15), source)
+        ours = augment(images, draws, **params)
+        pixels = torch.from_numpy(images).float().div_(255.0)
+        theirs = augment_tensor(pixels.unsqueeze(1) if images.ndim == 3 else pixels, draws, **params)
+        theirs = (theirs.squeeze(1) if images.ndim == 3 else theirs).numpy()
+        assert ours.dtype == np.float32 and ours.shape == images.shape
+        assert np.abs(ours - theirs).max() < 2e-5, (choice, source, np.abs(ours - theirs).max())
+        assert not np.allclose(ours, images / 255, atol=1e-3)  # it did move something
+
+
+def test_a_ray_data_tasks_batch_preparation_imports_no_torch():
+    """`prepare_batch` on an Arrow table of digits, augmented and normalized as a Ray Data task prepares a training
+    batch, in a fresh interpreter: torch is never imported, so a Ray Data worker stays a light process (issue 67)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from dataset.parquet import to_table\n"
+        "from dataset.transform import prepare_batch\n"
+        "from tests.support.digits import synthetic_digits\n"
+        "images, labels = synthetic_digits(8)\n"
+        "table = to_table(np.arange(8), images.reshape(8, -1), labels.astype(np.int64))\n"
+        "augment = {'shift_px': 2, 'rotate_deg': 15, 'scale': 0.1, 'fill': 'zeros'}\n"
+        "out = prepare_batch(table, 0.13, 0.31, augment=augment, seed=1)\n"
+        "print(out['image'].shape, out['image'].dtype, 'torch' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "(8, 1, 28, 28) float32 False"
+
+
 def test_rotation_and_zoom_change_the_digit_but_stay_in_range():
     image = np.zeros((8, 28, 28), dtype=np.uint8)
     image[:, 4:24, 13:15] = 255  # a vertical bar
