@@ -67,8 +67,8 @@ def random_affine(
 
     ``draws``: (N, 4) uniform numbers in [0, 1) per image (angle, zoom, shift y, shift x), e.g.
     `row_draws` (the same for a row wherever its batch falls) or ``rng.random((n, 4))``.
-    One batched bilinear resampling for the whole batch, as `augment_tensor`'s ``affine_grid`` + ``grid_sample``. ``fill``: what the
-    uncovered edge shows, ``zeros`` (black: MNIST's background) or ``border`` (the nearest edge pixel,
+    One batched bilinear resampling for the whole batch, as `augment_tensor`'s ``affine_grid`` + ``grid_sample``.
+    ``fill``: what the uncovered edge shows, ``zeros`` (black: MNIST's background) or ``border`` (the nearest edge pixel,
     for pictures whose background is not black).
     """
     return _on_host(images, draws, shift_px=shift_px, rotate_deg=rotate_deg, scale=scale, fill=fill)
@@ -90,7 +90,8 @@ def _on_host(images: np.ndarray, draws: np.ndarray, **params) -> np.ndarray:
 
 
 def _theta(
-    draws: np.ndarray, shape: tuple, shift_px: int = 0, rotate_deg: float = 0.0, scale: float = 0.0, zoom_in: float = 0.0,
+    draws: np.ndarray, shape: tuple, shift_px: int = 0, rotate_deg: float = 0.0, scale: float = 0.0,
+    zoom_in: float = 0.0,
 ) -> tuple[np.ndarray | None, np.ndarray]:
     """(each row's 2x3 affine transform, float32, or None when nothing moves; the draws, zoom's adjusted) for images of
     ``shape`` (N, C, H, W): the per-row transforms computed with numpy (float64), as ``affine_grid`` takes them."""
@@ -113,13 +114,14 @@ def _theta(
 
 
 def _sample(pixels: np.ndarray, theta: np.ndarray, fill: str) -> np.ndarray:
-    """``affine_grid`` + ``grid_sample`` (bilinear, ``align_corners=False``, ``padding_mode`` ``fill``) in float32 numpy:
-    each output pixel reads its input position through the row's ``theta`` and blends the four pixels around it."""
+    """``affine_grid`` + ``grid_sample`` (bilinear, ``align_corners=False``, ``padding_mode`` ``fill``) in float32
+    numpy: each output pixel reads its input position through the row's ``theta`` and blends the four pixels around it."""
     n, channels, height, width = pixels.shape
     xs = np.linspace(-1, 1, width, dtype=np.float32) * np.float32((width - 1) / width)
     ys = np.linspace(-1, 1, height, dtype=np.float32) * np.float32((height - 1) / height)
-    gx = theta[:, 0, 0, None, None] * xs[None, None, :] + theta[:, 0, 1, None, None] * ys[None, :, None] + theta[:, 0, 2, None, None]
-    gy = theta[:, 1, 0, None, None] * xs[None, None, :] + theta[:, 1, 1, None, None] * ys[None, :, None] + theta[:, 1, 2, None, None]
+    t = theta[:, :, :, None, None]  # (N, 2, 3, 1, 1) against the (H, W) grid
+    gx = t[:, 0, 0] * xs[None, None, :] + t[:, 0, 1] * ys[None, :, None] + t[:, 0, 2]
+    gy = t[:, 1, 0] * xs[None, None, :] + t[:, 1, 1] * ys[None, :, None] + t[:, 1, 2]
     ix = ((gx + 1) * width - 1) / 2  # pixel coordinates in the input, (N, H, W)
     iy = ((gy + 1) * height - 1) / 2
     if fill == "border":
@@ -136,8 +138,7 @@ def _sample(pixels: np.ndarray, theta: np.ndarray, fill: str) -> np.ndarray:
         at = (np.clip(y, 0, height - 1) * width + np.clip(x, 0, width - 1)).reshape(n, 1, -1)
         values = np.take_along_axis(flat, np.broadcast_to(at, flat.shape), axis=2)  # the corner's pixel, every channel
         out += values * np.where(inside, weight, 0).reshape(n, 1, -1)
-    out = out.reshape(pixels.shape)
-    return out
+    return out.reshape(pixels.shape)
 
 
 def augment_tensor(
@@ -155,7 +156,8 @@ def augment_tensor(
     import torch  # here, not at the top: see the module's docstring
     import torch.nn.functional as F
 
-    theta, draws = _theta(draws, tuple(pixels.shape), shift_px=shift_px, rotate_deg=rotate_deg, scale=scale, zoom_in=zoom_in)
+    moves = {"shift_px": shift_px, "rotate_deg": rotate_deg, "scale": scale, "zoom_in": zoom_in}
+    theta, draws = _theta(draws, tuple(pixels.shape), **moves)
     out = pixels
     if theta is not None:
         theta = torch.from_numpy(theta).to(pixels.device)

@@ -99,13 +99,14 @@ def data_for_trial(config: PipelineConfig, checked: Any = None) -> tuple[tuple[i
 def check_model(config: PipelineConfig, checked: Any = None) -> None:
     """Before any work, in a process that ends (`trial_apart`): ``model.name`` resolves (imports what it names) and,
     when the data's shape is known, builds and runs (`try_model`); ValueError naming model.name. ``model.weights``:
-    found, read and loaded into that model (`training.weights.check`); ValueError naming model.weights. ``checked``: what the data
-    source's check before any work returned (`dataset.folder.check_source`)."""
+    found, read and loaded into that model (`training.weights.check`); ValueError naming model.weights.
+    ``checked``: what the data source's check before any work returned (`dataset.folder.check_source`)."""
     data = data_for_trial(config, checked)
     if data is not None:
         config.transform.per_channel(data[0][0])  # a per-channel mean or std must have one value per channel
         data = (tuple(data[0]), int(data[1]))
-    trial_apart(config.model.name, data, source_for(config.download).resizable, config.model.weights, config.storage_root)
+    resizable = source_for(config.download).resizable
+    trial_apart(config.model.name, data, resizable, config.model.weights, config.storage_root)
 
 
 def trial(name: str, data: tuple | None, resizable: bool, weights_source: str | None, root: str) -> None:
@@ -233,8 +234,8 @@ def _too_small(name: str, size: tuple[int, int], smallest: int, raised: str, res
 
 
 def try_on_dataset(config: PipelineConfig, dataset) -> None:
-    """After the conversion: `try_model` on the converted ``dataset``'s shape and classes (a
-    `dataset.parquet.ParquetDataset`) when they were not known before any work (an ``s3://`` folder)."""
+    """After the conversion: `try_model` (in a process that ends, `trial_apart`) on the converted ``dataset``'s shape
+    and classes (a `dataset.parquet.ParquetDataset`) when they were not known before any work (an ``s3://`` folder)."""
     if not source_for(config.download).shape_known_before_work():
         shape = (tuple(dataset.image_shape), int(dataset.num_classes))
         trial_apart(config.model.name, shape, True, None, config.storage_root)
