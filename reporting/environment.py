@@ -103,7 +103,7 @@ def gpus() -> list[str]:
         if visible is None:
             return names
         return _visible(names, [item.strip() for item in visible.split(",") if item.strip()])
-    except Exception:  # a broken driver must not fail a run's summary
+    except Exception:  # noqa: BLE001 - a broken driver or nvidia-smi must not fail a run's summary
         return []
 
 
