@@ -74,9 +74,9 @@ test-fast: install
 # STARTUP_ARGS="--quick", or "--only cli|memory|served").
 bench: install
 	$(PY) -m benchmarks.run $(ARGS)
-	$(PY) -m benchmarks.recipe $(RECIPE_ARGS)
-	$(PY) -m benchmarks.scale $(SCALE_ARGS)
-	$(PY) -m benchmarks.startup $(STARTUP_ARGS)
+	$(PY) -m benchmarks.speed.recipe $(RECIPE_ARGS)
+	$(PY) -m benchmarks.data.scale $(SCALE_ARGS)
+	$(PY) -m benchmarks.start.startup $(STARTUP_ARGS)
 
 # The container image <project name>:<lock hash>, built offline with no registry base image
 # (debootstrap + a venv from the lock's wheels, `docker import`ed; docs/operations.md). The tag

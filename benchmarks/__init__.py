@@ -19,7 +19,7 @@ def model_name() -> str:
 
 def build_model():
     """A fresh `model_name` network for the digits (one channel, ten classes), as the pipeline builds it."""
-    from training.model import SEEDS_MODEL
-    from training.models import build_model as build
+    from training.checkpoint.model_files import SEEDS_MODEL
+    from training.model.catalog import build_model as build
 
     return build(model_name(), in_channels=SEEDS_MODEL.in_channels, num_classes=SEEDS_MODEL.num_classes)

@@ -13,30 +13,30 @@ Rows:
   ``write_parquet``, per-row PIL ``ToTensor``/``Normalize`` through ``ds.map``);
 * conversion memory: peak RSS of our conversion of 1,000,000 rows, in a fresh process;
 * fixed overhead: imports, the temporary Prefect server and a local Ray (started side by side,
-  as the CLI does) and an empty Ray Train worker group, in a fresh process (``benchmarks/overhead.py``);
+  as the CLI does) and an empty Ray Train worker group, in a fresh process (``benchmarks/start/overhead.py``);
 * deployment path: from a flow run's start to its first training step when a Prefect server is
   already running, as scheduled and UI-started runs meet it, split into Ray and task runner,
   stages before training, worker group and first batch; the median of runs that reuse the first
-  run's data (``benchmarks/deployment_overhead.py``; no baseline, goal in seconds);
+  run's data (``benchmarks/start/deployment_overhead.py``; no baseline, goal in seconds);
 * training throughput: images/s of our training loop (Ray Train, 1 worker) against a plain
   single-process loop on in-memory tensors, same model, batch and threads; ``train.mode=single``
   (our loop and data pipeline without Ray Train) in between splits the gap into data and distribution
-  (``benchmarks/throughput.py``);
+  (``benchmarks/speed/throughput.py``);
 * training throughput with 2 workers x 1 thread: Ray Train's DDP against plain PyTorch DDP with
-  2 processes outside Ray (``benchmarks/ddp.py``), also as a ratio to the single-process plain loop;
+  2 processes outside Ray (``benchmarks/speed/ddp.py``), also as a ratio to the single-process plain loop;
 * time to accuracy: seconds until the held-out accuracy first reaches 98%, our training stage
-  against a plain loop with the same recipe (``benchmarks/accuracy.py``);
+  against a plain loop with the same recipe (``benchmarks/speed/accuracy.py``);
 * tune stage, per trial: the tune stage with one trial of the default recipe against the
-  training stage with the same recipe and epochs (``benchmarks/tune_trial.py``);
-* the GPU rows, when the machine has a GPU (``benchmarks/device_rows.py``): our training stage on the
+  training stage with the same recipe and epochs (``benchmarks/speed/tune_trial.py``);
+* the GPU rows, when the machine has a GPU (``benchmarks/speed/device_rows.py``): our training stage on the
   GPU (precision auto, batch 512) against a plain loop of the same model on the same GPU at the same
   batch and precision, with the GPU's busy % while ours ran; time to 99% on the full-size mirror
   with both sides on the GPU; without a GPU, rows saying so. The JSON's ``device`` names the GPU,
   or the CPU;
 * full size (60,000 / 10,000 rows; quick: 2,000 / 500), on a mirror derived from the bundled
-  digits and made once per invocation (``benchmarks/full_size.py``): training throughput of our
-  stage (1 worker x 2 threads) against the plain loop (``benchmarks/full_size_throughput.py``);
-  time to 99% held-out accuracy against the plain loop on the same rows (``benchmarks/accuracy.py``);
+  digits and made once per invocation (``benchmarks/data/full_size.py``): training throughput of our
+  stage (1 worker x 2 threads) against the plain loop (``benchmarks/speed/full_size_throughput.py``);
+  time to 99% held-out accuracy against the plain loop on the same rows (``benchmarks/speed/accuracy.py``);
   the default flow (``python -m flows.mnist``, 1 epoch) in a fresh process, split by stage, with
   the peak RSS of the driver and of the Ray Train worker (no baseline: a split).
 """
@@ -59,15 +59,18 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import MODEL_ENV, model_name
-from benchmarks import accuracy, ddp, deployment_overhead, device_rows, full_size, full_size_throughput, tune_trial
-from benchmarks.throughput import plain_images_per_s, ray_train_images_per_s
-from dataset.idx import read_idx
+from benchmarks.data import full_size
+from benchmarks.speed import accuracy, ddp, device_rows, full_size_throughput, tune_trial
+from benchmarks.speed.device_rows import plain_images_per_s
+from benchmarks.speed.throughput import ray_train_images_per_s
+from benchmarks.start import deployment_overhead
+from dataset.formats.idx import read_idx
 from reporting import environment
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # The quick mode proves every row is produced, not how fast: it trains the small CNN on both sides.
-QUICK_MODEL = "training.models:small_cnn"
+QUICK_MODEL = "training.model.catalog:small_cnn"
 FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 
@@ -91,8 +94,8 @@ def write_idx_dir(folder: Path, n_train: int, n_test: int, seed: int = 0) -> Pat
 
 def ours_data_path(raw: Path, out: Path) -> float:
     """Seconds for our conversion + transform over every training row (our read, our vectorized map)."""
-    from dataset.parquet import ParquetDataset, convert
-    from dataset.transform import TransformSpec, prepare_batch, read_split
+    from dataset.formats.parquet import ParquetDataset, convert
+    from dataset.tensors.transform import TransformSpec, prepare_batch, read_split
     from pipeline_config import ParquetConfig, TransformConfig
 
     start = time.perf_counter()
@@ -138,7 +141,7 @@ def conversion_peak_rss_mb(rows: int, work: Path) -> dict:
     code = (
         "import sys, time; from pathlib import Path\n"
         "def hwm(): return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
-        "from pipeline_config import ParquetConfig; from dataset.parquet import convert\n"
+        "from pipeline_config import ParquetConfig; from dataset.formats.parquet import convert\n"
         "base = hwm()\n"
         "t = time.perf_counter(); convert(Path(sys.argv[1]), Path(sys.argv[2]), ParquetConfig())\n"
         "print(base, hwm(), time.perf_counter() - t)"
@@ -163,11 +166,11 @@ class TimedRows(list):
 
 
 def fixed_overhead() -> dict:
-    """What every run pays before any work, part by part, in a fresh process (benchmarks/overhead.py)."""
-    probe = subprocess.run([sys.executable, "-m", "benchmarks.overhead"], check=False, cwd=ROOT, capture_output=True, text=True,
+    """What every run pays before any work, part by part, in a fresh process (benchmarks/start/overhead.py)."""
+    probe = subprocess.run([sys.executable, "-m", "benchmarks.start.overhead"], check=False, cwd=ROOT, capture_output=True, text=True,
                            timeout=600)
     if probe.returncode != 0:
-        raise RuntimeError(f"benchmarks.overhead failed: {probe.stderr[-2000:]}")
+        raise RuntimeError(f"benchmarks.start.overhead failed: {probe.stderr[-2000:]}")
     return json.loads(probe.stdout.strip().splitlines()[-1])
 
 
@@ -185,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import ray
 
-    from runner.runtime import LOCAL_RAY_SYSTEM_CONFIG, ray_train_env  # Ray as a run starts it
+    from runner.cluster.ray_head import LOCAL_RAY_SYSTEM_CONFIG  # Ray as a run starts it
+    from runner.cluster.ray_init import ray_train_env
 
     os.environ.update(ray_train_env())  # the training stage's fit() runs in this process here
 
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             rows_out.append(accuracy.measure(work, epochs=1 if args.quick else 3, target=0.5 if args.quick else 0.99,
                                              mirror=mirror, checksums=checksums))
             # ... and the same on the GPU, both sides there at precision auto (quick without a GPU: on the CPU) ...
-            rows_out.append(device_rows.measure_time_to_accuracy(
+            rows_out.append(accuracy.measure_time_to_accuracy(
                 work, mirror, checksums, epochs=1 if args.quick else 3, target=0.5 if args.quick else 0.99,
                 device=device_rows.default_device() if args.quick else None))
             ray.shutdown()

@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dataset.source import source_for
+from dataset.sources.interface import source_for
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import preset_with_file
 from reporting import events

@@ -20,9 +20,9 @@ Registers and serves, until Ctrl-C:
 Runs of all four execute one at a time by default (``--limit 1``) in subprocesses of this process.
 They join one Ray cluster: a Ray head this process starts on 127.0.0.1 when it starts and stops when
 it stops (``--ray-address`` names a running cluster instead), so no run pays for starting a Ray of
-its own (`runner.ray_head`). With ``--limit 2`` (a scheduled run and a UI run at once) both start,
+its own (`runner.cluster.ray_head`). With ``--limit 2`` (a scheduled run and a UI run at once) both start,
 and the runs take turns on the cluster: each plans its stages from the whole cluster, so the second
-waits before its first stage, saying for whom and how long, until the first ends (`runner.cluster_slot`). The runs get this process's environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
+waits before its first stage, saying for whom and how long, until the first ends (`runner.cluster.cluster_slot`). The runs get this process's environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
 ``PIPELINE_MODEL_MODULES``: the modules a run's ``model.name`` may import) and working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
@@ -54,8 +54,8 @@ from pydantic import ValidationError
 from deployments import reacting
 from pipeline_config import PipelineConfig, RayConfig, TunePipelineConfig
 from pipeline_config.settings import PRESETS, load_preset
-from runner.ray_head import SERVED_RAY_ENV, RayHeadError, ray_head
-from training import model_trust
+from runner.cluster.ray_head import SERVED_RAY_ENV, RayHeadError, ray_head
+from training.model import trust
 
 if TYPE_CHECKING:
     from prefect.deployments.runner import RunnerDeployment
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     try:
-        allowed = model_trust.allowed_modules()  # what the runs of these deployments may import as model.name
+        allowed = trust.allowed_modules()  # what the runs of these deployments may import as model.name
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 2
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"invalid configuration:\n{exc}", file=sys.stderr)
         return 2
-    print(f"model.name functions these deployments' runs may import: modules under {', '.join(allowed)} ({model_trust.MODULES_ENV})")
+    print(f"model.name functions these deployments' runs may import: modules under {', '.join(allowed)} ({trust.MODULES_ENV})")
     # SIGTERM before Prefect's runner takes it over (it stops serving gracefully): exit through the
     # `with` below, which stops the Ray head, instead of dying at once.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextmanager
 def runs_cluster(address: str | None, cpus: int | None) -> Iterator[str]:
-    """The Ray cluster the served runs join: ``address``, or a head started here for the block (`runner.ray_head`)."""
+    """The Ray cluster the served runs join: ``address``, or a head started here for the block (`runner.cluster.ray_head`)."""
     if address:
         print(f"Ray: every run joins the cluster at {address}", flush=True)
         yield address

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.train import STAGE_CPUS, STAGES, check_cluster_fits, nothing_new, run_stages  # noqa: F401 (STAGE_CPUS: tests)
+from flows.train import STAGES, check_cluster_fits, nothing_new, run_stages
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
 from runner import hooks

@@ -8,7 +8,7 @@
     python -m flows.predict --help
 
 The images must be what the model was trained on: the model card records their shape, the class
-names and the normalization (`training.registry_files.card_data`), and `dataset.inputs` reads the
+names and the normalization (`training.champion.registry_files.card_data`), and `dataset.formats.inputs` reads the
 input to that shape (an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
 run set it; Parquet files of encoded images read from the columns the run read, its
 ``download.image_column`` and ``label_column``). Predictions are class numbers; the ``pred_class``
@@ -21,9 +21,9 @@ evaluation's accuracy. With labels in the input, the accuracy is printed too. A 
 started for the command (or ``--ray-address`` joins a cluster); no Prefect API is needed.
 
 Everything is checked before Ray starts, and a bad input exits 2 naming the file or flag
-(``--flag: message``, one line each): every input file (`dataset.inputs`), the registry (a
+(``--flag: message``, one line each): every input file (`dataset.formats.inputs`), the registry (a
 ``--model`` it does not hold, answered with the models that have a champion; a damaged pointer or
-card, a model.pt that does not match its checksum: `training.registry_files.resolve`), and
+card, a model.pt that does not match its checksum: `training.champion.registry_files.resolve`), and
 ``--output`` (a folder or another kind of file is refused; an existing file only replaced with
 ``--overwrite``, keeping its mode).
 """
@@ -43,8 +43,8 @@ import pyarrow.parquet as pq
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
-from dataset.inputs import NO_LABEL, read_folder
-from dataset.parquet import MNIST_CLASSES
+from dataset.formats.inputs import NO_LABEL, read_folder
+from dataset.formats.parquet import MNIST_CLASSES
 from pipeline_config import (
     DEFAULT_WORKLOAD,
     DownloadConfig,
@@ -56,8 +56,8 @@ from pipeline_config import (
     TransformConfig,
     registry_model_name,
 )
-from runner import ray_auth
-from runner.runtime import local_gcs_port, ray_init_args
+from runner.cluster import ray_auth
+from runner.cluster.ray_init import local_gcs_port, ray_init_args
 from storage_io import (
     StorageLayout,
     atomic_write_bytes,
@@ -70,8 +70,9 @@ from storage_io import (
     redact_error,
     redact_text,
 )
-from training import model_trust, registry_files
-from training.models import ModelSpec
+from training.champion import registry_files
+from training.model import trust
+from training.model.catalog import ModelSpec
 
 if TYPE_CHECKING:
     import numpy as np
@@ -100,7 +101,7 @@ class PredictSettings(BaseSettings):
         None,
         description=(
             "The model's registry name (promote.model_name of the runs that trained it, or <workload>-<model.name>: "
-            "mnist-small-cnn for training.models:small_cnn). Unset: <workload>-resnet18, e.g. mnist-resnet18."
+            "mnist-small-cnn for training.model.catalog:small_cnn). Unset: <workload>-resnet18, e.g. mnist-resnet18."
         ),
     )
     version: int | None = Field(None, ge=1, description="A published version number; unset: the champion.")
@@ -183,7 +184,7 @@ class CardScoring(NamedTuple):
     transform: TransformConfig  # the run's, normalized with the card's mean and std
     evaluate: EvaluateConfig  # the run's (``tta``), with this command's actor pool and batch size
     model: ModelSpec  # the architecture model.pt holds
-    data: dict[str, Any]  # `training.registry_files.card_data`: shape, classes, mean, std, image_size
+    data: dict[str, Any]  # `training.champion.registry_files.card_data`: shape, classes, mean, std, image_size
     columns: tuple[str, str] = ("image", "label")  # the run's download.image_column and label_column (`card_columns`)
 
 
@@ -192,7 +193,7 @@ def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, depl
 
     ``deployed``: a run started through a deployment (``score/on-promotion``), whose parameters chose the
     card: its architecture, a ``module:function``, is imported only from the modules ``PIPELINE_MODEL_MODULES``
-    allows (`training.model_trust.check_allowed`, on the name: nothing is imported); ValueError naming the
+    allows (`training.model.trust.check_allowed`, on the name: nothing is imported); ValueError naming the
     card and the setting. The command line trusts its user, as ``flows.train``'s does.
     """
     run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
@@ -207,7 +208,7 @@ def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, depl
     except (ValidationError, KeyError, TypeError, ValueError) as exc:
         raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
     try:  # before any model is built: the scoring below builds it, in this process or on a Ray worker
-        model_trust.check_allowed(model_spec.name, deployed=deployed)
+        trust.check_allowed(model_spec.name, deployed=deployed)
     except ValueError as exc:
         named = f"{card.get('model')} v{card.get('version')}" if card.get("model") else join(folder, registry_files.CARD_FILE)
         raise ValueError(f"the model card of {named} ({folder}) names its architecture; {exc}") from None

@@ -2,18 +2,18 @@
 
 `check_cluster_fits` runs once the run's Ray is up (`runner.harness.run_flow`'s ``check_fits``);
 `check_registry_fits` also from the command line, before Ray starts. The data's shape and classes come
-from its source (`dataset.source.Source.data_to_come`): the flow never asks which source a run has.
+from its source (`dataset.sources.interface.Source.data_to_come`): the flow never asks which source a run has.
 """
 
 from __future__ import annotations
 
-from dataset import sizing
-from dataset.source import source_for
+from dataset.sources.interface import source_for
+from dataset.tensors import sizing
 from pipeline_config import PipelineConfig
 from pipeline_config.model import folder_workload
 from runner import console
 from storage_io import StorageLayout
-from training import registry_files
+from training.champion import registry_files
 from training.resources import plan_cluster
 
 
@@ -43,7 +43,7 @@ def workload_line(config: PipelineConfig) -> str:
 
 def data_to_come(config: PipelineConfig) -> tuple[tuple[int | None, ...], list[str]]:
     """((channels, height, width), classes) of the data the run will convert, known before any work
-    (`dataset.source.Source.data_to_come`): a user's folder's from its listing and (local folders) its images'
+    (`dataset.sources.interface.Source.data_to_come`): a user's folder's from its listing and (local folders) its images'
     headers, None where not known yet (an s3:// folder's channels); MNIST's IDX sources' from their format."""
     return source_for(config.download).data_to_come(sizing.resolved(config).transform.image_size, config.storage_root)
 

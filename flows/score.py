@@ -22,13 +22,13 @@ from typing import Any
 
 from prefect import flow
 
-from dataset.inputs import NO_LABEL, read_folder
+from dataset.formats.inputs import NO_LABEL, read_folder
 from flows.predict import card_scoring, predictions_parquet, score_table
 from pipeline_config import PipelineConfig, RayConfig
 from reporting import events
 from runner.harness import started_by_deployment
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, basename, join, to_stored
-from training import registry_files
+from training.champion import registry_files
 
 PREDICTIONS_DIR = "predictions"
 LATEST_FILE = "latest.json"

@@ -37,9 +37,10 @@ from tasks.promote import promote
 from tasks.to_parquet import to_parquet
 from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
-from training import model_trust, unchanged
-from training.records import HISTORY_FILE
-from training.registry import Promotion
+from training.champion import unchanged
+from training.champion.registry import Promotion
+from training.checkpoint.records import HISTORY_FILE
+from training.model import trust
 
 
 def with_retries(task: Task, cfg) -> Task:
@@ -71,7 +72,7 @@ class ToParquet(Stage):
         lease_uses(layout, parameters["raw"].directory, dataset.directory)  # other runs' cleanup leaves them alone
         if not skips_when_unchanged(config):  # else `flows.train.nothing_new` sent it before Ray started
             announce_data(config, layout, dataset.directory, verified=True)
-        model_trust.try_on_dataset(config, dataset)  # an s3:// folder's shape is known only now: the model runs on it
+        trust.try_on_dataset(config, dataset)  # an s3:// folder's shape is known only now: the model runs on it
         artifacts.publish_dataset_report(dataset, config.workload)
 
 
@@ -133,7 +134,7 @@ CLEANUP = Stage(cleanup)
 
 
 def announce_data(config: PipelineConfig, layout: StorageLayout, dataset_dir: str, verified: bool) -> unchanged.Verdict:
-    """The data's verdict against the champion's (`training.unchanged`), sent as the data-checked event."""
+    """The data's verdict against the champion's (`training.champion.unchanged`), sent as the data-checked event."""
     verdict = unchanged.compare(layout.root, config.registry_name, dataset_dir, verified, config.model_dump(mode="json"))
     announce(config, events.DATA_CHECKED, run=layout.run_name, **verdict.payload())
     return verdict

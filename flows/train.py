@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from dataset.parquet import manifest_problem
-from flows.preflight import check_cluster_fits, check_registry_fits, data_to_come, workload_line  # noqa: F401 (the CLI, tests)
+from dataset.formats.parquet import manifest_problem
+from flows.preflight import check_cluster_fits, check_registry_fits
 from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM, announce, announce_data
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import TrainSettings
@@ -72,7 +72,7 @@ def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConf
 
 def nothing_new(config: PipelineConfig, layout: StorageLayout, module: str) -> RunSummary | None:
     """With ``promote.skip_unchanged``, before Ray starts: the summary of a run whose data, model and recipe
-    are its champion's (`training.unchanged`), which then ends as "nothing new to train on"; else None.
+    are its champion's (`training.champion.unchanged`), which then ends as "nothing new to train on"; else None.
 
     The data is listed and fingerprinted as the download and conversion stages would (an unchanged image
     folder's checksums come from its listing cache); the dataset of that fingerprint must still verify.

@@ -4,7 +4,7 @@
     python -m deployments.serve --watch shapes.yaml              # a look every --watch-every seconds, in the serving process
 
 A look lists the folder's images (names, sizes, modification times; nothing is opened) and compares
-the listing with the one kept from the last look on the storage root (`dataset.watching`). Any image
+the listing with the one kept from the last look on the storage root (`dataset.formats.watching`). Any image
 added, removed or changed sends one ``pipeline.data.landed`` event about the folder
 (``pipeline.folder.<path>``) with the counts in its payload. The deployment ``train/on-data``
 (`deployments.reacting`) is triggered by it; several events within its window start one run.
@@ -26,7 +26,7 @@ from typing import Any
 
 from prefect import flow
 
-from dataset import watching
+from dataset.formats import watching
 from pipeline_config import PipelineConfig
 from pipeline_config.model import folder_workload
 from reporting import events

@@ -7,7 +7,6 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict
 
-
 # The bundled sample (4,000 train / 1,000 test real MNIST digits) ships inside the project as
 # IDX .gz files; its checksums are pinned here so it is verified like any other mirror.
 SAMPLE_DIR = Path(__file__).resolve().parent.parent / "data" / "mnist-sample"
@@ -21,15 +20,15 @@ MNIST_FILES = (
 )
 
 
-_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+RUN_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 # model.name: a torchvision model's name or package.module:function (whether it exists is checked
-# before any work by training.models.check_name, which imports what it names).
-_MODEL_REF = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
+# before any work by training.model.catalog.check_name, which imports what it names).
+MODEL_REF_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*(:[A-Za-z_][A-Za-z0-9_]*)?$")
 
 
-_MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect artifact keys
+MODEL_NAME_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect artifact keys
 
 
 # The workload names run folders, Prefect artifact keys and the registry's model: the same rule
@@ -37,14 +36,14 @@ _MODEL_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")  # also part of Prefect a
 DEFAULT_WORKLOAD = "mnist"
 
 
-_WORKLOAD = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
+WORKLOAD_PATTERN = re.compile(r"^[a-z0-9][a-z0-9-]{0,39}$")
 
 
 # S3 bucket naming rules: 3-63 lowercase letters, digits, dots and hyphens, starting and ending alphanumeric.
-_S3_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+S3_BUCKET_PATTERN = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 
 
-def _no_control_characters(value: str, what: str) -> None:
+def no_control_characters(value: str, what: str) -> None:
     """Names and paths refuse line breaks, tabs, NUL and the other control characters (C0, DEL, C1)."""
     bad = next((c for c in value if ord(c) < 32 or 127 <= ord(c) < 160), None)
     if bad is not None:
@@ -63,6 +62,6 @@ def registry_model_name(workload: str, model_name: str) -> str:
     return f"{workload}-{model_slug(model_name)}"[:63].rstrip("-")
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     # allow_inf_nan=False: every float field is finite (nan and inf are refused, naming the field).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -9,10 +9,10 @@ from urllib.parse import urlparse
 
 from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
-from pipeline_config.common import MNIST_FILES, _no_control_characters, _Section
+from pipeline_config.common import MNIST_FILES, no_control_characters, Section
 
 
-class MirrorChecksums(_Section):
+class MirrorChecksums(Section):
     """sha256 of the four IDX files a mirror serves (explicit fields: dict parameters render badly in the UI)."""
 
     train_images: str = Field(
@@ -46,7 +46,7 @@ class MirrorChecksums(_Section):
 PATH_SOURCES = ("folder", "parquet")
 
 
-class DownloadConfig(_Section):
+class DownloadConfig(Section):
     """Where the data comes from: MNIST's four IDX files, a labelled image folder (source=folder), or a folder of
     Parquet files (source=parquet)."""
 
@@ -122,7 +122,7 @@ class DownloadConfig(_Section):
     def _check_mirror(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        _no_control_characters(value, "download.mirror_url")
+        no_control_characters(value, "download.mirror_url")
         parsed = urlparse(value)
         if parsed.scheme not in {"http", "https", "file"}:
             raise ValueError("must start with http://, https:// or file://")
@@ -139,7 +139,7 @@ class DownloadConfig(_Section):
     def _check_path(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        _no_control_characters(value, "download.path")
+        no_control_characters(value, "download.path")
         if not value.strip():
             raise ValueError("download.path is empty; name a folder or an s3://bucket/prefix")
         if "://" in value and not value.startswith("s3://"):
@@ -162,7 +162,7 @@ class DownloadConfig(_Section):
         return self
 
 
-class ParquetConfig(_Section):
+class ParquetConfig(Section):
     """How the source data (IDX files or an image folder) becomes Parquet."""
 
     rows_per_file: int = Field(
@@ -227,7 +227,7 @@ def auto_image_size(height: int, width: int) -> int | None:
     return AUTO_IMAGE_SIZE if min(height, width) < AUTO_MIN_SIDE else None
 
 
-class TransformConfig(_Section):
+class TransformConfig(Section):
     """The Ray Data transform that feeds training and evaluation."""
 
     mean: float | list[float] | None = Field(

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pydantic import Field, field_validator
 
-from pipeline_config.common import _MODEL_NAME, _Section, registry_model_name
+from pipeline_config.common import MODEL_NAME_PATTERN, Section, registry_model_name
 
-
-# The data kinds (`dataset.parquet.ParquetDataset.source`) with a gate of their own, which evaluate.min_accuracy
+# The data kinds (`dataset.formats.parquet.ParquetDataset.source`) with a gate of their own, which evaluate.min_accuracy
 # unset stands for. MNIST's IDX digits: the default recipe scored 98.6-99.1% on the bundled sample over seeds
 # 0-4 (docs/performance.md); 97.5% sits 1.1 points (about 3 binomial standard deviations on 1,000 test images)
 # below the worst, and a broken pipeline (every training label shuffled) still fails it (tests/test_flow_e2e.py).
@@ -15,7 +14,7 @@ from pipeline_config.common import _MODEL_NAME, _Section, registry_model_name
 OWN_GATES = {"idx": 0.975}
 
 
-class EvaluateConfig(_Section):
+class EvaluateConfig(Section):
     """Batch inference on the test split and the quality gate."""
 
     min_accuracy: float | None = Field(
@@ -43,7 +42,7 @@ class EvaluateConfig(_Section):
     )
 
 
-class PromoteConfig(_Section):
+class PromoteConfig(Section):
     """Champion promotion, the stage after evaluation: a model that passed the gate becomes the
     champion under <storage_root>/models/<model_name>/ only when it beats the current one on the same test set."""
 
@@ -55,7 +54,7 @@ class PromoteConfig(_Section):
         None,
         description=(
             "Names the folder models/<model_name>/ (numbered versions, the champion pointer) and the run-comparison "
-            "artifacts. Unset: <workload>-<model.name>, e.g. mnist-resnet18 (mnist-small-cnn for training.models:small_cnn)."
+            "artifacts. Unset: <workload>-<model.name>, e.g. mnist-resnet18 (mnist-small-cnn for training.model.catalog:small_cnn)."
         ),
     )
     min_improvement: float = Field(
@@ -79,7 +78,7 @@ class PromoteConfig(_Section):
     @field_validator("model_name")
     @classmethod
     def _check_model_name(cls, value: str | None) -> str | None:
-        if value is not None and not _MODEL_NAME.fullmatch(value):
+        if value is not None and not MODEL_NAME_PATTERN.fullmatch(value):
             raise ValueError(f"{value!r}: use lowercase letters, digits and '-', starting with a letter or digit (at most 63)")
         return value
 
@@ -88,7 +87,7 @@ class PromoteConfig(_Section):
         return self.model_name or registry_model_name(workload, model_name)
 
 
-class CleanupConfig(_Section):
+class CleanupConfig(Section):
     """Retention policy, applied after a successful evaluation; deletes only inside the storage root."""
 
     keep_checkpoints: int = Field(

@@ -7,16 +7,16 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from pipeline_config.common import _MODEL_REF, _Section, _no_control_characters
+from pipeline_config.common import MODEL_REF_PATTERN, no_control_characters, Section
 
 # Fewer optimizer steps than this and a run is warned before training that it will hardly learn. The
-# recipe benchmark (benchmarks/recipe.py, docs/performance.md) shows the default recipe holding up from
+# recipe benchmark (benchmarks/speed/recipe.py, docs/performance.md) shows the default recipe holding up from
 # about 150 steps and not below; 100 leaves the warning to runs that are clearly too short.
 FEW_STEPS = 100
 
 
 def steps_per_epoch(train_rows: int, global_batch_size: int, workers: int = 1) -> int:
-    """Optimizer steps in one epoch, as the training loop counts them (`training.loop.start_attempt`):
+    """Optimizer steps in one epoch, as the training loop counts them (`training.worker.loop.start_attempt`):
     each of ``workers`` ranks takes ``global_batch_size // workers`` rows a step over its share of the rows."""
     batch = max(1, global_batch_size // workers)
     return max(1, math.ceil(train_rows / workers / batch))
@@ -27,8 +27,8 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-class ModelConfig(_Section):
-    """Which network is trained, evaluated and promoted (training.models builds it)."""
+class ModelConfig(Section):
+    """Which network is trained, evaluated and promoted (training.model.catalog builds it)."""
 
     name: str = Field(
         "resnet18",
@@ -36,7 +36,7 @@ class ModelConfig(_Section):
             "resnet18 (the seeds' model), any torchvision classification model by name (e.g. mobilenet_v3_small; "
             "built without weights, first layer and head fitted to the data), or your own function as "
             "package.module:function, called with in_channels= and num_classes= and returning a torch.nn.Module "
-            "(importable on every Ray worker). training.models:small_cnn is a small CNN for quick runs. A run started "
+            "(importable on every Ray worker). training.model.catalog:small_cnn is a small CNN for quick runs. A run started "
             "from a deployment imports only modules the server allows (PIPELINE_MODEL_MODULES); every run tries the "
             "model on the data's shape before any work."
         ),
@@ -59,7 +59,7 @@ class ModelConfig(_Section):
     def _check_weights(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        _no_control_characters(value, "model.weights")
+        no_control_characters(value, "model.weights")
         value = value.strip()
         scheme, found, rest = value.partition("://")
         if found and scheme != "s3":
@@ -74,16 +74,16 @@ class ModelConfig(_Section):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        _no_control_characters(value, "model.name")
+        no_control_characters(value, "model.name")
         value = value.strip()
-        if not _MODEL_REF.fullmatch(value):
+        if not MODEL_REF_PATTERN.fullmatch(value):
             raise ValueError(
                 f"{value!r}: use resnet18, a torchvision model's name (e.g. mobilenet_v3_small) or package.module:function"
             )
         return value
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Distributed training with Ray Train (TorchTrainer, Ray Train V2)."""
 
     mode: Literal["distributed", "single"] = Field(
@@ -146,7 +146,7 @@ class TrainConfig(_Section):
         lt=1,
         description=(
             "Upper bound of the decay of the moving average of the weights that is validated and saved (0 disables); "
-            "a short run gets less, so the average spans at most a tenth of its optimizer steps (training.recipe.plan_for)."
+            "a short run gets less, so the average spans at most a tenth of its optimizer steps (training.worker.recipe.plan_for)."
         ),
     )
     seed: int = Field(0, ge=0, description="Seed for weights, shuffling and augmentation.")

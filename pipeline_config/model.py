@@ -20,14 +20,14 @@ from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline_config.common import DEFAULT_WORKLOAD, _RUN_NAME, _S3_BUCKET, _WORKLOAD, _Section, _no_control_characters
+from pipeline_config.common import DEFAULT_WORKLOAD, RUN_NAME_PATTERN, S3_BUCKET_PATTERN, WORKLOAD_PATTERN, Section, no_control_characters
 from pipeline_config.data import PATH_SOURCES, DownloadConfig, ParquetConfig, TransformConfig
 from pipeline_config.evaluation import CleanupConfig, EvaluateConfig, PromoteConfig
 from pipeline_config.learning import ModelConfig, TrainConfig
 from pipeline_config.tracking import TrackingConfig
 
 
-class RayConfig(_Section):
+class RayConfig(Section):
     """Which Ray cluster runs the stages."""
 
     address: str | None = Field(
@@ -51,7 +51,7 @@ class RayConfig(_Section):
     def _check_address(cls, value: str | None) -> str | None:
         if value is None or value == "auto":
             return value
-        _no_control_characters(value, "ray.address")
+        no_control_characters(value, "ray.address")
         parsed = urlparse(value if "://" in value else f"tcp://{value}")
         try:
             port = parsed.port
@@ -64,7 +64,7 @@ class RayConfig(_Section):
         return value
 
 
-class PipelineConfig(_Section):
+class PipelineConfig(Section):
     """An image classifier (ResNet-18 on MNIST by default): download, Parquet, Ray Data transform, Ray Train, evaluation, cleanup."""
 
     workload: str = Field(
@@ -124,8 +124,8 @@ class PipelineConfig(_Section):
     @field_validator("workload")
     @classmethod
     def _check_workload(cls, value: str) -> str:
-        _no_control_characters(value, "workload")
-        if not _WORKLOAD.fullmatch(value):
+        no_control_characters(value, "workload")
+        if not WORKLOAD_PATTERN.fullmatch(value):
             raise ValueError(
                 f"workload {value!r}: use lowercase letters, digits and '-', starting with a letter or digit (at most 40), "
                 "e.g. mnist or flowers-rgb"
@@ -142,22 +142,22 @@ class PipelineConfig(_Section):
     def _check_run_name(cls, value: str | None) -> str | None:
         if value is None:
             return value
-        _no_control_characters(value, "run_name")
+        no_control_characters(value, "run_name")
         if "/" in value or "\\" in value or ".." in value:
             raise ValueError(f"{value!r} may not contain '/', '\\' or '..': it names one folder under runs/")
-        if not _RUN_NAME.fullmatch(value):
+        if not RUN_NAME_PATTERN.fullmatch(value):
             raise ValueError(f"{value!r}: use letters, digits, '-', '_' and '.', starting with a letter or digit")
         return value
 
     @field_validator("storage_root")
     @classmethod
     def _check_storage_root(cls, value: str) -> str:
-        _no_control_characters(value, "storage_root")
+        no_control_characters(value, "storage_root")
         if not value.strip():
             raise ValueError("storage_root is empty; use a folder path or s3://bucket/prefix")
         if value.startswith("s3://"):
             bucket, _, prefix = value[len("s3://") :].partition("/")
-            if not _S3_BUCKET.fullmatch(bucket):
+            if not S3_BUCKET_PATTERN.fullmatch(bucket):
                 raise ValueError(f"{value!r}: {bucket!r} is not an S3 bucket name; use s3://bucket/prefix")
             if ".." in prefix.split("/") or "//" in prefix.rstrip("/"):
                 raise ValueError(f"{value!r}: the prefix may not contain '..' or empty parts; use s3://bucket/prefix")

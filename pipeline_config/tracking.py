@@ -6,10 +6,10 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 
-from pipeline_config.common import _no_control_characters, _Section
+from pipeline_config.common import no_control_characters, Section
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     """MLflow tracking: off unless MLFLOW_TRACKING_URI is set (in the environment of the process that
     runs the flow) or uri is given. Credentials come from MLflow's own environment variables, never from here."""
 
@@ -51,7 +51,7 @@ def check_tracking_uri(value: str, name: str) -> str:
     shown and stored with it), and anything but http(s) with a host (``file:``, ``sqlite:``,
     ``databricks``: the tracker talks to a tracking server, the one place every run process reaches).
     """
-    _no_control_characters(value, name)
+    no_control_characters(value, name)
     try:
         parsed = urlsplit(value)
         parsed.port  # noqa: B018 - raises ValueError for a port that is not a number

@@ -6,11 +6,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from pipeline_config.common import _Section
+from pipeline_config.common import Section
 from pipeline_config.model import PipelineConfig
 
 
-class Range(_Section):
+class Range(Section):
     """A closed interval Tune samples from; low == high fixes the knob at that value."""
 
     low: float = Field(description="Smallest value sampled.")
@@ -23,7 +23,7 @@ class Range(_Section):
         return self
 
 
-class SearchSpace(_Section):
+class SearchSpace(Section):
     """The recipe's knobs a search samples, one distribution each (fix one with low == high or a single choice)."""
 
     learning_rate: Range = Field(
@@ -71,7 +71,7 @@ class SearchSpace(_Section):
         return self
 
 
-class TuneConfig(_Section):
+class TuneConfig(Section):
     """Hyperparameter search with Ray Tune: every trial is a Ray Train run of the training loop."""
 
     num_samples: int = Field(8, ge=1, le=10_000, description="Trials: configurations sampled from the search space.")

@@ -28,7 +28,6 @@ from reporting.pictures import (
     trial_curves_png,
 )
 
-
 # Artifact keys: lowercase letters, digits and dashes (Prefect's rule); stable across runs, each
 # starting with the workload's name (pipeline_config's `workload`, e.g. mnist-test-metrics).
 _KEY_SUFFIXES = {
@@ -96,7 +95,7 @@ def comparison_rows(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Recent runs of one model, newest first, as rows of the run-comparison table.
 
     Args:
-        runs: Run rows as the evaluation stage records them (``training.registry.record_run``),
+        runs: Run rows as the evaluation stage records them (``training.champion.registry.record_run``),
             each possibly marked ``champion`` (the current one).
 
     Returns:
@@ -206,7 +205,7 @@ def checkpoint_markdown(
         lines.append(f"| `{Path(info['path']).name}`{marker} | {int(info['epoch']) + 1} | {info['val_accuracy']:.4f} |")
     lines += [
         "",
-        f"Run folder: `{run_dir}`. Load it with `training.model.load_model(\"{checkpoint}\")`.",
+        f"Run folder: `{run_dir}`. Load it with `training.checkpoint.model_files.load_model(\"{checkpoint}\")`.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from dataset.parquet import images_from_column
+from dataset.formats.parquet import images_from_column
 from storage_io import filesystem, list_files
-
 
 GRID = 3  # the seeds' 3x3 pictures
 MNIST_SHAPE = (1, 28, 28)  # (channels, height, width) when a caller names none: the seeds' digits
@@ -191,7 +190,7 @@ def accuracy_over_runs_png(runs: Sequence[dict[str, Any]]) -> bytes:
     gate failures as red crosses.
 
     Args:
-        runs: Run rows oldest first (``training.registry.recent_runs``).
+        runs: Run rows oldest first (``training.champion.registry.recent_runs``).
 
     Returns:
         PNG bytes.
@@ -286,7 +285,7 @@ def pick_predictions(labels: np.ndarray, preds: np.ndarray, count: int = GRID * 
 
 
 def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids: Sequence[int] | None = None):
-    """Read rows of a Parquet split (schema of ``dataset.parquet``) by position or by ``row_id``.
+    """Read rows of a Parquet split (schema of ``dataset.formats.parquet``) by position or by ``row_id``.
 
     Args:
         split_dir: A split folder such as ``<dataset>/train``.
@@ -296,7 +295,7 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
     Returns:
         ``(row_ids, images (N, H*W*C) uint8, labels)`` as numpy arrays.
     """
-    from dataset.windows import read_rows
+    from dataset.tensors.windows import read_rows
 
     fs, where = filesystem(split_dir)  # a local folder or an S3 prefix
     files = [f"{where}/{name}" for name in list_files(split_dir, ".parquet") if "/" not in name]

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from dataset.source import predict_input
+from dataset.sources.interface import predict_input
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, registry_model_name
 from runner.summary import RunSummary
 from storage_io import redact_error, redact_text, redact_url
@@ -64,7 +64,7 @@ def quiet_terminal(enabled: bool = True) -> Iterator[None]:
 
     Filters Prefect's console handler on the root logger and prints errors without their
     traceback (the UI and --verbose keep it); restored on exit. Ray's own driver lines follow
-    ``ray.log_to_driver`` (``runner.runtime.ray_init_args``).
+    ``ray.log_to_driver`` (``runner.cluster.ray_init.ray_init_args``).
     """
     if not enabled:
         yield

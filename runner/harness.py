@@ -19,17 +19,20 @@ from typing import Any
 from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
-from dataset import folder, sizing
+from dataset.formats import folder
+from dataset.tensors import sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from pipeline_config.settings import parse_cli
 from reporting import artifacts, environment
-from runner import console, ray_auth, stopping
-from runner.runtime import cli_runtime, ray_task_runner
+from runner import console, stopping
+from runner.cluster import ray_auth
+from runner.cluster.ray_init import ray_task_runner
+from runner.cluster.runtime import cli_runtime
 from runner.stages import Stage, StageRecorder
 from runner.summary import RunSummary, attach, outcome_of
 from runner.tracking import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, redact_error, run_lease, storage_writes
-from training import model_trust
+from training.model import trust
 from training.resources import DoesNotFit
 
 
@@ -70,7 +73,7 @@ def run_flow(
 
     The run folder (when ``run_name`` is unset, the flow run's name: `flow_run_name`), the Ray task
     runner, ``check_fits`` before anything is written, the run's lease, then the listing cache the data
-    checks held (`dataset.folder.keep_checks`: a run refused before any work leaves the storage root as it
+    checks held (`dataset.formats.folder.keep_checks`: a run refused before any work leaves the storage root as it
     was), and summary.json however it ends. The run's `RunSummary` is the flow's return value; on a stop request (Ctrl-C, SIGTERM) the
     summary says interrupted and the flow run ends Cancelled with it as data; a failed run's
     exception carries it (`runner.summary.attach`). ``module``: the flow's CLI module, what the
@@ -78,10 +81,10 @@ def run_flow(
     a run with nothing new to train on (`ended_before_training`), which then ends Completed with
     that reason as its message; None goes on.
     """
-    model_trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
+    trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
     source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)  # a bad layout or image, named
     tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
-    model_trust.check_model(sizing.resolved(config, source), source)  # ValueError naming model.name: it does not import, build or run on this data
+    trust.check_model(sizing.resolved(config, source), source)  # ValueError naming model.name: it does not import, build or run on this data
     layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
     layout.check_reachable()  # an S3 root: the bucket answers before any work starts
     # The size transform.image_size auto chose: the nothing-new check names the dataset by it.
@@ -216,7 +219,7 @@ def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, Pipeli
     config = settings.pipeline_config()
     source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)
     tracking_uri(config)  # MLFLOW_TRACKING_URI the tracker cannot use, or with credentials: refused, naming it
-    model_trust.check_model(sizing.resolved(config, source), source)  # the command line's user may import any module
+    trust.check_model(sizing.resolved(config, source), source)  # the command line's user may import any module
     if config.run_name is None:
         config = config.model_copy(update={"run_name": default_run_name(run_name_prefix(config))})
     layout = StorageLayout.create(config.storage_root, config.run_name)

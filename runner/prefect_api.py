@@ -4,7 +4,7 @@ A task running in a Ray worker does not inherit the flow's Prefect API. Left alo
 started its own temporary Prefect server, its task runs never reached the flow's API, and SQLite
 reported "database is locked" (docs/design.md, "Measurements behind the code"). So the flow always
 runs against a real API URL (the CLI starts a local server when none is configured, `prefect_api`),
-and `runner.ray_init` hands that URL to every Ray worker.
+and `runner.cluster.ray_init` hands that URL to every Ray worker.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Ctrl-C reached the server at once and the flow could no longer record how it sto
 a SIGKILL of the CLI the server lived on (re-parented to PID 1) until killed by hand. Here:
 
 * ``OwnedServer`` starts the same uvicorn command in a new session (no terminal signals) through
-  this module, and the CLI stops it itself, last (``runner.runtime.prefect_api``);
+  this module, and the CLI stops it itself, last (``runner.cluster.runtime.prefect_api``);
 * ``python -m runner.server_process <parent pid> <uvicorn args>`` watches the parent: when it is
   gone (its parent pid changes), the server stops itself, so nothing outlives the run.
 

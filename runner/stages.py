@@ -32,7 +32,7 @@ class Stage:
 
     The hooks run in the process that runs the flow, never in a Ray worker, so the reports and events
     they publish leave with the flow run's own Prefect client and API (a Ray worker has only the URL the
-    runtime hands it: `runner.ray_init`). Each does nothing unless a stage says otherwise.
+    runtime hands it: `runner.cluster.ray_init`). Each does nothing unless a stage says otherwise.
 
     ``cpus``: a stage that does its own work holds a CPU; one that only coordinates Ray Data, Ray Train
     or Ray Tune work (which reserves its own resources) holds none, or, with 2 CPUs and 2 training
@@ -134,7 +134,7 @@ class StageRecorder:
         return result
 
     def hold_cluster(self, stage: str) -> None:
-        """On a shared cluster, wait for its run slot before the stage's line and seconds (`runner.cluster_slot`):
+        """On a shared cluster, wait for its run slot before the stage's line and seconds (`runner.cluster.cluster_slot`):
         the wait is no stage's time. A stop meanwhile is recorded as one in ``stage``."""
         hold = getattr(self.runner, "hold_cluster", None)  # a runner that joins no cluster has none
         if hold is None:

@@ -32,7 +32,7 @@ class StopRecord(BaseModel):
     status: str
     stage: str | None = None
     reason: str | None = None
-    checkpoint_kept: dict[str, Any] | None = None  # path, epoch, mid_epoch, step (`training.trainer.latest_checkpoint`)
+    checkpoint_kept: dict[str, Any] | None = None  # path, epoch, mid_epoch, step (`training.manifests.latest_checkpoint`)
 
 
 class DataRecord(BaseModel):
@@ -64,10 +64,10 @@ class RunSummary(BaseModel):
     best_val_accuracy: float | None = None
     training_attempts: list[dict[str, Any]] | None = None  # one per attempt: start_epoch, world_size
     resumed_from_epoch: int | None = None
-    weights: dict[str, str] | None = None  # model.weights training started from: source, file, sha256 (`training.weights`)
+    weights: dict[str, str] | None = None  # model.weights training started from: source, file, sha256 (`training.model.weights`)
     test_accuracy: float | None = None
     gate: dict[str, Any] | None = None  # what the test accuracy was held to: ``min_accuracy`` and where it came ``from`` (`tasks.gate`)
-    promotion: dict[str, Any] | None = None  # `training.registry.Promotion` as metrics.json holds it
+    promotion: dict[str, Any] | None = None  # `training.champion.registry.Promotion` as metrics.json holds it
     evaluation: dict[str, Any] = {}  # evaluation/metrics.json
     tuning: dict[str, Any] | None = None  # a search's (`training.tuning`)
     tracking: dict[str, Any] | None = None  # the MLflow run (`runner.tracking`); None: tracking is off

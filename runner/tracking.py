@@ -35,7 +35,7 @@ from pipeline_config.tracking import TRACKING_URI_ENV, check_tracking_uri
 from reporting import pictures
 from runner.summary import RunSummary
 from storage_io import StorageLayout, join, list_dirs, list_files, read_bytes, redact_error, redact_text, redact_url
-from training.records import HISTORY_FILE, read_history
+from training.checkpoint.records import HISTORY_FILE, read_history
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,6 @@ class Tracker:
 
     def _set_tags(self) -> None:
         from mlflow.entities import RunTag
-
         from prefect.runtime import flow_run
 
         env = self.env

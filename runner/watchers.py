@@ -14,7 +14,7 @@ from typing import Any
 
 from runner.console import duration, run_logger, say
 from storage_io import join, list_dirs
-from training.records import HISTORY_FILE, read_history
+from training.checkpoint.records import HISTORY_FILE, read_history
 
 
 def epoch_line(row: dict[str, Any], epochs: int, elapsed_s: float, seconds_per_epoch: float | None) -> str:

@@ -27,7 +27,7 @@ from storage_io.walk import Listing, walk_local
 S3_SCHEME = "s3://"
 
 
-# The environment variables an S3 storage root reads (forwarded to Ray workers by runner.runtime).
+# The environment variables an S3 storage root reads (forwarded to Ray workers by runner.cluster.runtime).
 S3_ENV_VARS = (
     "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",

@@ -14,7 +14,7 @@ import numpy as np
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
-from dataset.parquet import ParquetDataset, images_from_column
+from dataset.formats.parquet import ParquetDataset, images_from_column
 from storage_io import filesystem, join, list_files
 
 PROBE_TRAIN_ROWS = 50_000  # training rows the centroids are made of (the first ones, in the dataset's order)

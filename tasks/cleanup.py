@@ -7,7 +7,7 @@ reads (its lease in ``<root>/leases/``). A path that breaks a rule stops the sta
 nothing is deleted. The dry run applies the same checks, so it lists exactly what a real run deletes.
 
 The model registry is never touched: nothing under ``<root>/models/`` and none of the data a
-promoted version's model card names (`training.registry_files.protected_data`). A selected path that
+promoted version's model card names (`training.champion.registry_files.protected_data`). A selected path that
 is, holds or lies inside such a folder is kept, listed with why in the report (dry run or not).
 Cards name that data relative to the storage root, so a copied or moved root keeps its champion's
 data; an older card's absolute path protects the same place under this root too, and a card that
@@ -29,8 +29,8 @@ from pathlib import Path
 from prefect import task
 from pydantic import BaseModel
 
-from dataset.parquet import ParquetDataset
-from dataset.sources import RawData
+from dataset.formats.parquet import ParquetDataset
+from dataset.sources.interface import RawData
 from pipeline_config import CleanupConfig
 from reporting.logs import stage_logger
 from storage_io import (
@@ -46,8 +46,8 @@ from storage_io import (
     total_bytes,
 )
 from tasks.manifests import Evaluation
-from training import registry_files
-from training.checkpoint_files import checkpoint_problem
+from training.champion import registry_files
+from training.checkpoint.files import checkpoint_problem
 from training.manifests import TrainedModel, UnreadableSnapshot, checkpoint_rank, ray_train_checkpoints
 
 

@@ -1,10 +1,10 @@
-"""Stage 1: the run's data, listed and fingerprinted (`dataset.source.Source.fetch`).
+"""Stage 1: the run's data, listed and fingerprinted (`dataset.sources.interface.Source.fetch`).
 
 MNIST's four IDX ``.gz`` files are fetched and verified into ``<root>/raw/<source>/`` (on an S3 root
 checked and fetched in a local folder, then uploaded; a re-run whose four files are present and
-verified touches no network at all: `dataset.idx_source`). A user's image folder or Parquet folder
-is checked and listed where it is, each file's sha256 recorded (`dataset.folder_source`,
-`dataset.parquet_source`).
+verified touches no network at all: `dataset.sources.idx_source`). A user's image folder or Parquet folder
+is checked and listed where it is, each file's sha256 recorded (`dataset.sources.folder_source`,
+`dataset.sources.parquet_source`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from dataset.source import source_for
-from dataset.sources import RawData
+from dataset.sources.interface import RawData, source_for
 from pipeline_config import DownloadConfig
 from reporting.logs import stage_logger
 from storage_io import StorageLayout

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from prefect import task
 
-from dataset.memory import release_memory
-from dataset.spec import TransformSpec
+from dataset.tensors.memory import release_memory
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig
 from reporting import artifacts
 from reporting.logs import stage_logger

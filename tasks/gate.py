@@ -31,14 +31,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from pydantic import BaseModel
 
-from dataset.parquet import ParquetDataset
-from dataset.spec import TransformSpec
+from dataset.formats.parquet import ParquetDataset
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import EvaluateConfig
 from pipeline_config.evaluation import OWN_GATES
 from storage_io import join, read_json
 from tasks.baseline import Baseline, centroid_probe, class_counts
 from tasks.manifests import ChampionScore
-from training import registry_files
+from training.champion import registry_files
 
 Z = 3.0  # standard errors: the margin every derived gate leaves for the test set's noise (one-sided tests)
 MIN_CLASS_ROWS = 10  # test rows each class needs for a derived gate; with Z = 3, the majority share is then beatable

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel
 
-from training import registry
+from training.champion import registry
 
 
 class ChampionScore(BaseModel):

@@ -3,9 +3,9 @@
 Every evaluated run, gate passed or not, adds its row to the model's run-comparison table under
 ``<root>/models/<promote.model_name>/`` (unset: ``<workload>-<model>``), published to the Prefect
 UI under keys stable across runs, and is remembered as the last trained run there
-(`training.unchanged.remember`: what ``promote.skip_unchanged`` compares a run with besides the champion). A
+(`training.champion.unchanged.remember`: what ``promote.skip_unchanged`` compares a run with besides the champion). A
 model that passed its gate (`tasks.gate`) replaces the champion only when it is better on the same test
-set (`training.registry`); a champion the gate already scored on this test set is not scored again.
+set (`training.champion.registry`); a champion the gate already scored on this test set is not scored again.
 The decision is added to the run's ``evaluation/metrics.json``.
 
 Then the gate: a model that failed it fails this stage and the run (saying what failed, the gate and
@@ -23,15 +23,15 @@ from typing import Any
 from prefect import task
 from pydantic import BaseModel
 
-from dataset.parquet import image_record
-from dataset.spec import TransformSpec
+from dataset.formats.parquet import image_record
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig, PromoteConfig
 from reporting import artifacts, environment, pictures
 from reporting.logs import stage_logger
-from storage_io import StorageLayout, atomic_write_json, join, lease_path, read_json, storage_writes
+from storage_io import StorageLayout, atomic_write_json, lease_path, read_json, storage_writes
 from tasks.gate import champion_scorer
 from tasks.manifests import Evaluation
-from training import registry, registry_files, unchanged
+from training.champion import registry, registry_files, unchanged
 from training.manifests import TrainedModel
 
 

@@ -1,7 +1,7 @@
 """Stage 2: convert the run's data into Parquet splits that Ray Data reads in parallel.
 
-The layout, the manifest and the IDX conversion are in `dataset.parquet`; each source's fingerprint and
-conversion in its module (`dataset.source.source_of`). This stage names the build by a fingerprint of its
+The layout, the manifest and the IDX conversion are in `dataset.formats.parquet`; each source's fingerprint and
+conversion in its module (`dataset.sources.interface.source_of`). This stage names the build by a fingerprint of its
 inputs and settings, takes the dataset's build lock (a concurrent run building the same dataset waits,
 then reuses it), skips a build whose manifest verifies, and otherwise converts into a staging folder that
 is published whole.
@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from prefect import task
 
-from dataset import sizing
-from dataset.listing import cache_path
-from dataset.memory import release_memory
-from dataset.parquet import ParquetDataset, find_leakage, manifest_data, manifest_leakage, manifest_problem
-from dataset.source import Source, source_of
-from dataset.sources import RawData
+from dataset.formats.listing import cache_path
+from dataset.formats.parquet import ParquetDataset, find_leakage, manifest_data, manifest_leakage, manifest_problem
+from dataset.sources.interface import RawData, Source, source_of
+from dataset.tensors import sizing
+from dataset.tensors.memory import release_memory
 from pipeline_config import DEFAULT_WORKLOAD, ParquetConfig
 from reporting.logs import stage_logger
 from storage_io import (
@@ -40,7 +39,7 @@ class LeakageError(ValueError):
 
 def dataset_fingerprint(raw: RawData, cfg: ParquetConfig, image_size: int | str | None = None, storage_root: str | None = None) -> str:
     """Content key of a conversion: input checksums plus every setting that changes the output (the source's).
-    ``image_size``: ``auto`` is made concrete for the data first (`dataset.sizing`; ``storage_root``: its listing cache)."""
+    ``image_size``: ``auto`` is made concrete for the data first (`dataset.tensors.sizing`; ``storage_root``: its listing cache)."""
     source = source_of(raw)
     return source.fingerprint(raw, cfg.conversion_settings(), sizing.image_size_for(source, image_size, storage_root))
 
@@ -53,7 +52,7 @@ def to_parquet(
     """Convert the downloaded data to train/val/test Parquet (skipped when a verified build exists).
 
     ``image_size``: ``transform.image_size``, the square size a user's images are resized to; ``auto``: made
-    concrete for their own size (`dataset.sizing`), which the dataset then carries (``auto_from``) for the
+    concrete for their own size (`dataset.tensors.sizing`), which the dataset then carries (``auto_from``) for the
     transform's line.
     ``workload``: names the dataset folder, ``datasets/<workload>-<fingerprint>``.
     ``max_image_pixels``: ``download.max_image_pixels``, checked again as a user's images are read
@@ -98,7 +97,7 @@ def content_checked(source: Source, raw: RawData, storage_root: str) -> tuple[Ra
     """``raw`` with the sha256 of every file of a user's local folder read from its content, and what changed.
 
     The download stage took an unchanged file's sha256 from the listing cache, which trusts a file whose size and
-    modification time are those it recorded (`dataset.listing`); a file replaced keeping both named the old
+    modification time are those it recorded (`dataset.formats.listing`); a file replaced keeping both named the old
     dataset, and a forced retrain (``--no-promote.skip-unchanged``) trained on it again. Before a stored
     dataset is reused, the files are read once more; a changed one gives its new sha256 (another fingerprint:
     the data is converted again) and drops the folder's listing cache, which vouched for it. An ``s3://``
@@ -120,7 +119,7 @@ def content_checked(source: Source, raw: RawData, storage_root: str) -> tuple[Ra
 
 def _leakage(dataset: ParquetDataset) -> dict[str, dict]:
     """The dataset's validation and test rows that copy a training image: as its manifest records them, or found
-    now for a dataset converted before manifests recorded them (`dataset.parquet.find_leakage`)."""
+    now for a dataset converted before manifests recorded them (`dataset.formats.parquet.find_leakage`)."""
     recorded = manifest_leakage(read_json(join(dataset.directory, MANIFEST)) or {})
     return recorded if recorded is not None else find_leakage(dataset.directory)
 

@@ -33,13 +33,13 @@ from __future__ import annotations
 import ray
 from prefect import task
 
-from dataset.transform import TransformSpec
+from dataset.tensors.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig
 from reporting.logs import stage_logger
 from reporting.training_progress import training_progress_callbacks
 from storage_io import StorageLayout
-from training import weights
-from training.models import ModelSpec
+from training.model import weights
+from training.model.catalog import ModelSpec
 from training.resources import plan_cluster
 from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, torch_trainer
 

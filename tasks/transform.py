@@ -1,13 +1,13 @@
 """Stage 3: run the Ray Data transform over every split once, check what comes out, record it.
 
-The transform itself (`dataset.transform`) is lazy and built again by training and evaluation;
+The transform itself (`dataset.tensors.transform`) is lazy and built again by training and evaluation;
 this stage runs it over train, validation and test before any training starts, checks every
 batch (shape, dtype, finite values, label range, row counts) and writes ``transform.json``, so
 training consumes exactly what was checked. A split held in memory is checked through Ray Data; a
 streamed one is read here, a window at a time, through the same functions (`split_batches`).
 
 The checks are also recorded beside the Parquet files, per transform config
-(`dataset.transform.checks_record_path`). A later run whose to-parquet stage verified the same
+(`dataset.tensors.spec.checks_record_path`). A later run whose to-parquet stage verified the same
 dataset (every file's sha256) with the same config reuses them: the transform is a pure function
 of those two, so running every split again would check the same rows to the same result, for
 seconds of every start (docs/design.md).
@@ -17,20 +17,12 @@ from __future__ import annotations
 
 from prefect import task
 
-from dataset import normalization
-from dataset.memory import release_memory
-from dataset.parquet import ParquetDataset
-from dataset.transform import (
-    TransformSpec,
-    check_rows,
-    check_split,
-    checks_record,
-    checks_record_path,
-    fits_in_memory,
-    recorded_checks,
-    split_batches,
-    split_mb,
-)
+from dataset.formats.parquet import ParquetDataset
+from dataset.tensors import normalization
+from dataset.tensors.batches import check_rows, check_split
+from dataset.tensors.memory import release_memory
+from dataset.tensors.spec import checks_record, checks_record_path, recorded_checks, split_mb
+from dataset.tensors.transform import TransformSpec, fits_in_memory, split_batches
 from pipeline_config import TransformConfig
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_json, join, storage_writes

@@ -18,14 +18,14 @@ from __future__ import annotations
 import ray
 from prefect import task
 
-from dataset.source import source_for
-from dataset.transform import TransformSpec
+from dataset.sources.interface import source_for
+from dataset.tensors.transform import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, TrainConfig, TransformConfig, TuneConfig
 from reporting.artifacts import publish_tuning_report
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
-from training import weights
-from training.models import ModelSpec
+from training.model import weights
+from training.model.catalog import ModelSpec
 from training.trainer import is_infrastructure_failure
 from training.tuning import (
     BEST_CONFIG_FILE,

@@ -29,7 +29,7 @@ def pytest_configure(config):
     if absent and required():  # CI: nothing may be skipped for a missing part (before any worker starts)
         lines = "; ".join(part.missing_line() for part in absent)
         raise pytest.UsageError(f"{SYSTEM_PARTS_ENV}={REQUIRED} and {lines}")
-    from runner.ray_head import ensure_token, head_env
+    from runner.cluster.ray_head import ensure_token, head_env
 
     ensure_token(head_env())
 
@@ -120,7 +120,7 @@ def local_ray():
     """A real local Ray (2 CPUs) for the module, shut down afterwards."""
     import ray
 
-    from runner.runtime import LOCAL_RAY_SYSTEM_CONFIG  # as a run's own local Ray
+    from runner.cluster.ray_head import LOCAL_RAY_SYSTEM_CONFIG  # as a run's own local Ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config=LOCAL_RAY_SYSTEM_CONFIG)
     try:

@@ -22,18 +22,18 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from dataset.idx import iter_idx_rows, read_idx
-from dataset.inputs import MAX_IMAGES, read_folder
-from dataset.parquet import to_table
+from dataset.formats.idx import iter_idx_rows, read_idx
+from dataset.formats.inputs import MAX_IMAGES, read_folder
+from dataset.formats.parquet import to_table
 from pipeline_config import PipelineConfig
 from pipeline_config.data import MirrorChecksums
-from pipeline_config.tune import TuneConfig
 from pipeline_config.settings import MAX_CONFIG_VALUES, TuneSettings, parse_cli
+from pipeline_config.tune import TuneConfig
 from storage_io import StorageLayout
 from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
 from tests.support.registry import candidate, make_dataset
-from training import registry, registry_files
+from training.champion import registry, registry_files
 
 MODEL = "mnist-resnet18"
 

@@ -1,4 +1,4 @@
-"""The start-up benchmark's rows (`benchmarks.startup`): what its parsers make of real terminal lines, importtime
+"""The start-up benchmark's rows (`benchmarks.start.startup`): what its parsers make of real terminal lines, importtime
 output and /proc files, and its quick mode end to end. Speed and memory goals are the benchmark's rows, never asserted here."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from benchmarks import startup
+from benchmarks.start import startup
 from tests.support.cli import ROOT
 
 # What a run's terminal says (README, "What you will see"), with each line's arrival time.
@@ -109,7 +109,7 @@ def test_every_row_formats_as_one_table_row():
 @pytest.mark.slow
 def test_quick_startup_benchmark_writes_its_rows(tmp_path):
     out = tmp_path / "startup.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.startup", "--quick", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.start.startup", "--quick", "--out", str(out)],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     cli, memory = json.loads(out.read_text())["rows"]

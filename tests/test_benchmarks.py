@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import device_rows
 from benchmarks.run import format_table
+from benchmarks.speed import accuracy, device_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,7 +26,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert result["model"] == "training.models:small_cnn"  # quick: the small CNN on both sides of every row
+    assert result["model"] == "training.model.catalog:small_cnn"  # quick: the small CNN on both sides of every row
     kinds = [row["benchmark"] for row in result["rows"]]
     assert kinds == [
         "data path", "conversion peak RSS", "fixed overhead", "deployment path, flow start to first training step",
@@ -126,22 +126,22 @@ def test_quick_benchmark_writes_every_row(tmp_path):
 
 
 def test_step_parts_times_every_part_of_a_step_both_ways(monkeypatch):
-    """`benchmarks.step_parts` on the small CNN: every part timed, old and new, and the step ratio from them."""
-    from benchmarks import MODEL_ENV, step_parts
-
-    monkeypatch.setenv(MODEL_ENV, "training.models:small_cnn")
+    """`benchmarks.speed.step_parts` on the small CNN: every part timed, old and new, and the step ratio from them."""
+    from benchmarks import MODEL_ENV
+    from benchmarks.speed import step_parts
+    monkeypatch.setenv(MODEL_ENV, "training.model.catalog:small_cnn")
     row = step_parts.measure(batch=8, steps=2, rounds=1)
     parts = ("forward_backward_ms", "adamw_default_ms", "adamw_fused_ms", "ema_per_tensor_ms", "ema_grouped_ms")
-    assert row["model"] == "training.models:small_cnn" and row["batch"] == 8 and all(row[p] > 0 for p in parts)
+    assert row["model"] == "training.model.catalog:small_cnn" and row["batch"] == 8 and all(row[p] > 0 for p in parts)
     old = row["forward_backward_ms"] + row["adamw_default_ms"] + row["ema_per_tensor_ms"]
     new = row["forward_backward_ms"] + row["adamw_fused_ms"] + row["ema_grouped_ms"]
     assert row["step_ratio"] == pytest.approx(old / new, abs=0.001)
 
 
 def test_quick_recipe_benchmark_trains_both_sides_of_every_cell(tmp_path):
-    """`python -m benchmarks.recipe --quick`: each of the four generated workloads, both sides trained and
+    """`python -m benchmarks.speed.recipe --quick`: each of the four generated workloads, both sides trained and
     scored on its test images (accuracy a fraction of them), the table made from the rows, the machine named."""
-    from benchmarks import recipe
+    from benchmarks.speed import recipe
 
     out = tmp_path / "recipe.json"
     assert recipe.main(["--quick", "--out", str(out)]) == 0
@@ -149,7 +149,7 @@ def test_quick_recipe_benchmark_trains_both_sides_of_every_cell(tmp_path):
     rows = result["rows"]
     assert [row["workload"] for row in rows] == ["shapes", "glyphs", "textures", "dots"]
     for row in rows:
-        assert row["budget"] == "quick" and row["model"] == "training.models:small_cnn" and row["steps"] >= 12
+        assert row["budget"] == "quick" and row["model"] == "training.model.catalog:small_cnn" and row["steps"] >= 12
         # Accuracy is a count of the workload's test images (10 a class in quick mode), rounded to 4 places.
         for side in ("plain", "ours"):
             correct = row[side] * row["test_images"]
@@ -175,7 +175,7 @@ def test_the_gpu_row_says_why_it_did_not_run_on_a_machine_without_a_gpu(tmp_path
     assert row == {"benchmark": "training throughput on the device (1 worker, precision auto)",
                    "device": device_rows.device_name(), "skipped": no_gpu}
     assert row["device"].startswith("CPU: ")
-    reach = device_rows.measure_time_to_accuracy(tmp_path, tmp_path / "no-mirror", {}, epochs=1, target=0.99)
+    reach = accuracy.measure_time_to_accuracy(tmp_path, tmp_path / "no-mirror", {}, epochs=1, target=0.99)
     assert reach == {"benchmark": "time to accuracy at full size on the device", "device": row["device"], "skipped": no_gpu}
     table = format_table([row, reach])  # both print as rows that say why, with no figure
     assert table.count(f"| {row['device']} | | | | not run: {no_gpu} |") == 2

@@ -1,10 +1,10 @@
 """The captured training step (issue 71), checked on a CPU: its eager form trains the same weights as the
 eager step, bit for bit, reads nothing back from the device per step, and is chosen where a graph can hold it.
 
-No GPU here: `training.captured_step.CapturedStep` with ``capture=False`` runs the very code a CUDA graph
+No GPU here: `training.worker.captured_step.CapturedStep` with ``capture=False`` runs the very code a CUDA graph
 captures (learning rate and decay read from device tables by device counters, fixed gradient tensors, the
 capturable AdamW's tensor learning rate), so what it computes is checked here; the replay itself needs a GPU
-(`benchmarks.gpu_step` measures it there, docs/performance.md).
+(`benchmarks.speed.gpu_step` measures it there, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import torch
 
 from pipeline_config import TrainConfig
 from tests.support.shards import Rows
-from training.captured_step import CapturedStep, use_captured_step
-from training.guard import preemption_cadence
-from training.loop import LoopConfig, attach_step, start_attempt, train_epoch
-from training.models import ModelSpec
+from training.model.catalog import ModelSpec
 from training.trainer import loop_config
+from training.worker.captured_step import CapturedStep, use_captured_step
+from training.worker.guard import preemption_cadence
+from training.worker.loop import LoopConfig, attach_step, start_attempt, train_epoch
 
 RESNET = ModelSpec(name="resnet18", in_channels=1, num_classes=10)
 
@@ -34,7 +34,7 @@ def _attempt(cuda_graph: str, rows: int, batch: int = 8, ema_decay: float = 0.9,
 @pytest.mark.parametrize("ema_decay", [0.9, 0.0])
 def test_the_captured_steps_eager_form_trains_the_eager_steps_weights(ema_decay):
     """Two epochs of 44 rows at batch 8 (five full steps and a short one each): the same weights, moving average
-    (BatchNorm's counters included), AdamW state, learning rates and epoch totals as `training.loop._train_step`, bit for
+    (BatchNorm's counters included), AdamW state, learning rates and epoch totals as `training.worker.loop.train_step`, bit for
     bit (with a float32 learning rate on the CPU they drifted 3e-5 apart in two steps: Adam magnifies early differences)."""
     eager, captured = (_attempt(choice, 44, ema_decay=ema_decay, epochs=2) for choice in ("off", "on"))
     assert eager.captured is None and isinstance(captured.captured, CapturedStep) and not captured.captured.capture

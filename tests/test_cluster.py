@@ -28,13 +28,12 @@ import shutil
 import subprocess
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 
 from tests.support.cluster import DRAIN_S, DockerCluster, default_image, docker
 from tests.support.models import SMALL_MODEL_ARGS, pause_env
-from training.faults import FAULT_ENV
+from training.worker.faults import FAULT_ENV
 
 pytestmark = pytest.mark.cluster
 

@@ -114,7 +114,7 @@ def test_the_workload_names_runs_artifacts_and_the_registry_and_mnist_keeps_its_
     }
     assert tune_keys() == {"trials": "mnist-tune-trials", "trial_curves": "mnist-tune-curves"}
 
-    other = PipelineConfig(workload="rgb-shapes", model={"name": "training.models:small_cnn"})
+    other = PipelineConfig(workload="rgb-shapes", model={"name": "training.model.catalog:small_cnn"})
     assert other.registry_name == "rgb-shapes-small-cnn"
     assert run_name_prefix(other) == "rgb-shapes" and run_name_prefix(TunePipelineConfig(workload="rgb-shapes")) == "rgb-shapes-tune"
     assert set(artifact_keys("rgb-shapes").values()) == {key.replace("mnist-", "rgb-shapes-", 1) for key in artifact_keys().values()}

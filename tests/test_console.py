@@ -13,7 +13,7 @@ from prefect.logging.handlers import PrefectConsoleHandler
 from pipeline_config import TrainConfig
 from runner import console, watchers
 from runner.summary import RunSummary
-from training.records import record_epoch
+from training.checkpoint.records import record_epoch
 
 
 def test_duration_reads_like_a_clock():

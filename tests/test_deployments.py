@@ -42,7 +42,14 @@ from deployments.serve import (
 from flows.mnist import mnist_pipeline
 from flows.train import train_pipeline
 from flows.tune import TUNE_STAGE_CPUS, mnist_tune
-from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, TuneConfig, TunePipelineConfig, registry_model_name
+from pipeline_config import (
+    DEFAULT_WORKLOAD,
+    ModelConfig,
+    PipelineConfig,
+    TuneConfig,
+    TunePipelineConfig,
+    registry_model_name,
+)
 from pipeline_config.settings import load_preset
 from reporting.artifacts import artifact_keys, comparison_keys, tune_keys
 from tests.support.images import CLASSES as SHAPE_CLASSES
@@ -66,7 +73,7 @@ from tests.support.prefect_server import (
     ui_run_body,
     wait_for,
 )
-from training.faults import paused, release_pauses
+from training.worker.faults import paused, release_pauses
 
 ROOT = Path(__file__).resolve().parent.parent
 MNIST_ENTRYPOINT, TUNE_ENTRYPOINT = "flows/mnist.py:mnist_pipeline", "flows/tune.py:mnist_tune"
@@ -263,7 +270,7 @@ PAUSE = pause_env(epoch=CANCELLED_EPOCHS - 1, step=0)
 
 def release_other_pauses(storage: Path, stop: threading.Event) -> None:
     """Let any other run (or tune trial) that reaches the serve process's pause go on at once, so a
-    multi-epoch run added here later is not held for training.faults.PAUSE_MAX_S."""
+    multi-epoch run added here later is not held for training.worker.faults.PAUSE_MAX_S."""
     while not stop.wait(0.5):
         for faults in [*storage.glob("runs/*/faults"), *storage.glob("runs/*/trials/*/faults")]:
             held = [m for m in paused(str(faults)) if not Path(m.removesuffix(".fired") + ".release").exists()]

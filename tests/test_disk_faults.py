@@ -28,8 +28,8 @@ import pytest
 import torch
 from ray.train import ControllerError, WorkerGroupError
 
-from dataset.parquet import ParquetDataset, verify_manifest
-from dataset.sources import RawData
+from dataset.formats.parquet import ParquetDataset, verify_manifest
+from dataset.sources.interface import RawData
 from pipeline_config import CleanupConfig, ParquetConfig, TrainConfig, TransformConfig
 from storage_io import StorageLayout, StorageWriteError, atomic_write_json, exists, join, storage_writes, upload_dir
 from tasks.cleanup import cleanup, incomplete_checkpoints
@@ -40,15 +40,20 @@ from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.parquet import read_split
 from tests.support.runs import torchvision_resnet18_seed_style
-from training.checkpoints import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
-from training.model import (
-    CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, SEEDS_MODEL, checkpoint_problem, load_state, save_checkpoint_files,
+from training.checkpoint.files import checkpoint_problem
+from training.checkpoint.in_attempt import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
+from training.checkpoint.model_files import (
+    CHECKSUMS_FILE,
+    MODEL_FILE,
+    OPTIMIZER_FILE,
+    SEEDS_MODEL,
+    load_state,
+    save_checkpoint_files,
 )
+from training.manifests import RAY_TRAIN_SNAPSHOT, UnreadableSnapshot
 from training.trainer import (
-    RAY_TRAIN_SNAPSHOT,
     CheckpointInfo,
     TrainedModel,
-    UnreadableSnapshot,
     is_infrastructure_failure,
     raise_storage_failure,
     storage_failure,
@@ -310,7 +315,7 @@ def checkpoint_folders(run_dir: Path) -> list[str]:
 def test_a_root_that_fills_during_training_fails_naming_the_checkpoint_and_the_same_run_resumes(tmp_path, local_ray):
     """Real training on a 200 MB root: epoch 0's checkpoint (about 135 MB) fits, epoch 1's does not.
 
-    A run this short (a few optimizer steps) has no weight average (`training.recipe.plan_for`), so a checkpoint
+    A run this short (a few optimizer steps) has no weight average (`training.worker.recipe.plan_for`), so a checkpoint
     is ResNet-18's weights and AdamW's two moments: three copies of about 45 MB.
 
     Ray Train's restart (max_failures=1) resumes from epoch 0 and fails the same way; the stage's

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-import dataset.sources as dl
-from dataset.fetch import ChecksumMismatchError, DownloadError, SourceUnreachableError, is_transient
-from dataset.sources import official_reachable
+import dataset.sources.mnist_files as dl
+from dataset.sources.fetch import ChecksumMismatchError, DownloadError, SourceUnreachableError, is_transient
+from dataset.sources.mnist_files import official_reachable
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
 from pipeline_config.data import DownloadConfig, MirrorChecksums
 from storage_io import StorageLayout, sha256_file

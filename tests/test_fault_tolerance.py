@@ -43,13 +43,13 @@ from ray.exceptions import ActorDiedError
 from ray.train import WorkerGroupError
 
 from tests.support.digits import real_digits_mirror
-from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_for_pause
 from tests.support.mlflow_server import MlflowServer
+from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_for_pause
 from tests.support.prefect_server import api_env
 from tests.support.ray_cluster import SharedRay, join_env
-from training.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
-from training.records import HISTORY_FILE, read_history
+from training.checkpoint.records import HISTORY_FILE, read_history
 from training.trainer import is_infrastructure_failure
+from training.worker.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_fault_spec_parses_and_rejects_bad_parts():
 def test_kill_fires_once_per_run(tmp_path):
     """The first matching step SIGKILLs the process; the restarted attempt finds the marker and runs on."""
     code = (
-        "import sys; from training.faults import FaultInjector; "
+        "import sys; from training.worker.faults import FaultInjector; "
         f"FaultInjector({str(tmp_path / 'faults')!r}, rank=1, spec='kill:rank=1:epoch=0:step=2').check(0, 2); "
         "print('survived')"
     )
@@ -192,7 +192,7 @@ def test_worker_kills_are_recovered_by_ray_train_then_by_prefect_retry(tmp_path,
     epoch through a worker restart and a Prefect retry, and its promoted model is the registered
     model's champion; the reference run loses its MLflow server mid-training and completes anyway.
     Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): runs on one
-    cluster take turns (`runner.cluster_slot`; tests/test_shared_cluster.py), so there the reference
+    cluster take turns (`runner.cluster.cluster_slot`; tests/test_shared_cluster.py), so there the reference
     run would end before the killed one began, and the killed run would never wait on the other's
     dataset build. (Before the turns, the two runs deadlocked on the
     session's 2-CPU cluster: each sized its training placement group from the cluster's CPUs as if it

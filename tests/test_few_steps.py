@@ -1,6 +1,6 @@
 """A run too short to learn is said before training: the optimizer steps it makes, and the fix (issue 45).
 
-The step count is the training loop's own (`training.loop.start_attempt`); the warning reaches the
+The step count is the training loop's own (`training.worker.loop.start_attempt`); the warning reaches the
 terminal, the training report and ``summary.json``.
 """
 
@@ -16,20 +16,20 @@ import torch
 from prefect.logging.configuration import ensure_logging_setup
 from prefect.logging.handlers import PrefectConsoleHandler
 
-from dataset.parquet import ParquetDataset
+from dataset.formats.parquet import ParquetDataset
+from flows.stages import TRAIN
+from flows.train import STAGES
 from pipeline_config import PipelineConfig, TrainConfig
 from pipeline_config.learning import FEW_STEPS, steps_per_epoch
 from reporting.artifacts import training_markdown
 from runner import console
-from flows.stages import TRAIN
-from flows.train import STAGES
 from runner.stages import StageRecorder
 from storage_io import StorageLayout
-from training.loop import LoopConfig, start_attempt
-from training.models import ModelSpec
+from training.model.catalog import ModelSpec
 from training.trainer import TrainedModel, loop_config
+from training.worker.loop import LoopConfig, start_attempt
 
-SMALL = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+SMALL = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
 SHORT = (
     "this run makes 24 optimizer steps (190 training images / global batch 128 = 2 steps an epoch x 12 epochs); "
     "the default recipe needs about 100 or more to learn: lower train.global_batch_size (e.g. 16 gives 144) "

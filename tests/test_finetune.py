@@ -1,4 +1,4 @@
-"""model.weights: a fresh training run starting from weights you have (training/weights.py).
+"""model.weights: a fresh training run starting from weights you have (training/model/weights.py).
 
 Key matching on real state dicts saved with torch.save (torchvision's ResNet-18 with 3 channels and
 1000 classes into ours for 1 channel and 10; small_cnn across channels and classes): what fits is
@@ -24,13 +24,13 @@ from pipeline_config import PipelineConfig, TrainConfig
 from storage_io import StorageLayout, atomic_write_bytes, join
 from tests.support.models import SMALL_MODEL
 from tests.support.registry import make_dataset
-from training import registry
-from training.checkpoints import checkpoint_extra
-from training.loop import LoopConfig, start_attempt
-from training.model import CHECKSUMS_FILE, MODEL_FILE, save_checkpoint_files
-from training.models import ModelSpec, build_model
+from training.champion import registry
+from training.checkpoint.in_attempt import checkpoint_extra
+from training.checkpoint.model_files import CHECKSUMS_FILE, MODEL_FILE, save_checkpoint_files
+from training.model.catalog import ModelSpec, build_model
+from training.model.weights import WeightsError, check, for_training, match, read_state, start_from
 from training.trainer import loop_config
-from training.weights import WeightsError, check, for_training, match, read_state, start_from
+from training.worker.loop import LoopConfig, start_attempt
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -221,7 +221,7 @@ def test_the_flow_refuses_a_deployments_run_naming_model_weights_before_any_work
 
 def pretrained_small_cnn(seed: int = 0) -> torch.nn.Module:
     """small_cnn trained in this process by a plain loop on the shapes workload (3 classes, 32x32 RGB)."""
-    from benchmarks.workloads import make
+    from benchmarks.data.workloads import make
 
     data = make("shapes", train_per_class=200, test_per_class=1, seed=seed + 100)
     images = (torch.from_numpy(data.train_x).permute(0, 3, 1, 2).float() / 255 - 0.5) / 0.5  # the flow's mean/std below
@@ -243,7 +243,7 @@ def pretrained_small_cnn(seed: int = 0) -> torch.nn.Module:
 
 def two_shapes_folder(root: Path) -> Path:
     """Another workload: discs and triangles only (2 classes, other images), as an image folder."""
-    from benchmarks.workloads import Workload, make, write_folder
+    from benchmarks.data.workloads import Workload, make, write_folder
 
     data = make("shapes", train_per_class=40, test_per_class=60, seed=7)
     keep_train, keep_test = data.train_y != 1, data.test_y != 1  # no squares

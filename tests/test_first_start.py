@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from runner.runtime import START_FAILED_EXIT_CODE
+from runner.cluster.runtime import START_FAILED_EXIT_CODE
 from runner.server_process import LOG_NAME
 from tests.support.cli import CliRun, alive, wait_gone
 
 # What a user's shell might set that would make the start not a first one (or not the default one).
 NOT_FRESH = ["PREFECT_API_URL", "PREFECT_PROFILES_PATH", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS",
              "PREFECT_API_DATABASE_CONNECTION_URL", "RAY_ADDRESS", "RAY_AUTH_MODE"]
-SMALL_MODEL = ["--model.name", "training.models:small_cnn"]  # a tiny CNN: the run is about the start, not training
+SMALL_MODEL = ["--model.name", "training.model.catalog:small_cnn"]  # a tiny CNN: the run is about the start, not training
 
 
 def fresh_home(tmp_path: Path) -> tuple[Path, dict[str, str]]:
@@ -77,7 +77,7 @@ def test_a_first_start_on_a_fresh_home_completes_while_both_cores_are_busy(tmp_p
     assert "Traceback" not in out, out[-3000:]
     assert run.summary()["status"] == "completed"
     assert (home / ".ray" / "auth_token").is_file()  # Ray's token authentication on a fresh ~/.ray
-    # ... said once, by the run's Ray line (the token's file), not by Ray's own WARNING (runner.ray_init)
+    # ... said once, by the run's Ray line (the token's file), not by Ray's own WARNING (runner.cluster.ray_init)
     assert "Token authentication is enabled" not in out, out[:3000]
     assert "(token: ~/.ray/auth_token)" in out, out[:3000]
     assert (home / ".prefect" / LOG_NAME).is_file()  # the temporary server's own output

@@ -1,7 +1,7 @@
 """The real flow end to end: smoke preset, real local Ray (2 CPUs, 2 training workers), real Prefect API
 (the session's shared server, ``shared_server``: these runs are not about starting one).
 
-Every run trains the small model (``training.models:small_cnn``, tests/support/models.py): these
+Every run trains the small model (``training.model.catalog:small_cnn``, tests/support/models.py): these
 tests prove the stages, the gate, promotion and the Ray connection, not the network. The seeds'
 checkpoint contract (model.pt loads into a torchvision ResNet-18 built the seeds' way) is checked
 on the ResNet-18 run of tests/test_default_recipe.py.
@@ -35,7 +35,8 @@ from prefect.client.schemas.filters import (
     LogFilterTaskRunId,
 )
 
-from flows.mnist import STAGE_CPUS, mnist_pipeline
+from flows.mnist import mnist_pipeline
+from flows.train import STAGE_CPUS
 from pipeline_config import DEFAULT_WORKLOAD, registry_model_name
 from pipeline_config.evaluation import OWN_GATES
 from pipeline_config.settings import parse_cli
@@ -44,8 +45,8 @@ from tests.support.digits import shuffled_labels_mirror
 from tests.support.models import SMALL_MODEL, SMALL_MODEL_ARGS
 from tests.support.prefect_server import api_env, using_api
 from tests.support.ray_cluster import join_env
-from training.model import checkpoint_model, load_model
-from training.models import ModelSpec, small_cnn
+from training.checkpoint.model_files import checkpoint_model, load_model
+from training.model.catalog import ModelSpec, small_cnn
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

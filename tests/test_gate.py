@@ -28,6 +28,7 @@ from tasks.gate import beating, gate_for, lower_bound
 from tests.support.cli import ROOT
 from tests.support.gate_data import TEST_ROWS, digit_dataset, digits_8x8, write_digit_folder
 
+
 def test_the_lower_bound_leaves_room_for_the_test_sets_noise():
     assert lower_bound(1.0, 45) == pytest.approx(0.8333, abs=1e-4)  # a perfect score on 45 images: not a 100% gate
     assert lower_bound(0.81, 540) == pytest.approx(0.7539, abs=1e-3)
@@ -53,7 +54,7 @@ def test_the_probe_scores_the_test_split_by_the_nearest_class_mean(tmp_path):
 
 def test_the_gate_is_the_users_then_the_datas_own_then_the_champions_then_the_baseline(tmp_path):
     from tests.support.registry import candidate
-    from training import registry
+    from training.champion import registry
 
     dataset = digit_dataset(tmp_path / "digits")
     root = str(tmp_path / "root")

@@ -14,24 +14,24 @@ import io
 import numpy as np
 import pytest
 
-from dataset.parquet import image_record
-from dataset.spec import TransformSpec
+from dataset.formats.parquet import image_record
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import EvaluateConfig, TransformConfig
 from storage_io import StorageLayout, atomic_write_bytes, join
 from tasks.baseline import class_counts
 from tasks.gate import beating, champion_scorer, gate_for, lower_bound
 from tasks.manifests import Evaluation
 from tasks.promote import known_scores
-from tests.support.registry import make_dataset
 from tests.support.gate_data import TEST_ROWS, digit_dataset, digits_8x8, noise_dataset
-from training import registry, registry_files
-from training.model import MODEL_FILE
-from training.models import ModelSpec
+from tests.support.registry import make_dataset
+from training.champion import registry, registry_files
+from training.checkpoint.model_files import MODEL_FILE
+from training.model.catalog import ModelSpec
 
 MODEL = "digits-small-cnn"
 
 
-SMALL = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+SMALL = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
 
 
 def small_champion(layout: StorageLayout, dataset_dir: str, classes: list[str]) -> registry.Candidate:
@@ -99,7 +99,7 @@ def majority_only_checkpoint(folder, spec) -> str:
     """A real small CNN whose last layer answers class 0 whatever the image: zero weights, bias for class 0."""
     import torch
 
-    from training.model import save_checkpoint_files
+    from training.checkpoint.model_files import save_checkpoint_files
 
     model = spec.build()
     last = [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
@@ -123,7 +123,7 @@ def test_a_model_that_always_answers_the_majority_class_is_not_promoted_and_the_
 
     layout = StorageLayout.create(str(tmp_path / "root"), "imbalanced")
     dataset = noise_dataset(tmp_path / "imbalanced", train=[970, 30], test=[970, 30], classes=["common", "rare"])
-    model = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=2)
+    model = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=2)
     checkpoint = majority_only_checkpoint(tmp_path / "root" / "runs" / "imbalanced" / "checkpoint_000000", model)
     trained = TrainedModel(run_dir=layout.run_dir, model=model, best_checkpoint=checkpoint, best_val_accuracy=0.97,
                            checkpoints=[CheckpointInfo(path=checkpoint, epoch=0, val_accuracy=0.97)], history=[],
@@ -147,7 +147,7 @@ def test_a_model_that_always_answers_the_majority_class_is_not_promoted_and_the_
 
 def test_a_damaged_champion_from_other_data_is_not_scored_and_the_datas_baseline_holds(tmp_path):
     """Its weights fail their checksum: scoring them would fail the evaluation; the baseline holds instead, and
-    promotion names the damage (`training.registry`)."""
+    promotion names the damage (`training.champion.registry`)."""
     root = str(tmp_path / "root")
     layout = StorageLayout.create(root, "setup")
     dataset = digit_dataset(tmp_path / "digits")

@@ -22,19 +22,19 @@ from runner.harness import checked_settings, close_cli
 from runner.summary import outcome_of
 from storage_io import read_lines
 from tests.support.shards import Rows
-from training.checkpoints import Position, checkpoint_extra, load_checkpoint
-from training.device import autocast, pick_device, resolve_precision
+from training.checkpoint.in_attempt import Position, checkpoint_extra, load_checkpoint
+from training.checkpoint.model_files import EXTRA_STATE_FILE, load_state, save_checkpoint_files
+from training.checkpoint.records import record_attempt
 from training.inference import actor_gpus
-from training.loop import LoopConfig, start_attempt, train_epoch, validate
-from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
-from training.models import ModelSpec
-from training.recipe import ema_decay_at, make_ema
-from training.records import record_attempt
+from training.model.catalog import ModelSpec
 from training.resources import GPU_WORKER_CPUS, DoesNotFit, plan_cluster
 from training.trainer import last_compute, loop_config
 from training.tuning import plan_trials
+from training.worker.device import autocast, pick_device, resolve_precision
+from training.worker.loop import LoopConfig, start_attempt, train_epoch, validate
+from training.worker.recipe import ema_decay_at, make_ema
 
-SMALL = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+SMALL = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
 
 
 # The resource plan: (cluster CPUs, GPUs, train.num_workers) -> (GPU?, workers, CPUs a worker, torch threads).
@@ -260,7 +260,7 @@ def _row_ids(batches) -> list[list[int]]:
 
 def test_the_loop_takes_whole_steps_from_ray_data_and_cuts_them_in_the_same_order():
     """Fewer, larger batches from Ray Data (each costs the host about 2 ms on a GPU), the steps exactly as before."""
-    from training.feeding import FEED_BYTES, FEED_ROWS, batches, feed_rows
+    from training.worker.feeding import FEED_BYTES, FEED_ROWS, batches, feed_rows
 
     assert feed_rows(64, (1, 28, 28)) == 512 and feed_rows(512, (1, 28, 28)) == 512 and feed_rows(1000, None) == 1000
     assert feed_rows(64, (3, 224, 224)) == 64  # 38 MB of images a step already: one step at a time
@@ -278,7 +278,7 @@ def test_a_last_batch_of_one_image_joins_the_step_before_and_every_row_trains_on
     """ResNet-18 on 28x28 ends in a 1x1 block: a training step of one image fails in BatchNorm ("Expected more than
     1 value per channel"). The loop folds such a tail into the step before (alone in its epoch, it is left out);
     validation, in eval mode, scores every row."""
-    from training.feeding import batches
+    from training.worker.feeding import batches
 
     cfg = TrainConfig(global_batch_size=8)
     resnet = ModelSpec(name="resnet18", in_channels=1, num_classes=10)

@@ -20,10 +20,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from benchmarks import recipe as recipe_bench
-from dataset import folder
-from dataset.inputs import NO_LABEL, read_folder
-from dataset.parquet import MNIST_CLASSES, ParquetDataset, images_from_column, manifest_data
+from benchmarks.speed import recipe as recipe_bench
+from dataset.formats import folder
+from dataset.formats.inputs import NO_LABEL, read_folder
+from dataset.formats.parquet import MNIST_CLASSES, ParquetDataset, images_from_column, manifest_data
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import MANIFEST, read_json, sha256_json
 from tasks.download import download
@@ -124,7 +124,7 @@ def test_stratified_split_is_seeded_and_keeps_every_class():
 
 
 def test_mnist_fingerprint_and_manifest_fallback_are_unchanged():
-    from dataset.sources import RawData
+    from dataset.sources.interface import RawData
 
     raw = RawData(source="sample", url="file:///x/", directory="/x", files={"a.gz": "0" * 64}, skipped=True)
     before = sha256_json({"v": 1, "inputs": raw.files, "cfg": {"rows_per_file": 1000, "rows_per_group": 1000, "validation_every": 20}})
@@ -149,7 +149,7 @@ def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_p
     val = pq.read_table(Path(dataset.directory) / "val")
     assert sorted(val.column("label").to_pylist()) == [0, 0, 1, 1, 2, 2]
     # Training rows in a seeded random order, not class by class: a streamed window of a few row groups
-    # mixes the classes (dataset.windows); row ids still count up through the files.
+    # mixes the classes (dataset.tensors.windows); row ids still count up through the files.
     train = pq.read_table(Path(dataset.directory) / "train")
     labels = train.column("label").to_pylist()
     assert train.column("row_id").to_pylist() == sorted(train.column("row_id").to_pylist())
@@ -201,7 +201,7 @@ def test_differing_sizes_need_image_size_and_grayscale_stays_one_channel(tmp_pat
 
 
 def test_cleanup_never_selects_a_users_folder(tmp_path):
-    from dataset.sources import RawData
+    from dataset.sources.interface import RawData
     from pipeline_config import CleanupConfig
     from tasks.cleanup import plan
 
@@ -234,10 +234,10 @@ def test_predict_reads_class_folders_labelled_and_flat_folders_unlabelled(tmp_pa
 
 
 def folder_workload(root: Path):
-    """An image folder (train/ and test/ class folders) as `benchmarks.workloads.Workload` arrays."""
+    """An image folder (train/ and test/ class folders) as `benchmarks.data.workloads.Workload` arrays."""
     from PIL import Image
 
-    from benchmarks.workloads import Workload
+    from benchmarks.data.workloads import Workload
 
     classes = tuple(sorted(p.name for p in (root / "train").iterdir()))
     arrays = []
@@ -273,7 +273,7 @@ def test_the_extending_guide_runs_as_written(tmp_path, shared_server, shared_ray
     evaluation, a champion, predict reproducing the evaluation's accuracy. And the recipe at a short
     budget (the guide's 160 optimizer steps): the run scores, without test-time augmentation, within
     two test images of a plain constant-rate AdamW loop given the same images, model, batch, epochs
-    and seed in this test (`benchmarks.recipe.plain`; 2 of 45 images is 4.4 points).
+    and seed in this test (`benchmarks.speed.recipe.plain`; 2 of 45 images is 4.4 points).
     (The session's Prefect server and Ray cluster, ``shared_ray``, as a deployment's runs have them: this run
     is not about starting either. The guide's commands stay as written; the cluster is named in the
     environment, ``PIPELINE_RAY__ADDRESS``. The user's model module is imported by this run's own Ray workers,

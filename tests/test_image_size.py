@@ -5,7 +5,7 @@ chosen named in the transform's line, everything else kept as it was.
 the same at 32 px 99.81%). Real parts: Parquet folders of PNG pictures as the Hugging Face ``datasets`` library
 writes them (converted without Ray), the download and to-parquet stages' own functions on a real storage root,
 the bundled MNIST sample, the command line's checks before any work. What the enlarged images score against the
-same images at 32 px is `benchmarks/tiny_images.py`'s, a full training run each (docs/performance.md).
+same images at 32 px is `benchmarks/data/tiny_images.py`'s, a full training run each (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataset.spec import TransformSpec
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import DownloadConfig, ParquetConfig, PipelineConfig, TransformConfig
 from pipeline_config.data import AUTO_IMAGE_SIZE, AUTO_MIN_SIDE, auto_image_size
 from tasks.download import download
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tests.support.images import CLASSES
 from tests.support.parquet_hf import shapes, write_table
-from training import unchanged
+from training.champion import unchanged
 
 
 def hf_folder(root, size: int, gray: bool = True):
@@ -88,7 +88,7 @@ def test_tiny_images_pass_the_models_trial_before_any_work_enlarged(tmp_path):
 
     data = hf_folder(tmp_path / "tiny7", 7)
     args = ["--download.source", "parquet", "--download.path", str(data), "--storage-root", str(tmp_path / "storage"),
-            "--model.name", "training.models:small_cnn"]
+            "--model.name", "training.model.catalog:small_cnn"]
     _, config, _ = checked_settings(args, _CheckedTrainSettings)
     assert config.transform.image_size == "auto"  # recorded as chosen: the card says auto, predict reads at the model's size
     with pytest.raises(ValueError, match="images of 7x7 pixels are too small"):
@@ -98,7 +98,7 @@ def test_tiny_images_pass_the_models_trial_before_any_work_enlarged(tmp_path):
 def test_predict_reads_images_at_the_models_size_for_a_card_of_auto(tmp_path):
     from PIL import Image
 
-    from dataset.inputs import read_folder
+    from dataset.formats.inputs import read_folder
 
     folder = tmp_path / "in" / CLASSES[0]
     folder.mkdir(parents=True)

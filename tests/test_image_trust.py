@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataset import folder, images
-from dataset.inputs import read_folder
-from dataset.parquet import SPLITS, _SplitWriter, build_manifest, schema_for, to_table
+from dataset.formats import folder, images
+from dataset.formats.inputs import read_folder
+from dataset.formats.parquet import SPLITS, SplitWriter, build_manifest, schema_for, to_table
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import MANIFEST, atomic_write_json
 from tasks.download import download
@@ -157,7 +157,7 @@ def test_skipped_files_and_dangling_links_are_counted_and_named(tmp_path, layout
 def store_dataset(directory: Path, fingerprint: str, inputs: dict[str, str]) -> None:
     """A published dataset (real Parquet and manifest) of one 20x20 RGB row per split."""
     for row_id, split in enumerate(SPLITS):
-        writer = _SplitWriter(directory / split, ParquetConfig(), schema_for(SIZE * SIZE * 3))
+        writer = SplitWriter(directory / split, ParquetConfig(), schema_for(SIZE * SIZE * 3))
         writer.write(to_table(np.array([row_id]), np.full((1, SIZE * SIZE * 3), row_id, np.uint8), np.array([0])))  # no copies across splits
         writer.close()
     manifest = build_manifest(directory, fingerprint, inputs, dict.fromkeys(SPLITS, 1), (3, SIZE, SIZE), ["a", "b"])

@@ -1,9 +1,9 @@
-"""The listing cache of an image folder (dataset/listing.py): an unchanged folder is listed, not read again.
+"""The listing cache of an image folder (dataset/formats/listing.py): an unchanged folder is listed, not read again.
 
 Real PNG folders in tmp_path (the tests' RGB workload, tests/support/images.py) and a real local
 storage root. What was read is counted through the seams the cache saves: the hash
-(`dataset.listing.sha256_file`), the full decode (`dataset.images.check_image`) and the header
-read (`dataset.folder._read_image`), each wrapped to count and then do the real work.
+(`dataset.formats.listing.sha256_file`), the full decode (`dataset.formats.images.check_image`) and the header
+read (`dataset.formats.folder._read_image`), each wrapped to count and then do the real work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataset import folder, images, listing
+from dataset.formats import folder, images, listing
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import StorageLayout, read_json
 from tasks.download import list_folder
@@ -226,7 +226,7 @@ def test_a_bucket_folder_on_a_bucket_root_is_listed_not_read_again(tmp_path, s3_
 
 
 def test_the_benchmark_prints_its_table(capsys):
-    from benchmarks import listing as bench
+    from benchmarks.data import listing as bench
 
     assert bench.main(["--images", "20", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from dataset import folder
+from dataset.formats import folder
 from pipeline_config import PipelineConfig
 from runner.harness import run_flow, started_by_deployment
 from tests.support.images import write_image_folder
 from training.inference import confusion_matrix
-from training.model_trust import MODULES_ENV, check_allowed, data_for_trial, try_model
+from training.model.trust import MODULES_ENV, check_allowed, data_for_trial, try_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -81,7 +81,7 @@ def test_a_deployment_run_refuses_a_module_that_is_not_allowed_without_importing
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv(MODULES_ENV, raising=False)
     with pytest.raises(ValueError, match=f"model.name 'team_nets:build': .* only from the modules in {MODULES_ENV} "
-                                         r"\(training.models\), and 'team_nets' is not one of them; nothing was imported"):
+                                         r"\(training.model.catalog\), and 'team_nets' is not one of them; nothing was imported"):
         check_allowed("team_nets:build", deployed=True)
     assert not marker.exists() and "team_nets" not in sys.modules  # its top level never ran
 
@@ -89,13 +89,13 @@ def test_a_deployment_run_refuses_a_module_that_is_not_allowed_without_importing
 @pytest.mark.parametrize("name", ["this:x", "os:system", "builtins:eval", "subprocess:Popen", "training.models_x:small_cnn"])
 def test_a_deployment_run_refuses_the_standard_library_and_lookalikes(name, monkeypatch):
     monkeypatch.setenv(MODULES_ENV, "myteam.models")
-    with pytest.raises(ValueError, match=f"{MODULES_ENV} \\(training.models, myteam.models\\)"):
+    with pytest.raises(ValueError, match=f"{MODULES_ENV} \\(training.model.catalog, myteam.models\\)"):
         check_allowed(name, deployed=True)
 
 
 def test_what_the_operator_allows_and_what_the_cli_may_import(monkeypatch):
     monkeypatch.setenv(MODULES_ENV, " myteam.models , other ")
-    for name in ("training.models:small_cnn", "myteam.models:net", "myteam.models.cnn:net", "other.deep.pkg:f", "resnet18"):
+    for name in ("training.model.catalog:small_cnn", "myteam.models:net", "myteam.models.cnn:net", "other.deep.pkg:f", "resnet18"):
         check_allowed(name, deployed=True)  # allowed: no error
     with pytest.raises(ValueError, match="'myteam' is not one of them"):
         check_allowed("myteam:net", deployed=True)  # a prefix allows what is under it, not its parent
@@ -190,7 +190,7 @@ def test_a_local_folder_is_tried_with_its_channels_size_and_classes(tmp_path, mo
 def test_the_trial_builds_a_good_model_and_leaves_torchs_random_state_alone():
     torch.manual_seed(5)
     before = torch.get_rng_state()
-    try_model("training.models:small_cnn", (3, 20, 20), 4)
+    try_model("training.model.catalog:small_cnn", (3, 20, 20), 4)
     assert torch.equal(torch.get_rng_state(), before)
 
 

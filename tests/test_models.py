@@ -11,13 +11,21 @@ import pytest
 import torch
 
 from pipeline_config import PipelineConfig
-from training.model import EXTRA_STATE_FILE, SEEDS_MODEL, build_resnet18, checkpoint_model, load_model, load_state, save_checkpoint_files
-from training.models import ModelSpec, build_model, check_name, small_cnn
+from training.checkpoint.model_files import (
+    EXTRA_STATE_FILE,
+    SEEDS_MODEL,
+    build_resnet18,
+    checkpoint_model,
+    load_model,
+    load_state,
+    save_checkpoint_files,
+)
+from training.model.catalog import ModelSpec, build_model, check_name, small_cnn
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "training.models:small_cnn"])
+@pytest.mark.parametrize("name", ["resnet18", "mobilenet_v3_small", "training.model.catalog:small_cnn"])
 def test_each_form_builds_for_the_data_channels_and_classes(name):
     model = build_model(name, in_channels=3, num_classes=7)
     assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 7)
@@ -67,7 +75,7 @@ def test_a_users_own_function_is_called_with_channels_and_classes(tmp_path, monk
         ("resnet19", "model.name 'resnet19' is not a torchvision classification model"),
         ("fasterrcnn_resnet50_fpn", "is not a torchvision classification model"),  # a detection model
         ("no_such_package.nets:build", "model.name 'no_such_package.nets:build': cannot import 'no_such_package.nets'"),
-        ("training.models:no_such_function", "training.models has no function 'no_such_function'"),
+        ("training.model.catalog:no_such_function", "training.model.catalog has no function 'no_such_function'"),
     ],
 )
 def test_a_name_that_resolves_to_no_model_is_refused_naming_the_field(name, message):
@@ -93,7 +101,7 @@ def test_the_cli_refuses_an_unknown_model_before_any_work(tmp_path):
 
 
 def test_checkpoints_record_the_model_and_load_without_being_told(tmp_path):
-    spec = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+    spec = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
     model = spec.build()
     save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0, "model": spec.model_dump()})
     assert load_state(tmp_path, EXTRA_STATE_FILE)["model"] == spec.model_dump()

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from dataset.parquet import ParquetDataset
-from dataset.sources import RawData
+from dataset.formats.parquet import ParquetDataset
+from dataset.sources.interface import RawData
 from pipeline_config import CleanupConfig
 from storage_io import (
     MANIFEST,
@@ -42,8 +42,8 @@ from tasks.cleanup import cleanup
 from tasks.evaluate import Evaluation
 from tests.support.registry import light_candidate, s3_objects
 from tests.support.runs import build_run_tree
-from training import registry, registry_files
-from training.model import MODEL_FILE, SEEDS_MODEL
+from training.champion import registry, registry_files
+from training.checkpoint.model_files import MODEL_FILE, SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
 MODEL = "mnist-resnet18"

@@ -19,8 +19,8 @@ from runner.summary import RunSummary
 from storage_io import StorageLayout, atomic_write_bytes, join
 from tests.support.images import CLASSES, SIZE, write_image_folder
 from tests.support.registry import light_candidate, make_dataset
-from training import registry, registry_files
-from training.model import MODEL_FILE
+from training.champion import registry, registry_files
+from training.checkpoint.model_files import MODEL_FILE
 
 
 def folder_config(path: Path | str, **fields) -> PipelineConfig:
@@ -64,7 +64,7 @@ def test_a_folder_name_that_cannot_name_a_workload_is_refused_naming_the_flag(tm
 
 
 def test_the_first_lines_say_how_a_folder_workload_was_named(tmp_path):
-    from flows.train import workload_line
+    from flows.preflight import workload_line
 
     assert workload_line(folder_config(tmp_path / "shapes")) == "workload shapes (from the folder's name; set --workload to change)"
     assert workload_line(folder_config(tmp_path / "shapes", workload="rgb")) == "workload rgb (set by workload)"

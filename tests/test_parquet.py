@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataset.parquet import SCHEMA, convert, images_from_column, manifest_problem, to_table, verify_manifest
-from dataset.sources import RawData
+from dataset.formats.parquet import SCHEMA, convert, images_from_column, manifest_problem, to_table, verify_manifest
+from dataset.sources.interface import RawData
 from pipeline_config import ParquetConfig
 from storage_io import MANIFEST
 from tasks.to_parquet import dataset_fingerprint, to_parquet
@@ -154,7 +154,7 @@ def test_a_file_replaced_keeping_its_size_and_time_is_read_again_before_its_old_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from dataset.listing import cache_path
+    from dataset.formats.listing import cache_path
     from pipeline_config import DownloadConfig
     from storage_io import sha256_file
     from tasks.download import download

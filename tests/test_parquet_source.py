@@ -21,12 +21,11 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from dataset import folder, watching
-from dataset.inputs import read_folder
-from dataset.parquet import verify_manifest
-from dataset.parquet_files import ParquetSourceError, check_layout, split_of
-from dataset.source import MODULES, defaults_for, source_class, source_for, source_of
-from dataset.sources import RawData
+from dataset.formats import folder, watching
+from dataset.formats.inputs import read_folder
+from dataset.formats.parquet import verify_manifest
+from dataset.formats.parquet_files import ParquetSourceError, check_layout, split_of
+from dataset.sources.interface import MODULES, RawData, defaults_for, source_class, source_for, source_of
 from pipeline_config import DownloadConfig, ParquetConfig, PipelineConfig
 from storage_io import StorageLayout, atomic_write_bytes, read_json
 from tests.support.images import CLASSES, SIZE
@@ -168,7 +167,7 @@ def refused(tmp_path: Path, capsys, root: Path, *args: str) -> str:
 
     storage = tmp_path / "storage"
     code = train.main(["--storage-root", str(storage), "--workload", "hf", "--download.source", "parquet",
-                       "--download.path", str(root), "--model.name", "training.models:small_cnn", *args])
+                       "--download.path", str(root), "--model.name", "training.model.catalog:small_cnn", *args])
     err = capsys.readouterr().err
     assert code == 2, err
     assert not storage.exists()

@@ -1,8 +1,8 @@
-"""A Parquet folder's conversion in bounded memory (`dataset.parquet_stream`, issue 66 item 6): the same dataset as
+"""A Parquet folder's conversion in bounded memory (`dataset.formats.parquet_stream`, issue 66 item 6): the same dataset as
 when every split's encoded images were held in memory, and no split held at once.
 
 Real Parquet files written with pyarrow in tmp_path (tests/support/parquet_hf.py: an Image struct or plain binary,
-several files and row groups), converted by `dataset.parquet_source.convert_layout` itself. The expected dataset is
+several files and row groups), converted by `dataset.sources.parquet_source.convert_layout` itself. The expected dataset is
 built here the way the conversion built it before: every file's image column read whole, each planned row decoded
 in plan order. Python's own allocations are measured with tracemalloc: the encoded images reach Python as
 ``bytes`` objects, so a split held in memory shows in its peak.
@@ -17,10 +17,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dataset import images
-from dataset.parquet import schema_for, to_table
-from dataset.parquet_files import ParquetSourceError, check_layout, scan
-from dataset.parquet_source import convert_layout, plan_rows
+from dataset.formats import images
+from dataset.formats.parquet import schema_for, to_table
+from dataset.formats.parquet_files import ParquetSourceError, check_layout, scan
+from dataset.sources.parquet_source import convert_layout, plan_rows
 from pipeline_config import ParquetConfig
 from tests.support.parquet_hf import png, shapes, write_hf_dataset, write_table
 
@@ -102,7 +102,7 @@ def test_an_empty_image_is_named_by_file_and_row_in_the_planned_order(tmp_path):
 
 
 def test_the_benchmark_prints_its_peaks_and_their_ratio(capsys):
-    from benchmarks import parquet_memory as bench
+    from benchmarks.data import parquet_memory as bench
 
     assert bench.main(["--small", "20", "--large", "60", "--size", "8"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -12,13 +12,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataset.inputs import InputError, read_folder
+from dataset.formats.inputs import InputError, read_folder
 from flows.predict import card_scoring
 from storage_io import StorageLayout
 from tests.support.images import CLASSES, SIZE
 from tests.support.parquet_hf import shapes, write_table
 from tests.support.registry import candidate, make_dataset
-from training import registry, registry_files
+from training.champion import registry, registry_files
 
 MODEL = "shapes-resnet18"
 

@@ -1,4 +1,4 @@
-"""Champion promotion and the model registry (`training.registry`), without training.
+"""Champion promotion and the model registry (`training.champion.registry`), without training.
 
 Real checkpoints (a ResNet-18's weights written by torch), real storage roots (a local folder,
 and moto's S3 server on 127.0.0.1), real processes racing for the root's lock, and the real
@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dataset.inputs import read_folder
-from dataset.parquet import to_table
+from dataset.formats.inputs import read_folder
+from dataset.formats.parquet import to_table
 from pipeline_config import CleanupConfig, PipelineConfig, PromoteConfig
 from reporting.artifacts import comparison_rows
 from reporting.pictures import accuracy_over_runs_png
@@ -29,8 +29,8 @@ from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits
 from tests.support.registry import candidate, light_candidate, make_dataset
 from tests.support.runs import torchvision_resnet18_seed_style
-from training import registry, registry_files
-from training.model import MODEL_FILE, build_resnet18, load_model
+from training.champion import registry, registry_files
+from training.checkpoint.model_files import MODEL_FILE, build_resnet18, load_model
 
 MODEL = "mnist-resnet18"
 
@@ -122,7 +122,7 @@ def test_evaluating_the_champion_again_keeps_it(tmp_path):
 RACER = """
 import sys
 from storage_io import StorageLayout
-from training import registry, registry_files
+from training.champion import registry, registry_files
 from tests.support.registry import light_candidate
 layout = StorageLayout.create(sys.argv[1], "unused")
 result = registry.promote(layout, "mnist-resnet18", light_candidate(layout, sys.argv[2], float(sys.argv[3]), sys.argv[4]))
@@ -231,7 +231,7 @@ def test_model_name_is_checked_before_any_work():
 def test_the_registry_name_follows_the_workload_and_the_model():
     """Unset promote.model_name: <workload>-<model>; the defaults keep MNIST's champion name exactly."""
     assert PromoteConfig().model_name is None and PipelineConfig().registry_name == MODEL
-    assert PipelineConfig(model={"name": "training.models:small_cnn"}).registry_name == "mnist-small-cnn"
+    assert PipelineConfig(model={"name": "training.model.catalog:small_cnn"}).registry_name == "mnist-small-cnn"
     other = PipelineConfig(workload="rgb-shapes", model={"name": "mobilenet_v3_small"})
     assert other.registry_name == "rgb-shapes-mobilenet-v3-small"
     named = PipelineConfig(workload="rgb-shapes", promote={"model_name": "my-champion"})

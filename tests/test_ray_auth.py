@@ -12,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from runner.ray_auth import token_problem
+from runner.cluster.ray_auth import token_problem
 from tests.support.cli import ROOT
 from tests.support.ray_cluster import head_base_env
 
@@ -37,7 +37,7 @@ def test_a_wrong_token_is_named_by_where_it_came_from(shared_ray):
     process that met Ray earlier would keep the mode it read then."""
     env = head_base_env() | {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-cluster-token-0123456789abcdef"}
     asked = subprocess.run(
-        [sys.executable, "-c", f"from runner.ray_auth import token_problem; print(token_problem({shared_ray.address!r}))"],
+        [sys.executable, "-c", f"from runner.cluster.ray_auth import token_problem; print(token_problem({shared_ray.address!r}))"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=False,
     )
     assert asked.returncode == 0, asked.stderr[-3000:]
@@ -51,7 +51,7 @@ def test_predict_joining_a_token_head_without_the_token_is_refused_naming_its_fl
     """``flows.predict --ray-address``: the same one line, naming the flag, exit 2, before Ray starts."""
     from storage_io import StorageLayout
     from tests.support.registry import candidate, make_dataset
-    from training import registry
+    from training.champion import registry
 
     layout = StorageLayout.create(str(tmp_path / "root"), "unused")
     assert registry.promote(layout, "mnist-resnet18", candidate(layout, "good", 0.97, make_dataset(layout, "mnist-a"))).promoted

@@ -16,9 +16,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pipeline_config import PipelineConfig, load_preset, registry_model_name
-from dataset import watching
+from dataset.formats import watching
 from flows.watch import look
+from pipeline_config import PipelineConfig, load_preset, registry_model_name
 from reporting import events
 from storage_io import StorageLayout
 from tasks.download import download
@@ -26,9 +26,17 @@ from tasks.to_parquet import to_parquet
 from tests.support.cli import ROOT
 from tests.support.images import write_image_folder
 from tests.support.models import SMALL_MODEL
-from tests.support.prefect_server import TRAIN_FLOW, api_env, far_cron, log_tail, serve_deployments, stop_group, wait_for
+from tests.support.prefect_server import (
+    TRAIN_FLOW,
+    api_env,
+    far_cron,
+    log_tail,
+    serve_deployments,
+    stop_group,
+    wait_for,
+)
 from tests.support.registry import candidate
-from training import registry, unchanged
+from training.champion import registry, unchanged
 
 MODEL = "mnist-resnet18"
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from dataset import folder, watching
-from dataset.parquet_files import check_layout, listing_notes
-from dataset.source import source_for
-from dataset.sources import RawData
+from dataset.formats import folder, watching
+from dataset.formats.parquet_files import check_layout, listing_notes
+from dataset.sources.interface import RawData, source_for
 from pipeline_config import DownloadConfig
 from storage_io import atomic_write_bytes, list_files, list_tree
 from tests.support.images import write_image_folder
@@ -113,7 +112,7 @@ def test_an_s3_prefix_lists_each_key_once(tmp_path, s3_root):
 
 
 def test_the_watcher_lists_a_folder_with_a_link_loop_as_a_run_reads_it(tmp_path):
-    """The data-event watcher (`dataset.watching`) compares listings: a loop must not multiply its files either."""
+    """The data-event watcher (`dataset.formats.watching`) compares listings: a loop must not multiply its files either."""
     root = two_classes(tmp_path / "shapes")
     before = watching.listing(str(root))
     os.symlink("..", root / "train" / "a" / "loop")

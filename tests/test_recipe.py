@@ -1,6 +1,6 @@
 """The recipe's parts that fit the data: the plan sized in steps, the augmentation choices, normalization.
 
-How well the recipe trains is measured by `benchmarks.recipe` (docs/performance.md) and, through
+How well the recipe trains is measured by `benchmarks.speed.recipe` (docs/performance.md) and, through
 the whole flow at a short budget, by `test_image_folder.py::test_the_extending_guide_runs_as_written`.
 """
 
@@ -10,12 +10,12 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from dataset.augment import augment, augmentation, resolve_augment
-from dataset.normalization import channel_stats, resolve
-from dataset.parquet import ParquetDataset, to_table
-from dataset.transform import normalize
+from dataset.formats.parquet import ParquetDataset, to_table
+from dataset.tensors.augment import augment, augmentation, resolve_augment
+from dataset.tensors.batches import normalize
+from dataset.tensors.normalization import channel_stats, resolve
 from pipeline_config import TrainConfig, TransformConfig
-from training.recipe import LR_FLOOR, WARMUP_MAX_STEPS, plan_for
+from training.worker.recipe import LR_FLOOR, WARMUP_MAX_STEPS, plan_for
 
 
 def test_a_short_run_gets_a_short_warm_up_and_a_weight_average_that_forgets_its_start():
@@ -94,7 +94,7 @@ def test_the_cli_refuses_a_mean_with_the_wrong_number_of_channels_before_any_wor
     from flows import mnist
 
     storage = tmp_path / "storage"
-    code = mnist.main(["--storage-root", str(storage), "--model.name", "training.models:small_cnn",
+    code = mnist.main(["--storage-root", str(storage), "--model.name", "training.model.catalog:small_cnn",
                        "--transform.mean", "[0.1, 0.2, 0.3]"])
     stderr = capsys.readouterr().err
     assert code == 2, stderr

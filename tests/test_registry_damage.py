@@ -19,7 +19,7 @@ from pipeline_config import CleanupConfig
 from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 from tests.support.cli import ROOT
 from tests.support.registry import candidate, light_candidate, make_dataset, s3_objects
-from training import registry, registry_files
+from training.champion import registry, registry_files, registry_repair
 
 MODEL = "mnist-resnet18"
 
@@ -135,20 +135,20 @@ def test_the_registry_command_checks_and_repairs(champion_root, capsys):
     layout, data = champion_root
     weights = Path(registry_files.version_dir(layout.root, MODEL, 1), "model.pt")
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
-    checked = subprocess.run([sys.executable, "-m", "training.registry", "--storage-root", layout.root],
+    checked = subprocess.run([sys.executable, "-m", "training.champion.registry", "--storage-root", layout.root],
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert checked.returncode == 1 and "model.pt: damaged" in checked.stderr and "Traceback" not in checked.stderr
     assert weights.stat().st_size == 1000  # a check changes nothing
     capsys.readouterr()
-    assert registry.main(["--storage-root", layout.root, "--repair"]) == 0
+    assert registry_repair.main(["--storage-root", layout.root, "--repair"]) == 0
     repaired = capsys.readouterr().out
     assert "moved v1 to" in repaired and "moved the champion pointer" in repaired
-    assert registry.main(["--storage-root", layout.root]) == 0 and not pointer_file(layout).exists()
+    assert registry_repair.main(["--storage-root", layout.root]) == 0 and not pointer_file(layout).exists()
     assert "intact (no champion yet" in capsys.readouterr().out
     # the damaged version is kept aside; its number is never used again
     assert list(Path(registry_files.model_dir(layout.root, MODEL), registry_files.DAMAGED_DIR).glob("*/v1/model.pt"))
     assert registry.promote(layout, MODEL, candidate(layout, "next", 0.99, data)).version == 2
-    assert registry.main(["--storage-root", layout.root, "--model", "Bad\nName"]) == 2
+    assert registry_repair.main(["--storage-root", layout.root, "--model", "Bad\nName"]) == 2
     assert "model_name" in capsys.readouterr().err
 
 
@@ -162,7 +162,7 @@ def test_a_damaged_pointer_on_s3_stops_promotion_and_repair_moves_it_aside(s3_ro
     with pytest.raises(registry_files.RegistryDamaged, match="damaged"):
         registry_files.resolve(s3_root, MODEL)
     assert read_bytes(registry_files.champion_path(s3_root, MODEL)) == b"garbage"
-    done = registry.repair_registry(s3_root, MODEL)
+    done = registry_repair.repair_registry(s3_root, MODEL)
     assert any("moved the champion pointer" in line for line in done)
     assert registry_files.read_champion(s3_root, MODEL)["version"] == 1
     assert any(key.startswith(f"models/{MODEL}/damaged/") and key.endswith("/champion") for key in s3_objects(s3_root))

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from dataset.parquet import convert
+from dataset.formats.parquet import convert
 from pipeline_config import ParquetConfig
 from reporting import artifacts, pictures, training_progress
 from runner import hooks

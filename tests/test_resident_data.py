@@ -1,9 +1,9 @@
-"""A split held on the device (`dataset.resident`) yields what Ray Data yields (`dataset.transform.build_split`).
+"""A split held on the device (`dataset.tensors.resident`) yields what Ray Data yields (`dataset.tensors.transform.build_split`).
 
 Real Parquet datasets on a real local Ray: the synthetic MNIST digits (IDX: ``affine`` augmentation, black
 edges) and the tests' image folder (20x20 RGB, per-channel statistics: ``shifts``, ``flips``, ``crops`` with
 the border repeated). For each epoch the resident rows, concatenated, are the Ray Data rows concatenated: the
-same row_ids in the same order, the same labels and bit-equal images (on the CPU; `dataset.resident` says why
+same row_ids in the same order, the same labels and bit-equal images (on the CPU; `dataset.tensors.resident` says why
 a GPU's augmented pixels round differently). Chunks smaller than the split make the two paths batch the rows
 differently, which changes nothing: each row's draws come from its row_id.
 """
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from dataset.resident import ResidentSplit, fits_on_device, resident_bytes
-from dataset.sources import RawData
-from dataset.transform import build_split, epoch_positions
+from dataset.sources.interface import RawData
+from dataset.tensors.resident import ResidentSplit, fits_on_device, resident_bytes
+from dataset.tensors.transform import build_split, epoch_positions
 from pipeline_config import DownloadConfig, ParquetConfig, TransformConfig
 from tasks.download import download
 from tasks.to_parquet import to_parquet
@@ -142,7 +142,7 @@ def test_what_fits_on_the_device(datasets):
 def test_a_training_worker_holds_the_splits_when_they_fit_unless_asked_not_to(datasets):
     """``train.resident_data``: auto holds both splits wherever they fit (a CPU worker's memory too), off never;
     a split that streams is never held."""
-    from training.sharding import holds_on_device
+    from training.worker.sharding import holds_on_device
 
     digits, _, layout = datasets
     spec = transform.fn(digits, TransformConfig(), layout)

@@ -24,8 +24,8 @@ import boto3
 import pyarrow.parquet as pq
 import pytest
 
-from dataset.parquet import ParquetDataset
-from dataset.sources import RawData
+from dataset.formats.parquet import ParquetDataset
+from dataset.sources.interface import RawData
 from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
 from pipeline_config.settings import parse_cli
 from storage_io import (
@@ -48,7 +48,7 @@ from tasks.download import download
 from tasks.evaluate import Evaluation
 from tasks.to_parquet import to_parquet
 from tests.support.digits import write_raw
-from training.model import SEEDS_MODEL
+from training.checkpoint.model_files import SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,10 +174,11 @@ def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp
     import torch
 
     from storage_io import upload_dir
-    from training.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, load_model, save_checkpoint_files
-    from training.models import ModelSpec
+    from training.checkpoint.files import IntegrityError
+    from training.checkpoint.model_files import CHECKSUMS_FILE, MODEL_FILE, load_model, save_checkpoint_files
+    from training.model.catalog import ModelSpec
 
-    spec = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+    spec = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
     model = spec.build()
     (tmp_path / "ours").mkdir()
     (tmp_path / "other").mkdir()
@@ -334,7 +335,7 @@ def test_an_s3_root_says_whether_the_endpoint_the_bucket_or_the_credentials_are_
 def test_an_image_folder_in_a_bucket_is_checked_read_and_converted_by_ray_data(tmp_path, s3_root, local_ray):
     """download.path s3://...: the folder's checks, its files' checksums and Ray Data's conversion read
     the bucket (the tests' own RGB workload, uploaded with boto3, not through the code under test)."""
-    from dataset import folder
+    from dataset.formats import folder
     from tests.support.images import CLASSES, SIZE, write_image_folder
 
     local = write_image_folder(tmp_path / "images", {"train": 6, "test": 2})
@@ -366,7 +367,7 @@ def test_a_split_in_a_bucket_streams_in_windows_with_the_rows_held_in_memory(tmp
     bucket by Ray Data tasks, with the rows (and the epoch order's rules) of the in-memory path."""
     import numpy as np
 
-    from dataset.transform import TransformSpec, build_split
+    from dataset.tensors.transform import TransformSpec, build_split
     from pipeline_config import TransformConfig
 
     local = RawData(**write_raw(tmp_path / "raw"))

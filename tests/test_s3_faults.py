@@ -19,8 +19,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dataset.parquet import verify_manifest
-from dataset.sources import RawData
+from dataset.formats.parquet import verify_manifest
+from dataset.sources.interface import RawData
 from pipeline_config import ParquetConfig
 from storage_io import (
     StorageLayout,

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_a_folder_over_the_in_memory_budget_streams_with_flat_memory(tmp_path):
     out = tmp_path / "scale.json"
-    run = subprocess.run([sys.executable, "-m", "benchmarks.scale", "--quick", "--out", str(out)],
+    run = subprocess.run([sys.executable, "-m", "benchmarks.data.scale", "--quick", "--out", str(out)],
                          check=False, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())

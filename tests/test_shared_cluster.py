@@ -1,4 +1,4 @@
-"""Runs that share a Ray cluster queue for it (runner.cluster_slot): one run at a time, the others waiting and saying so.
+"""Runs that share a Ray cluster queue for it (runner.cluster.cluster_slot): one run at a time, the others waiting and saying so.
 
 Before, two runs joining one 2-CPU cluster each planned its training placement group from the cluster's
 total CPUs, both were placed, and neither run's Ray Data tasks could start: both stayed at "[4/7] train"
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from runner import cluster_slot
-from runner.ray_init import SignalKeepingRayTaskRunner
+from runner.cluster import cluster_slot
+from runner.cluster.ray_init import SignalKeepingRayTaskRunner
 from runner.stopping import STOP, RunStopped
 from tests.support.cli import CliRun
 from tests.support.digits import real_digits_mirror
@@ -92,7 +92,7 @@ def test_a_stop_request_ends_the_wait(local_ray):
 HOLD_AND_SLEEP = """
 import sys, time, ray
 ray.init(address=sys.argv[1], logging_level="ERROR")
-from runner import cluster_slot
+from runner.cluster import cluster_slot
 slot = cluster_slot.take("killed-run", sys.argv[1])  # kept: Ray ends an actor whose last handle goes
 print("holding", flush=True)
 time.sleep(600)

@@ -1,7 +1,7 @@
 """``train.mode: single``: the training stage in one process without Ray Train, on a real local Ray.
 
 Real Parquet, the real Ray Data pipeline and real training steps on a tiny synthetic dataset, on
-the small model (``training.models:small_cnn``): the kept set follows ``num_to_keep``, the
+the small model (``training.model.catalog:small_cnn``): the kept set follows ``num_to_keep``, the
 checkpoints record the model and model.pt loads back into it (strict, no wrapper prefix), and a
 second call with more epochs resumes from the latest checkpoint. The seeds' contract (a ResNet-18
 model.pt loads into a plain ResNet-18 built the seeds' way) is checked on the default recipe's run
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dataset.sources import RawData
+from dataset.sources.interface import RawData
 from pipeline_config import ModelConfig, ParquetConfig, TrainConfig, TransformConfig
 from storage_io import StorageLayout
 from tasks.to_parquet import to_parquet
@@ -22,8 +22,8 @@ from tasks.train import train
 from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.models import SMALL_MODEL
-from training.model import EXTRA_STATE_FILE, MODEL_FILE, checkpoint_model, load_model, load_state
-from training.models import ModelSpec
+from training.checkpoint.model_files import EXTRA_STATE_FILE, MODEL_FILE, checkpoint_model, load_model, load_state
+from training.model.catalog import ModelSpec
 
 
 def transformed(tmp_path: Path, run_name: str):

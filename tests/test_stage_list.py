@@ -87,7 +87,7 @@ def stage_names_used(tree: ast.AST) -> set[str]:
 
 def test_the_runner_names_no_stage():
     """No stage acted on by name in runner/, and no stage's module imported there: what a stage does is its own."""
-    for path in sorted((ROOT / "runner").glob("*.py")):
+    for path in sorted((ROOT / "runner").rglob("*.py")):
         tree = ast.parse(path.read_text())
         named = stage_names_used(tree)
         assert not named, f"{path.name} acts on the stage(s) {sorted(named)} by name"

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-import dataset.sources as sources
-from dataset import raw_on_storage
+import dataset.sources.mnist_files as sources
+from dataset.sources import raw_on_storage
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
 from pipeline_config.data import DownloadConfig, MirrorChecksums
 from storage_io import StorageLayout
@@ -58,10 +58,10 @@ import json, sys
 from pipeline_config.settings import PipelineSettings
 from runner.harness import checked_settings
 root = {str(tmp_path / "storage")!r}
-for name in ("resnet18", "training.models:small_cnn"):
+for name in ("resnet18", "training.model.catalog:small_cnn"):
     checked_settings(["--storage-root", root, "--model.name", name], PipelineSettings)
 try:
-    checked_settings(["--storage-root", root, "--model.name", "training.models:no_such_net"], PipelineSettings)
+    checked_settings(["--storage-root", root, "--model.name", "training.model.catalog:no_such_net"], PipelineSettings)
     refused = None
 except ValueError as exc:
     refused = [type(exc).__name__, str(exc)]
@@ -72,7 +72,7 @@ print(json.dumps({{"refused": refused, "loaded": sorted(m for m in ("torch", "to
     answer = json.loads(out.stdout.strip().splitlines()[-1])
     assert answer["loaded"] == []
     assert answer["refused"][0] == "ModelNameError"
-    assert answer["refused"][1].startswith("model.name 'training.models:no_such_net': training.models has no function")
+    assert answer["refused"][1].startswith("model.name 'training.model.catalog:no_such_net': training.model.catalog has no function")
 
 
 def test_the_copied_official_checksums_are_torchvisions():
@@ -187,12 +187,11 @@ def test_a_damaged_copy_is_not_reused(tmp_path):
 def _light_stages_in_this_worker(layout, trained, evaluation, api_url: str) -> dict:
     """Run in a fresh Ray worker: the real download, conversion, promotion and cleanup; then what the worker imported."""
     os.environ["PREFECT_API_URL"] = api_url
+    from dataset.tensors.spec import TransformSpec
     from pipeline_config import CleanupConfig, EvaluateConfig, ParquetConfig, PromoteConfig, TransformConfig
     from tasks.cleanup import cleanup
     from tasks.promote import promote
     from tasks.to_parquet import to_parquet
-
-    from dataset.spec import TransformSpec
 
     raw = download.fn(DownloadConfig(source="sample"), layout)
     dataset = to_parquet.fn(raw, ParquetConfig(), layout)
@@ -208,12 +207,12 @@ def test_the_light_stages_run_in_a_ray_worker_without_torch(local_ray, shared_se
     import torch
 
     from tasks.manifests import Evaluation
+    from training.checkpoint.model_files import save_checkpoint_files
     from training.manifests import CheckpointInfo, TrainedModel
-    from training.model import save_checkpoint_files
-    from training.models import ModelSpec
+    from training.model.catalog import ModelSpec
 
     layout = StorageLayout.create(str(tmp_path / "storage"), "startup")
-    spec = ModelSpec(name="training.models:small_cnn", in_channels=1, num_classes=10)
+    spec = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
     checkpoint = Path(layout.run_dir) / "checkpoint_000000"
     checkpoint.mkdir(parents=True)
     model = spec.build()

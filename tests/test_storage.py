@@ -153,7 +153,7 @@ def test_two_runs_at_once_on_s3_share_one_dataset_build_and_keep_their_runs_apar
     Both runs report to the session's Prefect server, as runs of deployments do: two CLI runs
     without PREFECT_API_URL would each start a temporary server on the same default SQLite database.
     Each run starts a local Ray of its own, not the session's cluster (``shared_ray``): runs on one
-    cluster take turns (`runner.cluster_slot`; tests/test_shared_cluster.py), so there one would end
+    cluster take turns (`runner.cluster.cluster_slot`; tests/test_shared_cluster.py), so there one would end
     before the other began and the S3 build lock would never be waited on. (Before the turns, the two
     runs deadlocked on the session's 2-CPU cluster: each sized its training placement group from the
     cluster's CPUs as if it had the cluster alone, both groups were placed, and neither run's Ray Data
@@ -209,9 +209,9 @@ def check_whole_flow_on_s3(root: str, summaries: dict[str, dict], files: list[st
     Ray Train's checkpoints written through pyarrow's S3 filesystem, the run files, the evaluation,
     the model rebuilt from what the checkpoint records and loaded from the bucket, and the champion
     (a whole version, its card recording the model) with exactly the checkpoint's weights."""
-    from training import registry_files
-    from training.model import checkpoint_model, load_model
-    from training.models import ModelSpec
+    from training.champion import registry_files
+    from training.checkpoint.model_files import checkpoint_model, load_model
+    from training.model.catalog import ModelSpec
 
     spec = ModelSpec(name=SMALL_MODEL, in_channels=1, num_classes=10)
     for name, summary in summaries.items():

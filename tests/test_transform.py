@@ -8,18 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dataset.parquet import to_table
-from dataset.sources import RawData
-from dataset.transform import (
-    build_datasets,
-    build_split,
-    epoch_seed,
-    fits_in_memory,
-    normalize,
-    prepare_batch,
-    random_affine,
-    row_draws,
-)
+from dataset.formats.parquet import to_table
+from dataset.sources.interface import RawData
+from dataset.tensors.augment import random_affine
+from dataset.tensors.batches import normalize, row_draws
+from dataset.tensors.transform import build_datasets, build_split, epoch_seed, fits_in_memory, prepare_batch
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.to_parquet import to_parquet
 from tasks.transform import transform
@@ -56,7 +49,7 @@ def test_a_ray_data_tasks_augmentation_in_numpy_agrees_with_torchs(choice, shape
     rounding (under 2e-5), far below one grey level (1/255)."""
     import torch
 
-    from dataset.augment import augment, augment_tensor, augmentation
+    from dataset.tensors.augment import augment, augment_tensor, augmentation
 
     rng = np.random.default_rng(7)
     images = rng.integers(0, 256, shape, dtype=np.uint8)
@@ -80,8 +73,8 @@ def test_a_ray_data_tasks_batch_preparation_imports_no_torch():
 
     code = (
         "import sys, numpy as np\n"
-        "from dataset.parquet import to_table\n"
-        "from dataset.transform import prepare_batch\n"
+        "from dataset.formats.parquet import to_table\n"
+        "from dataset.tensors.transform import prepare_batch\n"
         "from tests.support.digits import synthetic_digits\n"
         "images, labels = synthetic_digits(8)\n"
         "table = to_table(np.arange(8), images.reshape(8, -1), labels.astype(np.int64))\n"
@@ -162,7 +155,7 @@ def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs):
 def test_checks_are_reused_for_the_same_dataset_and_config_and_run_again_otherwise(local_ray, spec_inputs, tmp_path):
     """The stage records its checks beside the Parquet files; a later run with the same verified
     dataset and config reuses them, another config or a record that does not match runs them."""
-    from dataset.transform import checks_record_path
+    from dataset.tensors.spec import checks_record_path
     from storage_io import StorageLayout
 
     dataset, layout = spec_inputs
@@ -232,7 +225,7 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
     assert "train, val, test streamed in windows (over the 0 MB in-memory budget)" in streamed.terminal_detail()
     from ray.data.dataset import MaterializedDataset
 
-    from dataset.transform import read_split
+    from dataset.tensors.transform import read_split
 
     blocks = read_split(in_memory, "train")
     assert isinstance(blocks, MaterializedDataset) and blocks.num_blocks() == 3
@@ -258,7 +251,7 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
     assert sum(len(b["row_id"]) for b in done.iter_batches(batch_format="numpy", batch_size=32)) == 0
     # What the stage checks (`split_batches`): a streamed split read here, window by window, gives the rows,
     # order and pixels Ray Data gives training for epoch 0, in batches of at most the size asked.
-    from dataset.transform import split_batches
+    from dataset.tensors.transform import split_batches
 
     for split in ("train", "test"):
         batches = list(split_batches(streamed, split, 50))
@@ -270,8 +263,8 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
 
 
 def test_windows_bound_what_a_task_reads_and_keep_every_row_once():
-    """`dataset.windows.plan`: windows of whole row groups up to the row budget; every row once; parts equal."""
-    from dataset.windows import plan
+    """`dataset.tensors.windows.plan`: windows of whole row groups up to the row budget; every row once; parts equal."""
+    from dataset.tensors.windows import plan
 
     groups = [(f"part-{i}", 0) for i in range(10)]
     ids = [np.arange(i * 100, i * 100 + 100) for i in range(10)]
@@ -292,12 +285,12 @@ def test_windows_bound_what_a_task_reads_and_keep_every_row_once():
 
 
 def test_a_few_rows_are_read_from_their_row_groups_only(tmp_path):
-    """`dataset.windows.read_rows` (the reports' pictures): rows by position or row_id, in the order asked, from
+    """`dataset.tensors.windows.read_rows` (the reports' pictures): rows by position or row_id, in the order asked, from
     the row groups that hold them; a row group no asked row is in is never read (here: unreadable)."""
     import pyarrow.fs as pafs
     import pyarrow.parquet as pq
 
-    from dataset.windows import read_rows
+    from dataset.tensors.windows import read_rows
 
     paths = []
     for part in range(3):  # three files of two 10-row groups; row_id = 100 + position, pixel 0 = position % 256
@@ -330,7 +323,7 @@ def test_a_few_rows_are_read_from_their_row_groups_only(tmp_path):
 
 def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path):
     dataset, _ = spec_inputs
-    from dataset.transform import TransformSpec, read_split
+    from dataset.tensors.transform import TransformSpec, read_split
 
     empty = dataset.model_copy(update={"directory": str(tmp_path)})
     (tmp_path / "val").mkdir()
@@ -372,12 +365,12 @@ def test_one_actor_on_one_cpu_node_scores_here_with_the_pool_s_predictions(local
 
     from pipeline_config import EvaluateConfig
     from training import inference
-    from training.model import save_checkpoint_files
-    from training.models import ModelSpec
+    from training.checkpoint.model_files import save_checkpoint_files
+    from training.model.catalog import ModelSpec
 
     dataset, layout = spec_inputs
     spec = transform.fn(dataset, TransformConfig(shift_px=0, rotate_deg=0, scale=0), layout)
-    small = ModelSpec.for_data("training.models:small_cnn", dataset)
+    small = ModelSpec.for_data("training.model.catalog:small_cnn", dataset)
     model = small.build()
     save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
     cluster = ray.cluster_resources()
@@ -401,12 +394,12 @@ def test_a_streamed_test_split_scored_here_is_read_here_with_the_same_prediction
 
     from pipeline_config import EvaluateConfig
     from training import inference
-    from training.model import save_checkpoint_files
-    from training.models import ModelSpec
+    from training.checkpoint.model_files import save_checkpoint_files
+    from training.model.catalog import ModelSpec
 
     dataset, layout = spec_inputs
     spec = transform.fn(dataset, TransformConfig(shift_px=0, rotate_deg=0, scale=0), layout)
-    small = ModelSpec.for_data("training.models:small_cnn", dataset)
+    small = ModelSpec.for_data("training.model.catalog:small_cnn", dataset)
     model = small.build()
     save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
     cfg = EvaluateConfig(num_actors=1, batch_rows=16, tta=True)
@@ -431,10 +424,10 @@ def test_large_images_are_scored_in_bounded_forward_passes_with_the_same_predict
     import torch
 
     from training import inference
-    from training.model import save_checkpoint_files
-    from training.models import ModelSpec
+    from training.checkpoint.model_files import save_checkpoint_files
+    from training.model.catalog import ModelSpec
 
-    spec = ModelSpec(name="training.models:small_cnn", in_channels=3, num_classes=4)
+    spec = ModelSpec(name="training.model.catalog:small_cnn", in_channels=3, num_classes=4)
     model = spec.build()
     save_checkpoint_files(tmp_path, model, torch.optim.AdamW(model.parameters()), {"epoch": 0})
     rng = np.random.default_rng(0)
@@ -461,7 +454,7 @@ def test_ray_data_s_scheduling_loop_pauses_while_its_consumer_has_output_waiting
     import pyarrow as pa
     from ray.data._internal.execution.execution_callback import ExecutionCallback
 
-    from dataset import transform as transform_module
+    from dataset.tensors import transform as transform_module
 
     def gaps_after_fed_steps() -> list[float]:
         steps: list[tuple[float, bool]] = []
@@ -496,7 +489,7 @@ def test_ray_data_s_scheduling_loop_pauses_while_its_consumer_has_output_waiting
 def test_read_ahead_keeps_the_order_raises_where_reading_failed_and_stops_with_its_consumer():
     import threading
 
-    from dataset.transform import read_ahead
+    from dataset.tensors.transform import read_ahead
 
     batches = [{"row_id": np.arange(i, i + 2)} for i in range(0, 20, 2)]
     assert [b["row_id"].tolist() for b in read_ahead(iter(batches))] == [b["row_id"].tolist() for b in batches]

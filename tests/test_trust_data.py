@@ -125,7 +125,7 @@ def add_hidden_entries(root: Path) -> None:
 
 
 def test_hidden_folders_and_files_are_never_classes_or_images(tmp_path):
-    from dataset import folder
+    from dataset.formats import folder
     from tests.support.images import CLASSES, write_image_folder
 
     root = write_image_folder(tmp_path / "shapes", {"train": 3, "test": 1})
@@ -148,7 +148,7 @@ def test_hidden_entries_change_neither_the_fingerprint_nor_the_listing_cache_and
 
     import numpy as np
 
-    from dataset.parquet import SPLITS, _SplitWriter, build_manifest, schema_for, to_table
+    from dataset.formats.parquet import SPLITS, SplitWriter, build_manifest, schema_for, to_table
     from pipeline_config import DownloadConfig, ParquetConfig
     from storage_io import MANIFEST, StorageLayout, atomic_write_json
     from tasks.download import download
@@ -168,7 +168,7 @@ def test_hidden_entries_change_neither_the_fingerprint_nor_the_listing_cache_and
 
     final = Path(layout.dataset_dir(dataset_fingerprint(raw, cfg), "mnist"))
     for row_id, split in enumerate(SPLITS):
-        writer = _SplitWriter(final / split, cfg, schema_for(20 * 20 * 3))
+        writer = SplitWriter(final / split, cfg, schema_for(20 * 20 * 3))
         writer.write(to_table(np.array([row_id]), np.full((1, 20 * 20 * 3), row_id, np.uint8), np.array([0])))  # no copies across splits
         writer.close()
     shape, classes = (3, 20, 20), ["blue_cross", "green_disc", "red_square"]
@@ -215,7 +215,7 @@ def refused(monkeypatch, capsys, tmp_path):
 @pytest.mark.parametrize(("args", "said"), [
     (["--model.name", "no_such_team_module:net"], "model.name 'no_such_team_module:net'"),
     # 4x4 images kept as they are (transform.image_size auto would enlarge them): too small
-    (["--model.name", "training.models:small_cnn", "--transform.image-size", "None"], "model.name 'training.models:small_cnn'"),
+    (["--model.name", "training.model.catalog:small_cnn", "--transform.image-size", "None"], "model.name 'training.model.catalog:small_cnn'"),
     (["--transform.mean", "[0.1, 0.2, 0.3]"], "transform.mean has 3 values; the images have 1 channels"),
 ], ids=["a-model-that-does-not-import", "a-model-the-images-are-too-small-for", "a-mean-per-channel-of-other-images"])
 def test_a_refusal_after_the_folder_check_leaves_the_storage_root_as_it_was(tmp_path, refused, args, said):
@@ -232,10 +232,10 @@ def test_a_deployments_run_refused_before_any_work_writes_nothing_either(tmp_pat
 
     storage = tmp_path / "storage"
     config = PipelineConfig.model_validate({
-        "storage_root": str(storage), "model": {"name": "training.models:small_cnn"}, "transform": {"image_size": None},
+        "storage_root": str(storage), "model": {"name": "training.model.catalog:small_cnn"}, "transform": {"image_size": None},
         "download": {"source": "folder", "path": str(tiny_folder(tmp_path / "tiny", 4))},
     })
-    with pytest.raises(ValueError, match="model.name 'training.models:small_cnn'"):
+    with pytest.raises(ValueError, match="model.name 'training.model.catalog:small_cnn'"):
         run_flow(config, "flows.train", lambda _: pytest.fail("got past the checks"), {}, None)
     assert not storage.exists()
 
@@ -245,7 +245,7 @@ def test_what_the_checks_learned_is_written_once_the_run_goes_on(tmp_path):
     decoded in full, so the next run's checks decode none of them."""
     import json
 
-    from dataset import folder, listing
+    from dataset.formats import folder, listing
     from pipeline_config import DownloadConfig
 
     data, storage = tiny_folder(tmp_path / "tiny", 8), tmp_path / "storage"
@@ -261,13 +261,13 @@ def test_what_the_checks_learned_is_written_once_the_run_goes_on(tmp_path):
 # -- 1. Images too small for the model are refused before any work --------------------------------------------------
 
 def test_images_too_small_for_the_model_are_refused_naming_transform_image_size_and_the_smallest_size(tmp_path, refused):
-    """training.models:small_cnn halves its input three times: 4x4 images leave nothing to pool. The smallest
+    """training.model.catalog:small_cnn halves its input three times: 4x4 images leave nothing to pool. The smallest
     size comes from running the model, not from a table. (Kept at their size: transform.image_size auto would
     enlarge them to 28x28.)"""
-    code, err = refused("--download.path", str(tiny_folder(tmp_path / "tiny", 4)), "--model.name", "training.models:small_cnn",
+    code, err = refused("--download.path", str(tiny_folder(tmp_path / "tiny", 4)), "--model.name", "training.model.catalog:small_cnn",
                         "--transform.image-size", "None")
     assert code == 2, err
-    assert "transform.image_size: images of 4x4 pixels are too small for model.name 'training.models:small_cnn'" in err
+    assert "transform.image_size: images of 4x4 pixels are too small for model.name 'training.model.catalog:small_cnn'" in err
     assert "the smallest size it runs on is 8x8: set transform.image_size to 8 or more" in err
 
 
@@ -276,7 +276,7 @@ def test_an_image_size_too_small_for_the_model_is_refused_too(tmp_path, refused)
     from tests.support.images import write_image_folder
 
     data = write_image_folder(tmp_path / "shapes", {"train": 2, "test": 1})
-    code, err = refused("--download.path", str(data), "--model.name", "training.models:small_cnn", "--transform.image-size", "5")
+    code, err = refused("--download.path", str(data), "--model.name", "training.model.catalog:small_cnn", "--transform.image-size", "5")
     assert code == 2 and "images of 5x5 pixels are too small" in err and "set transform.image_size to 8 or more" in err, err
 
 
@@ -286,19 +286,19 @@ def test_the_smallest_size_is_the_models_own():
     loop always gives it). A model that fails at every size is refused as it was, naming model.name."""
     import torch
 
-    from training.model_trust import smallest_size, try_model
-    from training.models import build_model
+    from training.model.catalog import build_model
+    from training.model.trust import smallest_size, try_model
 
-    small = build_model("training.models:small_cnn", in_channels=3, num_classes=2)
+    small = build_model("training.model.catalog:small_cnn", in_channels=3, num_classes=2)
     assert smallest_size(small, 3, 2, 1) == 8 and smallest_size(small, 3, 2, 5) == 8
     try_model("resnet18", (1, 1, 1), 2)  # runs: nothing to refuse
-    try_model("training.models:small_cnn", (1, 8, 8), 2)
+    try_model("training.model.catalog:small_cnn", (1, 8, 8), 2)
 
     class Broken(torch.nn.Module):
         def forward(self, images):
             raise RuntimeError("broken at any size")
 
     assert smallest_size(Broken(), 1, 2, 28) is None
-    with pytest.raises(ValueError, match=r"model.name 'training.models:small_cnn': images of 28x4 pixels are too small for "
+    with pytest.raises(ValueError, match=r"model.name 'training.model.catalog:small_cnn': images of 28x4 pixels are too small for "
                                          r"it .*smallest size it runs on is 8x8, and these images are not resized"):
-        try_model("training.models:small_cnn", (1, 4, 28), 2, resizable=False)
+        try_model("training.model.catalog:small_cnn", (1, 4, 28), 2, resizable=False)

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dataset import watching
+from dataset.formats import watching
 from flows.watch import describe, look
 from reporting import events
 from tests.support.images import write_image_folder
@@ -71,12 +71,12 @@ def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_
     (`flows.stages`): its promotion sends ``pipeline.model.promoted`` as the training flow's does, to a real Prefect
     server. A real search takes minutes (the slow tier): only the stages' Ray tasks are replaced by their recorded
     outputs (`Recorded.run_task`), so the flow's stage list and everything each stage does around its task run."""
-    from dataset.transform import TransformSpec
+    from dataset.tensors.transform import TransformSpec
     from flows import tune
     from pipeline_config import TransformConfig, TunePipelineConfig
     from runner.stages import StageRecorder
     from tasks.promote import PromotionOutcome
-    from training.registry import Promotion
+    from training.champion.registry import Promotion
 
     layout, raw, dataset, trained, evaluation = run_tree
     config = TunePipelineConfig.model_validate({"storage_root": layout.root, "tune": {"train_best": True}})
@@ -132,8 +132,8 @@ def test_score_on_promotion_refuses_a_card_naming_a_module_that_is_not_allowed_b
     from storage_io import StorageLayout
     from tests.support.cli import ROOT
     from tests.support.registry import candidate, make_dataset
-    from training import registry, registry_files
-    from training.model_trust import MODULES_ENV
+    from training.champion import registry, registry_files
+    from training.model.trust import MODULES_ENV
 
     marker = tmp_path / "team_scorers-was-imported"
     (tmp_path / "team_scorers.py").write_text(
@@ -180,7 +180,7 @@ def nightly(root: str, **changes):
 def champion(layout, run: str, dataset: str, config: dict, weights: dict | None = None, model: str = MODEL, seed: int = 0,
              accuracy: float = 0.9):
     from tests.support.registry import candidate
-    from training import registry
+    from training.champion import registry
 
     promoted = candidate(layout, run, accuracy, dataset, seed=seed).model_copy(update={"config": config, "weights": weights})
     assert registry.promote(layout, model, promoted).promoted
@@ -191,7 +191,7 @@ def test_nothing_new_compares_what_model_weights_holds_not_its_name(tmp_path):
 
     from storage_io import StorageLayout, sha256_file
     from tests.support.registry import make_checkpoint, make_dataset
-    from training import unchanged
+    from training.champion import unchanged
 
     root = str(tmp_path / "root")
     layout = StorageLayout.create(root, "setup")
@@ -215,7 +215,7 @@ def test_nothing_new_compares_what_model_weights_holds_not_its_name(tmp_path):
 
     # A registry name: the champion it names is what counts, so a new champion of it is something new.
     champion(layout, "base-run", dataset, {"train": {"epochs": 1}}, model="base-resnet18", seed=3)
-    from training import registry_files
+    from training.champion import registry_files
 
     _, folder, _ = registry_files.resolve(root, "base-resnet18")
     named = nightly(root, model={"weights": "base-resnet18"})
@@ -231,15 +231,15 @@ def test_a_run_not_promoted_is_remembered_so_its_data_is_not_trained_again_until
     """The promote stage (the real `tasks.promote.promote_model`, whose run failed its gate: no Ray needed; its
     run-comparison report goes to the shared Prefect server) remembers what the run trained on; the next night
     with nothing changed since is nothing new."""
-    from dataset.parquet import ParquetDataset
-    from dataset.transform import TransformSpec
+    from dataset.formats.parquet import ParquetDataset
+    from dataset.tensors.transform import TransformSpec
     from pipeline_config import EvaluateConfig, PromoteConfig, TransformConfig
     from storage_io import StorageLayout
     from tasks.evaluate import Evaluation
     from tasks.promote import promote_model
     from tests.support.registry import make_checkpoint, make_dataset
-    from training import unchanged
-    from training.model import SEEDS_MODEL
+    from training.champion import unchanged
+    from training.checkpoint.model_files import SEEDS_MODEL
     from training.trainer import CheckpointInfo, TrainedModel
 
     root = str(tmp_path / "root")

@@ -23,7 +23,6 @@ from runner.summary import RunSummary
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL, pause_env
 from tests.support.prefect_server import free_port
-from training.faults import FAULT_ENV, paused, release_pauses
 from training.tuning import (
     TrialRecord,
     best_config_values,
@@ -33,6 +32,7 @@ from training.tuning import (
     plan_trials,
     scaled_augmentation,
 )
+from training.worker.faults import FAULT_ENV, paused, release_pauses
 
 # --------------------------------------------------------------------------- fast: refused before any work
 
@@ -139,13 +139,13 @@ def test_another_workloads_best_config_names_it_for_flows_train(tmp_path):
     from pipeline_config.settings import TrainSettings
 
     best = best_trial([_record("a_00000", "completed", [0.9, 0.4])], TuneConfig())
-    values = best_config_values(TrainConfig(), TransformConfig(), best.config, "training.models:small_cnn", "shapes")
+    values = best_config_values(TrainConfig(), TransformConfig(), best.config, "training.model.catalog:small_cnn", "shapes")
     text = best_config_yaml(values, best, "val_ce", "shapes-tune-x", "flows.train")
     assert "# Train it: python -m flows.train --config-file" in text and "download.*" in text
     path = tmp_path / "best_config.yaml"
     path.write_text(text)
     config = parse_cli(["--config-file", str(path)], TrainSettings).pipeline_config()
-    assert (config.workload, config.model.name, config.registry_name) == ("shapes", "training.models:small_cnn", "shapes-small-cnn")
+    assert (config.workload, config.model.name, config.registry_name) == ("shapes", "training.model.catalog:small_cnn", "shapes-small-cnn")
     assert "workload" not in best_config_values(TrainConfig(), TransformConfig(), best.config)  # MNIST's: unchanged
     # A search on an image folder: the file names the folder (and the resize), so the winner trains on the same images
     folder = {"source": "folder", "path": str(tmp_path)}
@@ -304,8 +304,8 @@ def test_local_ray_workers_find_their_own_cluster_beside_another_local_ray(tmp_p
 
     import ray
 
-    from runner.runtime import local_gcs_port, ray_init_args
     from pipeline_config import RayConfig
+    from runner.cluster.ray_init import local_gcs_port, ray_init_args
 
     other_dir = tempfile.mkdtemp(dir="/tmp", prefix="r2-")  # short: Ray's socket paths must fit in 107 bytes
     other = subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--num-cpus", "1",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from deployments.serve import tune_preset_parameters
-from flows.mnist import STAGE_CPUS
+from flows.train import STAGE_CPUS
 from pipeline_config import (
     DEFAULT_WORKLOAD,
     ModelConfig,

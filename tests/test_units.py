@@ -13,11 +13,19 @@ from pipeline_config import CleanupConfig, TrainConfig
 from storage_io import publish_dir, staging_dir
 from tasks.cleanup import check_deletable, cleanup, plan
 from tests.support.runs import torchvision_resnet18_seed_style
+from training.checkpoint.files import IntegrityError
+from training.checkpoint.model_files import (
+    CHECKSUMS_FILE,
+    MODEL_FILE,
+    build_resnet18,
+    load_model,
+    save_checkpoint_files,
+)
+from training.checkpoint.records import read_history, record_epoch
 from training.inference import TTA_SHIFTS, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
-from training.recipe import one_cycle_lr
-from training.records import read_history, record_epoch
-from training.model import CHECKSUMS_FILE, MODEL_FILE, IntegrityError, build_resnet18, load_model, save_checkpoint_files
-from training.trainer import CheckpointInfo, plan_resources
+from training.resources import plan_resources
+from training.trainer import CheckpointInfo
+from training.worker.recipe import one_cycle_lr
 
 
 def test_one_cycle_schedule_warms_up_peaks_and_decays():
@@ -189,7 +197,7 @@ def test_cleanup_refuses_paths_outside_the_root_and_symlinks(run_tree, tmp_path)
 
 
 def test_ema_warms_up_then_tracks_the_weights_slowly():
-    from training.recipe import ema_decay_at, make_ema
+    from training.worker.recipe import ema_decay_at, make_ema
 
     assert ema_decay_at(0.99, 0) == pytest.approx(0.1)  # early: mostly the current weights
     assert ema_decay_at(0.99, 10_000) == 0.99
@@ -206,7 +214,7 @@ def test_ema_warms_up_then_tracks_the_weights_slowly():
 
 
 def test_ema_averages_batchnorm_buffers_including_the_integer_counter():
-    from training.recipe import ema_decay_at, make_ema
+    from training.worker.recipe import ema_decay_at, make_ema
 
     model = torch.nn.BatchNorm1d(3)
     ema = make_ema(model, 0.99)
@@ -221,8 +229,8 @@ def test_ema_averages_batchnorm_buffers_including_the_integer_counter():
 
 
 def test_the_fused_adamw_stays_fused_after_loading_a_state_written_by_the_default_one():
-    from training.checkpoints import load_optimizer_state
-    from training.recipe import make_optimizer
+    from training.checkpoint.in_attempt import load_optimizer_state
+    from training.worker.recipe import make_optimizer
 
     torch.manual_seed(0)
     old_model, model = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)

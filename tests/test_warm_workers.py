@@ -1,4 +1,4 @@
-"""A local Ray the run starts has its workers import the stages' modules at once (runner.runtime.warm_stage_workers)."""
+"""A local Ray the run starts has its workers import the stages' modules at once (runner.cluster.runtime.warm_stage_workers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import shutil
 import time
 
-from runner.runtime import warm_stage_workers
+from runner.cluster.runtime import warm_stage_workers
 from tests.support.warm_marker import MARKERS
 
 

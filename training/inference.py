@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-
 from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import ray.data
 
-from dataset.transform import TransformSpec, blocks, build_datasets, fits_in_memory, prepare_batch, read_ahead, split_batches
+from dataset.tensors.transform import (
+    TransformSpec,
+    blocks,
+    build_datasets,
+    fits_in_memory,
+    prepare_batch,
+    read_ahead,
+    split_batches,
+)
 from pipeline_config import EvaluateConfig, TransformConfig
-from training.model import load_model
-from training.models import ModelSpec, configure_cpu
+from training.checkpoint.model_files import load_model
+from training.model.catalog import ModelSpec, configure_cpu
 
 if TYPE_CHECKING:  # annotations only: torch is imported where a model scores (the evaluation stage's module is
     import torch  # imported by every Ray worker that runs a stage, and the stages that do not score skip torch)
@@ -59,7 +66,10 @@ class Predictor:
     ):
         import torch
 
-        from training.device import pick_device, visible_gpus  # with torch, as this class is: see the module's note on torch
+        from training.worker.device import (  # with torch, as this class is: see the module's note on torch
+            pick_device,
+            visible_gpus,
+        )
 
         configure_cpu(torch_threads)
         # A folder or an s3:// URI; ``model`` (a ModelSpec's fields) says what to build, else the checkpoint's record.
@@ -158,8 +168,8 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: Mo
     ``model``: what the checkpoint holds (unset: what its extra_state.pt records).
 
     A streamed test split that this process scores (`scores_here`) is also read here, window by window
-    (`dataset.transform.split_batches`), by a thread that keeps up to two batches ahead of the scoring
-    (`dataset.transform.read_ahead`), not through Ray Data. Through Ray Data, the streamed split's
+    (`dataset.tensors.transform.split_batches`), by a thread that keeps up to two batches ahead of the scoring
+    (`dataset.tensors.transform.read_ahead`), not through Ray Data. Through Ray Data, the streamed split's
     read-ahead limit held the reader's finished window back while scoring ran, and Ray Data's scheduling
     loop (a thread of this process) went round about a thousand times a second, taking a core from the
     scoring: 8,000 64x64 RGB test images took 30-35 s, against 14-17 s read here and 13.6-14.0 s read

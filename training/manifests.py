@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict
 
 from storage_io import join, read_bytes, read_lines
-from training.models import ModelSpec
+from training.model.catalog import ModelSpec
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -61,7 +61,7 @@ class TrainedModel(BaseModel):
     weights: dict[str, str] | None = None  # model.weights a fresh start loaded: source, file, sha256 (tasks.train)
     warnings: list[str] = []  # what the run was warned of before training (`TrainConfig.few_steps_warning`)
     device: str | None = None  # where the last attempt trained: cpu or cuda (train_attempts.jsonl)
-    precision: str | None = None  # its step's arithmetic: bf16, fp16 or fp32 (`training.device.resolve_precision`)
+    precision: str | None = None  # its step's arithmetic: bf16, fp16 or fp32 (`training.worker.device.resolve_precision`)
 
     def compute(self) -> dict[str, str]:
         """``{"device": ..., "precision": ...}`` as far as known: what the model card and summary.json record."""
@@ -149,7 +149,7 @@ class LoopConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model: dict[str, Any]  # the `training.models.ModelSpec` every rank builds, recorded in each checkpoint
+    model: dict[str, Any]  # the `training.model.catalog.ModelSpec` every rank builds, recorded in each checkpoint
     epochs: int  # train.epochs, capped by train.max_images
     global_batch_size: int
     learning_rate: float  # the one-cycle schedule's peak
@@ -161,16 +161,16 @@ class LoopConfig(BaseModel):
     train_rows: int
     torch_threads: int
     hang_timeout_s: float = 0.0
-    fault_dir: str | None = None  # where test-only fault injection records what fired (training.faults)
+    fault_dir: str | None = None  # where test-only fault injection records what fired (training.worker.faults)
     run_dir: str | None = None  # Ray Train's run folder: checkpoints get deterministic names there
     attempts_log: str | None = None
     history_path: str | None = None  # every epoch's metrics, from rank 0
     checkpoint_every_steps: int = 0
     preemption_check_steps: int = 0  # ask Ray Train about a preempted node every this many steps (0: never)
-    preemption_check_s: float = 0.0  # ... and after the first epoch about this many seconds apart (`training.guard.preemption_cadence`)
-    cuda_graph: str = "auto"  # train.cuda_graph: the step replayed from CUDA graphs (`training.captured_step`)
-    resident_data: str = "auto"  # train.resident_data: the splits held by each worker (`dataset.resident`)
+    preemption_check_s: float = 0.0  # ... and after the first epoch about this many seconds apart (`training.worker.guard.preemption_cadence`)
+    cuda_graph: str = "auto"  # train.cuda_graph: the step replayed from CUDA graphs (`training.worker.captured_step`)
+    resident_data: str = "auto"  # train.resident_data: the splits held by each worker (`dataset.tensors.resident`)
     transform: dict[str, Any] | None = None  # the TransformSpec each epoch builds its rows from
     row_log_dir: str | None = None  # test-only: every rank logs the row_ids it trains on
-    precision: str = "auto"  # train.precision, resolved per device (`training.device.resolve_precision`)
+    precision: str = "auto"  # train.precision, resolved per device (`training.worker.device.resolve_precision`)
     use_gpu: str = "auto"  # train.use_gpu: single mode's device (Ray Train's workers get theirs from Ray Train)

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from storage_io import building, publish_dir
-from training.checkpoints import Position, checkpoint_extra, load_checkpoint
-from training.device import pick_device, visible_gpus
-from training.loop import LoopConfig, attach_step, start_attempt, train_epoch, validate
-from training.model import EXTRA_STATE_FILE, load_state, save_checkpoint_files
-from training.records import HISTORY_FILE, read_history, record_attempt, record_epoch
-from training.sharding import attempt_splits
+from training.checkpoint.in_attempt import Position, checkpoint_extra, load_checkpoint
+from training.checkpoint.model_files import EXTRA_STATE_FILE, load_state, save_checkpoint_files
+from training.checkpoint.records import HISTORY_FILE, read_history, record_attempt, record_epoch
+from training.worker.device import pick_device, visible_gpus
+from training.worker.loop import LoopConfig, attach_step, start_attempt, train_epoch, validate
+from training.worker.sharding import attempt_splits
 
 SINGLE_DIR = "single"
 

@@ -11,10 +11,9 @@ returns and the readers of Ray Train's checkpoint snapshot are `training.manifes
 from __future__ import annotations
 
 import os
-
 from typing import TYPE_CHECKING
 
-from dataset.spec import TransformSpec
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import TrainConfig
 from storage_io import (
     S3_SCHEME,
@@ -27,24 +26,18 @@ from storage_io import (
     storage_errno,
     storage_write_error,
 )
-from training.faults import ROW_LOG_ENV
-from training.manifests import (  # noqa: F401 (the names callers have always imported from here)
+from training.checkpoint.records import HISTORY_FILE, read_history
+from training.manifests import (
     ATTEMPTS_LOG,
-    RAY_TRAIN_SNAPSHOT,
-    LoopConfig,
     SCORE_ORDER,
     CheckpointInfo,
+    LoopConfig,
     TrainedModel,
-    UnreadableSnapshot,
     checkpoint_rank,
-    latest_checkpoint,
-    ray_train_checkpoints,
     read_attempts,
-    read_snapshot,
 )
-from training.records import HISTORY_FILE, read_history
-from training.models import ModelSpec
-from training.resources import plan_resources  # noqa: F401 - where the stages and tests have always found it
+from training.model.catalog import ModelSpec
+from training.worker.faults import ROW_LOG_ENV
 
 if TYPE_CHECKING:  # annotations only: see `torch_trainer`
     from ray.train.torch import TorchTrainer
@@ -61,9 +54,9 @@ def loop_config(
     cfg: TrainConfig, train_rows: int, torch_threads: int, model: ModelSpec, fault_dir: str | None = None,
     spec: TransformSpec | None = None, weights: dict | None = None,
 ) -> dict:
-    """The `training.loop.LoopConfig` every rank runs, as the plain dict Ray Train hands over (``train_loop_config``)."""
+    """The `training.worker.loop.LoopConfig` every rank runs, as the plain dict Ray Train hands over (``train_loop_config``)."""
     run_dir = parent(fault_dir) if fault_dir else None
-    return LoopConfig(  # model.weights (a `training.weights.StartWeights`) rides in model: checkpoints record it
+    return LoopConfig(  # model.weights (a `training.model.weights.StartWeights`) rides in model: checkpoints record it
         model=model.model_dump() | ({"weights": dict(weights)} if weights else {}),
         epochs=cfg.epochs_for(train_rows),
         global_batch_size=cfg.global_batch_size,
@@ -87,7 +80,7 @@ def loop_config(
         resident_data=cfg.resident_data,
         # Each epoch builds its train pipeline from it (a resumed one without the rows already trained on).
         transform=spec.model_dump(mode="json") if spec is not None else None,
-        # Test-only: every rank logs the row_ids it trains on (training.faults.ROW_LOG_ENV).
+        # Test-only: every rank logs the row_ids it trains on (training.worker.faults.ROW_LOG_ENV).
         row_log_dir=join(run_dir, "row_log") if run_dir and os.environ.get(ROW_LOG_ENV) else None,
         precision=cfg.precision,
         use_gpu=cfg.use_gpu,
@@ -230,7 +223,7 @@ def torch_trainer(
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from training.loop import train_loop_per_worker
+    from training.worker.loop import train_loop_per_worker
 
     storage_fs, storage_path = filesystem(parent(run_dir))
     return TorchTrainer(
@@ -256,8 +249,8 @@ def torch_trainer(
             callbacks=callbacks,
         ),
         # No datasets= here: every worker builds its Ray Data pipelines inside the loop, the train
-        # rows per epoch (their order and augmentation depend on it; training.sharding.EpochShards) and
-        # its share of the validation rows once (training.loop.train_loop_per_worker).
+        # rows per epoch (their order and augmentation depend on it; training.worker.sharding.EpochShards) and
+        # its share of the validation rows once (training.worker.loop.train_loop_per_worker).
     )
 
 

@@ -30,11 +30,11 @@ from ray.tune.integration.ray_train import TuneReportCallback
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from dataset.transform import TransformSpec
+from dataset.tensors.transform import TransformSpec
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig
 from storage_io import basename, filesystem, is_remote, join, redact_error
-from training.records import HISTORY_FILE, read_history
-from training.models import ModelSpec
+from training.checkpoint.records import HISTORY_FILE, read_history
+from training.model.catalog import ModelSpec
 from training.resources import GPU_WORKER_CPUS, DoesNotFit, plan_cluster
 from training.trainer import torch_trainer
 
@@ -183,7 +183,7 @@ class TrialContext(BaseModel):
     spec: TransformSpec
     train: TrainConfig
     model: ModelSpec
-    weights: dict[str, str] | None = None  # model.weights for every trial's fresh start (training.weights.StartWeights)
+    weights: dict[str, str] | None = None  # model.weights for every trial's fresh start (training.model.weights.StartWeights)
     epochs: int
     trials_dir: str
     plan: TrialPlan

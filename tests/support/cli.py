@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.models import SMALL_MODEL_ARGS, faults_dir, release
-from training.faults import paused
+from training.worker.faults import paused
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 

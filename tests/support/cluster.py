@@ -65,7 +65,7 @@ class DockerCluster:
             "RAY_AUTH_MODE": "token",
             "RAY_AUTH_TOKEN": self.token,
             "RAY_USAGE_STATS_ENABLED": "0",
-            # As a run's own local Ray (runner.runtime.LOCAL_RAY_SYSTEM_CONFIG): idle workers stay.
+            # As a run's own local Ray (runner.cluster.ray_head.LOCAL_RAY_SYSTEM_CONFIG): idle workers stay.
             "RAY_num_workers_soft_limit": "16",
             "RAY_idle_worker_killing_time_threshold_ms": "600000",
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": str(DRAIN_S),

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from dataset.idx import read_idx
-from dataset.parquet import ParquetDataset, to_table
+from dataset.formats.idx import read_idx
+from dataset.formats.parquet import ParquetDataset, to_table
 from storage_io import MANIFEST
 from tests.support.cli import ROOT
 

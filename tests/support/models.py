@@ -1,7 +1,7 @@
 """The small model orchestration tests train, and the test-only pause that holds training still.
 
 Most end-to-end tests prove orchestration (stages, retries, stopping, storage, deployments, the
-UI), not the network: they train ``training.models:small_cnn`` (``model.name``'s function form,
+UI), not the network: they train ``training.model.catalog:small_cnn`` (``model.name``'s function form,
 so every such run also proves a model given as ``package.module:function`` builds on the Ray
 workers). ResNet-18 stays where the model is the point: the default recipe, the seeds'
 checkpoint contract, the checkpoint-size-dependent disk test.
@@ -9,7 +9,7 @@ checkpoint contract, the checkpoint-size-dependent disk test.
 A small model can finish a run before a test gets to act on it, so tests that act while training
 runs (Ctrl-C, SIGTERM, a killed driver or node, a cancel) set `pause_env` and wait in
 `wait_for_pause` instead of racing the clock: rank 0 stops at the given step until released
-(``training.faults``, action ``pause``).
+(``training.worker.faults``, action ``pause``).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from training.faults import FAULT_ENV, paused, release_pauses
+from training.worker.faults import FAULT_ENV, paused, release_pauses
 
-SMALL_MODEL = "training.models:small_cnn"
+SMALL_MODEL = "training.model.catalog:small_cnn"
 SMALL_MODEL_ARGS = ("--model.name", SMALL_MODEL)
 
 

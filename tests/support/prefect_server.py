@@ -77,7 +77,7 @@ def api_env(api_url: str, **extra: str) -> dict[str, str]:
     No other Prefect API or profile setting and no test hook (``MNIST_FAULT_INJECT``,
     ``MNIST_RECORD_ROWS``) is inherited: a run gets those only from ``extra``.
     """
-    from training.faults import TEST_HOOK_ENVS
+    from training.worker.faults import TEST_HOOK_ENVS
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "PREFECT_PROFILE")) and k not in TEST_HOOK_ENVS}
     return env | {"PREFECT_API_URL": api_url, **extra}

@@ -2,8 +2,8 @@
 
 A CLI run with no ``ray.address`` starts a Ray of its own (a GCS, a raylet, a dashboard and its
 agents: seconds of start-up and of CPU each time) and stops it at its end. A real deployment
-keeps one cluster and every run joins it (`deployments.serve`, `runner.ray_head`). The session's
-cluster is that: `shared_cluster` starts one ``ray start --head`` with `runner.ray_head.ray_head`
+keeps one cluster and every run joins it (`deployments.serve`, `runner.cluster.ray_head`). The session's
+cluster is that: `shared_cluster` starts one ``ray start --head`` with `runner.cluster.ray_head.ray_head`
 (token authentication, the worker-pool settings of a run's own local Ray, dies with the test
 process), and a run joins it through its configuration, not its command line:
 
@@ -18,7 +18,7 @@ Nothing of one test reaches the next through the cluster:
 
 - the head's environment is this process's without any test setting (`head_base_env`: no Prefect
   API, no fault hook, no S3 credentials, no MLflow, no run configuration), so its workers inherit
-  none; what a run hands its workers goes in its job's runtime env (`runner.ray_init.ray_init_args`);
+  none; what a run hands its workers goes in its job's runtime env (`runner.cluster.ray_init.ray_init_args`);
 - Ray worker processes belong to one job (one driver): a run's workers, with the modules they
   imported (a test's own model module among them) and the driver's folder on their ``sys.path``,
   end with the run and are never given to the next one (`check_workers_not_shared` proves it);
@@ -57,7 +57,7 @@ class SharedRay:
 def head_base_env() -> dict[str, str]:
     """This process's environment without any test or run setting: the head's, so its workers inherit none."""
     from storage_io import S3_ENV_VARS
-    from training.faults import TEST_HOOK_ENVS
+    from training.worker.faults import TEST_HOOK_ENVS
 
     drop = set(S3_ENV_VARS) | set(TEST_HOOK_ENVS)
     return {k: v for k, v in os.environ.items() if k not in drop and not k.startswith(TEST_SETTING_PREFIXES)}
@@ -65,12 +65,12 @@ def head_base_env() -> dict[str, str]:
 
 @contextmanager
 def shared_cluster(folder: Path, num_cpus: int | None = None) -> Iterator[SharedRay]:
-    """A Ray head on 127.0.0.1 for the block (`runner.ray_head.ray_head`), its workers in an empty ``folder/cwd``.
+    """A Ray head on 127.0.0.1 for the block (`runner.cluster.ray_head.ray_head`), its workers in an empty ``folder/cwd``.
 
     ``num_cpus``: its logical CPUs (default: the machine's, as `deployments.serve`'s head and each
     run's own local Ray have).
     """
-    from runner.ray_head import ray_head
+    from runner.cluster.ray_head import ray_head
 
     cwd = folder / "cwd"
     cwd.mkdir(parents=True, exist_ok=True)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from dataset.parquet import ParquetDataset
-from dataset.sources import RawData
+from dataset.formats.parquet import ParquetDataset
+from dataset.sources.interface import RawData
 from storage_io import StorageLayout
 from tasks.evaluate import Evaluation
-from training.model import MODEL_FILE, SEEDS_MODEL
+from training.checkpoint.model_files import MODEL_FILE, SEEDS_MODEL
 from training.trainer import CheckpointInfo, TrainedModel
 
 

@@ -1,0 +1,1 @@
+"""The data's files: IDX, images, Parquet, image folders, their listings, and images to score."""

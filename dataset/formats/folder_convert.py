@@ -1,0 +1,137 @@
+"""An image folder's conversion to Parquet (``download.source=folder``): every image read with Ray Data, in one pass.
+
+`convert_folder` reads the files with Ray Data in one pass over every split (its start paid once per
+run; each row sent to its split's writer by its path), decodes them as `dataset.formats.images` does (16-bit
+grayscale scaled to 8 bits), in grayscale when every image is grayscale and RGB otherwise, resized to
+``transform.image_size`` when set, and writes the IDX conversion's Parquet layout (`dataset.formats.parquet`):
+row_id, image (H x W x C uint8), label. The folder's checks and listing are `dataset.formats.folder`'s.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dataset.formats import images
+from dataset.formats.folder import FolderError, FolderLayout, decode_task_cpus, image_shape, stratified_split
+from dataset.formats.parquet import SPLITS, SplitWriter, schema_for, to_table
+from pipeline_config import ParquetConfig
+from storage_io import filesystem, is_remote, join
+
+
+def _key(path: str) -> str:
+    return path.lstrip("/")
+
+
+def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[str, int, int]]]:
+    """Every split's images as (relative path, row_id, label), in row_id order.
+
+    Row ids: train/ from 0 in a random order drawn from ``parquet.split_seed`` (so a window of a few
+    row groups mixes the classes, as a streamed split is read: `dataset.tensors.windows`), then val/ (when
+    there is one) and test/ in file order. Without a val/ folder, `stratified_split`
+    (``parquet.validation_every``, ``parquet.split_seed``) moves some of train/'s rows to val,
+    keeping their row ids."""
+    planned: dict[str, list[tuple[str, int, int]]] = {split: [] for split in SPLITS}
+    row_id = 0
+    train = layout.files["train"]
+    held = set(stratified_split([label for _, label in train], cfg.validation_every, cfg.split_seed).tolist()) if not layout.has_val else set()
+    for position in np.random.default_rng(cfg.split_seed).permutation(len(train)).tolist():
+        rel, label = train[position]
+        planned["val" if position in held else "train"].append((rel, row_id, label))
+        row_id += 1
+    for split in ("val", "test"):
+        if split == "val" and not layout.has_val:
+            continue
+        for rel, label in layout.files[split]:
+            planned[split].append((rel, row_id, label))
+            row_id += 1
+    return planned
+
+
+def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None,
+             num_cpus: float):
+    """A Ray Data dataset of the files at ``paths`` (on ``fs``) in their order, each task reading and decoding its
+    own files (`dataset.formats.images.read_decode_batch`: no per-file read tasks, no bytes through the object store):
+    columns ``image`` (N, H, W, C), ``path`` and ``error``."""
+    import ray.data
+
+    channels, height, width = shape
+    rows_per_batch = max(1, min(1024, (64 << 20) // (channels * height * width)))  # at most about 64 MB of pixels
+    ds = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=-(-len(paths) // rows_per_batch))
+    kwargs = {"fs": fs, "shape": shape, "resize": resize, "max_pixels": max_pixels, "prefix": "s3://" if remote else ""}
+    ds = ds.map_batches(images.read_decode_batch, fn_kwargs=kwargs, batch_size=rows_per_batch, batch_format="numpy",
+                        num_cpus=num_cpus)
+    ds.context.execution_options.preserve_order = True
+    return ds
+
+
+class _Router:
+    """Decoded rows of any split in; each split's rows out to its writer in ``group``-row tables, in arrival
+    order, so a split gets the row groups a pass over that split alone gave it."""
+
+    def __init__(self, writers: dict[str, SplitWriter], by_path: dict[str, tuple[str, int, int]], group: int):
+        self.writers, self.by_path, self.group = writers, by_path, group
+        self.pending: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {split: [] for split in writers}
+        self.seen = dict.fromkeys(writers, 0)
+
+    def add(self, batch: dict) -> None:
+        """Route ``batch``; FolderError naming its first file that was not read, not decoded or not the size."""
+        if any(batch["error"]):
+            raise FolderError(next(message for message in batch["error"] if message))
+        planned = [self.by_path[_key(p)] for p in batch["path"]]
+        splits = np.array([split for split, _, _ in planned])
+        ids_labels = np.array([row[1:] for row in planned], dtype=np.int64).reshape(-1, 2)
+        pixels = batch["image"].reshape(len(planned), -1)
+        for split in dict.fromkeys(splits.tolist()):
+            where = np.flatnonzero(splits == split)
+            self.pending[split].append((ids_labels[where], pixels[where]))
+            self.seen[split] += len(where)
+            if sum(len(ids) for ids, _ in self.pending[split]) >= self.group:
+                self.flush(split, final=False)
+
+    def flush(self, split: str, final: bool = True) -> None:
+        """Write ``split``'s pending rows in ``group``-row tables: all of them (``final``) or whole groups only."""
+        if not self.pending[split]:
+            return
+        ids, pixels = (np.concatenate(part) for part in zip(*self.pending[split]))
+        full = len(ids) if final else len(ids) - len(ids) % self.group
+        for rows in (slice(start, min(start + self.group, full)) for start in range(0, full, self.group)):
+            self.writers[split].write(to_table(ids[rows, 0], pixels[rows], ids[rows, 1]))
+        self.pending[split] = [(ids[full:], pixels[full:])] if full < len(ids) else []
+
+
+def convert_folder(
+    layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float | None = None,
+    max_pixels: int | None = None, storage_root: str | None = None,
+) -> tuple[dict[str, int], tuple[int, int, int]]:
+    """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W)).
+
+    One Ray Data pass over every split's files (train, then val, then test, each in `plan_rows` order), each
+    row sent to its split's writer by its path with the row id and label `plan_rows` gave it. ``max_pixels``:
+    ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work).
+    ``storage_root``: where the listing cache is (`image_shape`): the shape comes from the headers the checks
+    before the run read, not from a pass over the files; every image's size is checked again as it is decoded.
+    ``num_cpus``: what each decoding task asks for (None: `decode_task_cpus`)."""
+    shape = image_shape(layout, image_size, storage_root, max_pixels)
+    plan = plan_rows(layout, cfg)
+    base = filesystem(layout.path)[1].rstrip("/")  # the folder on its filesystem, once (not once per image)
+    paths = [f"{base}/{rel}" for planned in plan.values() for rel, _, _ in planned]
+    routes = [(split, row_id, label) for split, planned in plan.items() for _, row_id, label in planned]
+    writers = {split: SplitWriter(out_dir / split, cfg, schema_for(int(np.prod(shape)))) for split in plan}
+    router = _Router(writers, {_key(p): route for p, route in zip(paths, routes)}, cfg.rows_per_group)
+    try:
+        if paths:
+            fs, remote, resize = filesystem(layout.path)[0], is_remote(layout.path), image_size is not None
+            ds = _decoded(paths, fs, remote, shape, resize, max_pixels, decode_task_cpus() if num_cpus is None else num_cpus)
+            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                router.add(batch)
+        for split, planned in plan.items():
+            router.flush(split)
+            if router.seen[split] != len(planned):
+                raise FolderError(f"{join(layout.path, split)}: Ray Data read {router.seen[split]} images, "
+                                  f"the folder lists {len(planned)}")
+    finally:
+        for writer in writers.values():
+            writer.close()
+    return {split: writer.rows for split, writer in writers.items()}, shape
