@@ -1,4 +1,4 @@
-"""The MNIST training pipeline: the generic flow (flows/train.py) with MNIST's names.
+"""The MNIST training pipeline: the generic flow (flows/train.py) under MNIST's names.
 
     python -m flows.mnist                     # default preset: the quality run
     python -m flows.mnist --preset smoke      # a minutes-long check
@@ -7,26 +7,27 @@
 The same stages, harness and parameters as ``python -m flows.train`` (``workload`` defaults to
 mnist there too); what this module keeps is MNIST's own names, so existing deployments
 (``mnist-resnet18/nightly``, ``mnist-resnet18/manual``), ``MNIST_*`` environment variables,
-artifact keys and champions stay valid: the flow ``mnist-resnet18``, the settings with the
-``MNIST_`` prefix, and resume commands that say ``python -m flows.mnist``.
+artifact keys and champions stay valid: the flow ``mnist-resnet18``, whose body is `flows.train.train_pipeline`'s
+(its runs' resume commands say ``python -m flows.mnist``), and the settings with the ``MNIST_`` prefix.
 """
 
 from __future__ import annotations
 
 from prefect import flow
 
-from flows.train import STAGES, check_cluster_fits, nothing_new, run_stages
+from flows.train import train_pipeline
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import PipelineSettings
 from runner import hooks
-from runner.harness import exit_now, flow_run_name, run_cli, run_flow
+from runner.harness import exit_now, run_cli
+from runner.pipeline_run import flow_run_name
 from runner.summary import RunSummary
 
 
 @flow(name="mnist-resnet18", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
 def mnist_pipeline(config: PipelineConfig = PipelineConfig()) -> RunSummary:
     """Download MNIST, convert to Parquet, transform with Ray Data, train ResNet-18 with Ray Train, evaluate, promote, clean up."""
-    return run_flow(config, "flows.mnist", check_cluster_fits, STAGES, run_stages, nothing_new)
+    return train_pipeline.fn(config)  # the training flow's stage list, run as this flow (deployments keep this name)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,6 @@
 """What the training flow checks about the cluster and the registry before any work.
 
-`check_cluster_fits` runs once the run's Ray is up (`runner.harness.run_flow`'s ``check_fits``);
+`check_cluster_fits` runs once the run's Ray is up (`runner.pipeline_run.PipelineRun`'s ``check_fits``, at the first stage);
 `check_registry_fits` also from the command line, before Ray starts. The data's shape and classes come
 from its source (`dataset.sources.interface.Source.data_to_come`): the flow never asks which source a run has.
 """

@@ -26,7 +26,7 @@ from dataset.formats.inputs import NO_LABEL, read_folder
 from flows.predict import card_scoring, predictions_parquet, score_table
 from pipeline_config import PipelineConfig, RayConfig
 from reporting import events
-from runner.harness import started_by_deployment
+from runner.pipeline_run import started_by_deployment
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, basename, join, to_stored
 from training.champion import registry_files
 

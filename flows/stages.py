@@ -23,9 +23,13 @@ from typing import Any
 
 from prefect import Task
 
+from dataset.formats.parquet import ParquetDataset
+from dataset.sources.interface import RawData
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import PipelineConfig
 from reporting import artifacts, events
 from runner.harness import skips_when_unchanged
+from runner.pipeline_run import PipelineRun
 from runner.stages import Stage, StageRecorder
 from runner.watchers import EpochWatcher
 from storage_io import StorageLayout, join, lease_uses, redact_url
@@ -131,6 +135,18 @@ TRAIN = Train(train)
 EVALUATE = Stage(evaluate)
 PROMOTE = Promote(promote)
 CLEANUP = Stage(cleanup)
+
+
+def data_stages(run: PipelineRun, config: PipelineConfig) -> tuple[RawData, ParquetDataset, TransformSpec]:
+    """The data stages every flow starts with, each with its own config section and the previous manifest: the
+    data listed and fingerprinted, converted to the project's Parquet dataset, transformed for training."""
+    raw = run(DOWNLOAD, cfg=config.download, layout=run.layout)
+    dataset = run(
+        TO_PARQUET, raw=raw, cfg=config.parquet, layout=run.layout, image_size=config.transform.image_size,
+        workload=config.workload, max_image_pixels=config.download.max_image_pixels,
+    )
+    spec = run(TRANSFORM, dataset=dataset, cfg=config.transform, layout=run.layout)
+    return raw, dataset, spec
 
 
 def announce_data(config: PipelineConfig, layout: StorageLayout, dataset_dir: str, verified: bool) -> unchanged.Verdict:

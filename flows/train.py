@@ -23,17 +23,28 @@ stage can run on any Ray node, be retried, or be skipped when its output is alre
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow, get_run_logger, runtime
 
 from dataset.formats.parquet import manifest_problem
 from flows.preflight import check_cluster_fits, check_registry_fits
-from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM, announce, announce_data
+from flows.stages import (
+    CLEANUP,
+    DOWNLOAD,
+    EVALUATE,
+    PROMOTE,
+    TO_PARQUET,
+    TRAIN,
+    TRANSFORM,
+    announce,
+    announce_data,
+    data_stages,
+)
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import TrainSettings
 from reporting import events
 from runner import console, hooks
-from runner.harness import ended_before_training, exit_now, flow_run_name, run_cli, run_flow
-from runner.stages import StageRecorder
+from runner.harness import exit_now, run_cli
+from runner.pipeline_run import PipelineRun, ended_before_training, flow_run_name
 from runner.summary import RunSummary
 from storage_io import StorageLayout, exists
 from tasks.download import download
@@ -42,32 +53,34 @@ from tasks.to_parquet import dataset_fingerprint
 # The flow's stages in order; each declares the CPUs it holds and what it publishes (`flows.stages`).
 STAGES = [DOWNLOAD, TO_PARQUET, TRANSFORM, TRAIN, EVALUATE, PROMOTE, CLEANUP]
 STAGE_CPUS = {stage.name: stage.cpus for stage in STAGES}  # by name, as the UI lists the task runs
+# The command that resumes a run, by the flow's name: `flows.mnist` runs this flow as ``mnist-resnet18``.
+RESUME_MODULES = {"train": "flows.train", "mnist-resnet18": "flows.mnist"}
 
 
 @flow(name="train", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
 def train_pipeline(config: PipelineConfig = PipelineConfig()) -> RunSummary:
     """Any workload: download, convert to Parquet, transform with Ray Data, train model.name with Ray Train, evaluate, promote, clean up."""
-    return run_flow(config, "flows.train", check_cluster_fits, STAGES, run_stages, nothing_new)
+    with PipelineRun(config, resume_module(), STAGES, check_cluster_fits) as run:
+        unchanged = nothing_new(run.resolved, run.layout, run.module)  # promote.skip_unchanged: before Ray starts
+        if unchanged is not None:
+            return run.ended(unchanged)
+        raw, dataset, spec = data_stages(run, config)
+        trained = run(TRAIN, spec=spec, cfg=config.train, layout=run.layout, model=config.model, workload=config.workload)
+        evaluation = run(
+            EVALUATE, trained=trained, spec=spec, cfg=config.evaluate, layout=run.layout, workload=config.workload,
+            registry_name=config.registry_name,
+        )
+        run(
+            PROMOTE, evaluation=evaluation, trained=trained, spec=spec, cfg=config.promote, evaluate_cfg=config.evaluate,
+            layout=run.layout, run_config=config.model_dump(mode="json"), raw_dir=raw.directory, workload=config.workload,
+        )
+        run(CLEANUP, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=run.layout)
+    return run.result
 
 
-def run_stages(stage: StageRecorder, layout: StorageLayout, config: PipelineConfig) -> None:
-    """The stage list: each stage's output is what the later ones read (paths and manifests, never data)."""
-    workload = config.workload  # names the artifact keys and the registry's model
-    raw = stage(DOWNLOAD, cfg=config.download, layout=layout)
-    dataset = stage(
-        TO_PARQUET, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=workload,
-        max_image_pixels=config.download.max_image_pixels,
-    )
-    spec = stage(TRANSFORM, dataset=dataset, cfg=config.transform, layout=layout)
-    trained = stage(TRAIN, spec=spec, cfg=config.train, layout=layout, model=config.model, workload=workload)
-    evaluation = stage(
-        EVALUATE, trained=trained, spec=spec, cfg=config.evaluate, layout=layout, workload=workload, registry_name=config.registry_name,
-    )
-    stage(
-        PROMOTE, evaluation=evaluation, trained=trained, spec=spec, cfg=config.promote, evaluate_cfg=config.evaluate, layout=layout,
-        run_config=config.model_dump(mode="json"), raw_dir=raw.directory, workload=workload,
-    )
-    stage(CLEANUP, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+def resume_module() -> str:
+    """The CLI module that resumes this flow run (`RESUME_MODULES`, by the running flow's name)."""
+    return RESUME_MODULES.get(runtime.flow_run.flow_name, "flows.train")
 
 
 def nothing_new(config: PipelineConfig, layout: StorageLayout, module: str) -> RunSummary | None:

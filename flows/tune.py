@@ -20,15 +20,16 @@ from typing import Any
 
 from prefect import Task, flow
 
-from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM, with_retries
+from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM, data_stages, with_retries
 from pipeline_config import TunePipelineConfig
 from pipeline_config.settings import TuneSettings
 from runner import hooks
-from runner.harness import exit_now, flow_run_name, run_cli, run_flow
+from runner.harness import exit_now, run_cli
+from runner.pipeline_run import PipelineRun, flow_run_name
 from runner.stages import Stage, StageRecorder
 from runner.summary import RunSummary
 from runner.watchers import TrialWatcher
-from storage_io import StorageLayout, join
+from storage_io import join
 from tasks.tune import tune_search
 from training.tuning import TRIALS_DIR, plan_trials, trial_spec, trial_train_config
 
@@ -67,39 +68,31 @@ def stage_plan(config: TunePipelineConfig) -> list[Stage]:
 # workload and model.name: the run, its artifact keys and its registry model follow `workload`.
 @flow(name="mnist-resnet18-tune", flow_run_name=flow_run_name, log_prints=True, on_failure=[hooks.report_failure])
 def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> RunSummary:
-    """Download the data, convert to Parquet, transform with Ray Data, search the recipe with Ray Tune (each trial a Ray Train run)."""
-    return run_flow(config, "flows.tune", check_trials_fit, stage_plan(config), run_stages)
+    """Download the data, convert to Parquet, transform with Ray Data, search the recipe with Ray Tune (each trial a Ray Train run).
 
-
-def run_stages(stage: StageRecorder, layout: StorageLayout, config: TunePipelineConfig) -> None:
-    """The stage list: the data stages, the search, and with ``tune.train_best`` the winner trained, evaluated and
-    promoted by the training flow's own stages (so with its events: a champion the search made sends
-    ``pipeline.model.promoted`` as any other, which ``score/on-promotion`` scores)."""
-    workload = config.workload
-    raw = stage(DOWNLOAD, cfg=config.download, layout=layout)
-    dataset = stage(
-        TO_PARQUET, raw=raw, cfg=config.parquet, layout=layout, image_size=config.transform.image_size, workload=workload,
-        max_image_pixels=config.download.max_image_pixels,
-    )
-    spec = stage(TRANSFORM, dataset=dataset, cfg=config.transform, layout=layout)
-    tuned = stage(
-        TUNE, spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=layout, model=config.model, workload=workload,
-        download=config.download,
-    )
-    if not config.tune.train_best:
-        return
-    best_train, best_spec = trial_train_config(config.train, tuned.best.config), trial_spec(spec, tuned.best.config)
-    trained = stage(TRAIN, spec=best_spec, cfg=best_train, layout=layout, model=config.model, workload=workload)
-    evaluation = stage(
-        EVALUATE, trained=trained, spec=best_spec, cfg=config.evaluate, layout=layout, workload=workload,
-        registry_name=config.registry_name,
-    )
-    stage(
-        PROMOTE, evaluation=evaluation, trained=trained, spec=best_spec, cfg=config.promote, evaluate_cfg=config.evaluate,
-        layout=layout, run_config=config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")},  # the winner's recipe
-        raw_dir=raw.directory, workload=workload,
-    )
-    stage(CLEANUP, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=layout)
+    With ``tune.train_best`` the winner is then trained, evaluated and promoted by the training flow's own stages
+    (so with its events: a champion the search made sends ``pipeline.model.promoted`` as any other, which
+    ``score/on-promotion`` scores)."""
+    with PipelineRun(config, "flows.tune", stage_plan(config), check_trials_fit) as run:
+        raw, dataset, spec = data_stages(run, config)
+        tuned = run(
+            TUNE, spec=spec, train_cfg=config.train, tune_cfg=config.tune, layout=run.layout, model=config.model,
+            workload=config.workload, download=config.download,
+        )
+        if config.tune.train_best:
+            best_train, best_spec = trial_train_config(config.train, tuned.best.config), trial_spec(spec, tuned.best.config)
+            trained = run(TRAIN, spec=best_spec, cfg=best_train, layout=run.layout, model=config.model, workload=config.workload)
+            evaluation = run(
+                EVALUATE, trained=trained, spec=best_spec, cfg=config.evaluate, layout=run.layout, workload=config.workload,
+                registry_name=config.registry_name,
+            )
+            run(
+                PROMOTE, evaluation=evaluation, trained=trained, spec=best_spec, cfg=config.promote, evaluate_cfg=config.evaluate,
+                layout=run.layout, run_config=config.model_dump(mode="json") | {"train": best_train.model_dump(mode="json")},  # the winner's recipe
+                raw_dir=raw.directory, workload=config.workload,
+            )
+            run(CLEANUP, cfg=config.cleanup, raw=raw, dataset=dataset, trained=trained, evaluation=evaluation, layout=run.layout)
+    return run.result
 
 
 def check_trials_fit(config: TunePipelineConfig) -> None:

@@ -1,9 +1,7 @@
-"""What every flow does around its stage list, and what its command line does around the flow.
+"""What a flow's command line does around the flow (a flow's body runs in `runner.pipeline_run.PipelineRun`).
 
-`run_flow` is a flow's body minus its stages: the run folder and its name, the Ray task runner,
-the cluster check, the run's lease, and ``summary.json`` however the run ends. `run_cli` is
-``python -m flows.<name>``: settings from arguments and the environment, a Prefect API and a Ray
-cluster (started or reached), the flow, and the closing summary in the terminal.
+`run_cli` is ``python -m flows.<name>``: settings from arguments and the environment, a Prefect API and a
+Ray cluster (started or reached), the flow, and the closing summary in the terminal.
 """
 
 from __future__ import annotations
@@ -11,159 +9,24 @@ from __future__ import annotations
 import json
 import sys
 import time
-import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
 from dataset.formats import folder
 from dataset.tensors import sizing
-from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
+from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig
 from pipeline_config.settings import parse_cli
-from reporting import artifacts, environment
 from runner import console, stopping
 from runner.cluster import ray_auth
-from runner.cluster.ray_init import ray_task_runner
 from runner.cluster.runtime import cli_runtime
-from runner.stages import Stage, StageRecorder
-from runner.summary import RunSummary, attach, outcome_of
+from runner.pipeline_run import default_run_name, run_name_prefix
+from runner.summary import RunSummary, outcome_of
 from runner.tracking import tracking_uri
-from storage_io import StorageLayout, atomic_write_json, redact_error, run_lease, storage_writes
+from storage_io import StorageLayout, atomic_write_json, redact_error
 from training.model import trust
 from training.resources import DoesNotFit
-
-
-def default_run_name(prefix: str = DEFAULT_WORKLOAD) -> str:
-    """A unique, sortable run name: <prefix>-<UTC timestamp>-<random>."""
-    return f"{prefix}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
-
-
-def run_name_prefix(config: PipelineConfig) -> str:
-    """What a run's default name starts with: the workload (``mnist``); a search's, ``<workload>-tune``
-    (``tune`` for MNIST, as it always was)."""
-    if getattr(config, "tune", None) is None:
-        return config.workload
-    return "tune" if config.workload == DEFAULT_WORKLOAD else f"{config.workload}-tune"
-
-
-def flow_run_name() -> str:
-    """The Prefect flow run's name: the run's name (its folder under runs/), so the UI lists runs by
-    workload. A run started without ``run_name`` (a deployment's) gets a new default name here,
-    and `run_flow` names its folder after it."""
-    from prefect.runtime import flow_run
-
-    config = flow_run.parameters.get("config")
-    if isinstance(config, dict):  # before validation; an invalid config fails with its own message later
-        try:
-            config = (TunePipelineConfig if "tune" in config else PipelineConfig).model_validate(config)
-        except ValidationError:
-            return default_run_name()
-    if not isinstance(config, PipelineConfig):
-        return default_run_name()
-    return config.run_name or default_run_name(run_name_prefix(config))
-
-
-def run_flow(
-    config: PipelineConfig, module: str, check_fits: Any, plan: list[Stage], stages: Any, nothing_new: Any = None,
-) -> RunSummary | Cancelled | Completed:
-    """What every flow does around its stage list ``stages(stage, layout, config)``, whose stages are ``plan`` in order.
-
-    The run folder (when ``run_name`` is unset, the flow run's name: `flow_run_name`), the Ray task
-    runner, ``check_fits`` before anything is written, the run's lease, then the listing cache the data
-    checks held (`dataset.formats.folder.keep_checks`: a run refused before any work leaves the storage root as it
-    was), and summary.json however it ends. The run's `RunSummary` is the flow's return value; on a stop request (Ctrl-C, SIGTERM) the
-    summary says interrupted and the flow run ends Cancelled with it as data; a failed run's
-    exception carries it (`runner.summary.attach`). ``module``: the flow's CLI module, what the
-    summary's resume command runs. ``nothing_new(config, layout, module)``: before Ray starts, the summary of
-    a run with nothing new to train on (`ended_before_training`), which then ends Completed with
-    that reason as its message; None goes on.
-    """
-    trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
-    source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)  # a bad layout or image, named
-    tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
-    trust.check_model(sizing.resolved(config, source), source)  # ValueError naming model.name: it does not import, build or run on this data
-    layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
-    layout.check_reachable()  # an S3 root: the bucket answers before any work starts
-    # The size transform.image_size auto chose: the nothing-new check names the dataset by it.
-    ended = nothing_new(sizing.resolved(config, source), layout, module) if nothing_new is not None else None
-    if ended is not None:
-        return Completed(message=f"nothing new to train on: {ended.nothing_new}", data=ended)
-    stage = None
-    try:
-        with stopping.keep_sigterm(), ray_task_runner(config.ray) as runner:
-            check_fits(config)  # before anything is written
-            with run_lease(layout):  # refuses a live run of the same name
-                folder.keep_checks(config.download, config.storage_root)  # past every check: the listing cache now
-                env = environment.describe()
-                artifacts.publish_environment_report(env, config.workload)
-                stage = StageRecorder(runner, layout, config, env, plan, module)
-                try:
-                    stages(stage, layout, config)
-                except stopping.RunStopped as stop:
-                    summary = stage.write_summary()
-                    return Cancelled(message=f"run {layout.run_name} {stop}; {resume_hint(summary)}", data=summary)
-                except BaseException as error:
-                    try:
-                        stage.write_summary()
-                    except Exception as exc:  # e.g. the storage root is full: keep the stage's own error
-                        print(f"could not write {layout.summary_path}: {exc}", file=sys.stderr)
-                    attach(error, stage.last_summary)  # for the failure hook and the CLI, written or not
-                    raise
-                return stage.write_summary()
-    finally:
-        stopping.flow_body_done(stage.last_summary if stage else None)
-
-
-def ended_before_training(
-    config: PipelineConfig, layout: StorageLayout, module: str, reason: str, source: str, **data: Any
-) -> RunSummary:
-    """The summary of a run that ends before any stage, with nothing new to train on; written as summary.json.
-
-    ``source``: where its data came from (``RawData.source``); ``data``: `runner.summary.DataRecord`
-    fields (where the raw data and the dataset are).
-    """
-    from prefect.runtime import flow_run
-
-    from runner.summary import DataRecord
-
-    summary = RunSummary(
-        run_name=layout.run_name, module=module, workload=config.workload, flow_run_id=str(flow_run.id) if flow_run.id else None,
-        storage_root=layout.root, run_dir=layout.run_dir, data_source=source, data=DataRecord(**data),
-        status="completed", nothing_new=reason, config=config.model_dump(mode="json"),
-    )
-    with storage_writes("summary", layout.run_dir):
-        atomic_write_json(layout.summary_path, summary.to_json())
-    return summary
-
-
-def started_by_deployment() -> bool:
-    """Whether this flow run was started through a deployment (the UI's run form, the API), not by the CLI."""
-    from prefect.context import FlowRunContext
-
-    context = FlowRunContext.get()
-    return bool(context and context.flow_run and context.flow_run.deployment_id)
-
-
-def _named_run(config: PipelineConfig) -> str:
-    """The flow run's name when `flow_run_name` made it for this config (a deployment's run), else a new default name."""
-    from prefect.runtime import flow_run
-
-    prefix = run_name_prefix(config)
-    name = flow_run.name
-    if isinstance(name, str) and name.startswith(f"{prefix}-") and len(name) == len(default_run_name(prefix)):
-        return name
-    return default_run_name(prefix)
-
-
-def resume_hint(summary: RunSummary) -> str:
-    """Where the stopped run can go on from, and the command that does it."""
-    kept = summary.stopped.checkpoint_kept if summary.stopped else None
-    where = f"its checkpoint {kept['path']} is kept" if kept else "no training checkpoint was written yet"
-    command = console.resume_command(summary.run_name or "?", summary.storage_root, None, summary.module)
-    return f"{where}; resume with: {command}"
 
 
 def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str, module: str) -> int:

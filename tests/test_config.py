@@ -101,7 +101,7 @@ def test_the_workload_names_runs_artifacts_and_the_registry_and_mnist_keeps_its_
     workload's names start with it."""
     from pipeline_config import TunePipelineConfig
     from reporting.artifacts import artifact_keys, tune_keys
-    from runner.harness import default_run_name, run_name_prefix
+    from runner.pipeline_run import default_run_name, run_name_prefix
 
     mnist = PipelineConfig()
     assert mnist.workload == "mnist" and mnist.registry_name == "mnist-resnet18"

@@ -207,12 +207,13 @@ def test_a_state_dict_of_no_tensors_is_refused(tmp_path):
 
 
 def test_the_flow_refuses_a_deployments_run_naming_model_weights_before_any_work(tmp_path):
-    """run_flow (what a deployment's run goes through) checks model.weights beside the model trial."""
-    from runner.harness import run_flow
+    """`PipelineRun` (what a deployment's run goes through) checks model.weights beside the model trial."""
+    from runner.pipeline_run import PipelineRun
 
     config = PipelineConfig(storage_root=str(tmp_path / "storage"), model={"name": SMALL_MODEL, "weights": "glyphs-resnet18"})
     with pytest.raises(ValueError, match="model.weights 'glyphs-resnet18': no model of that name with a champion"):
-        run_flow(config, "flows.train", None, {}, None)
+        with PipelineRun(config, "flows.train", [], None):
+            pytest.fail("got past the checks")
     assert not (tmp_path / "storage").exists()
 
 

@@ -22,7 +22,7 @@ import torch
 
 from dataset.formats import folder
 from pipeline_config import PipelineConfig
-from runner.harness import run_flow, started_by_deployment
+from runner.pipeline_run import PipelineRun, started_by_deployment
 from tests.support.images import write_image_folder
 from training.inference import confusion_matrix
 from training.model.trust import MODULES_ENV, check_allowed, data_for_trial, try_model
@@ -106,7 +106,7 @@ def test_what_the_operator_allows_and_what_the_cli_may_import(monkeypatch):
 
 
 def test_the_flow_refuses_a_deployments_run_naming_the_setting_before_anything_is_imported(tmp_path, monkeypatch):
-    """run_flow in a flow run that a deployment started: refused first, before the data check and any import."""
+    """`PipelineRun` in a flow run that a deployment started: refused first, before the data check and any import."""
     from prefect.client.schemas.objects import FlowRun
     from prefect.context import FlowRunContext
 
@@ -121,7 +121,8 @@ def test_the_flow_refuses_a_deployments_run_naming_the_setting_before_anything_i
     with deployed:
         assert started_by_deployment()
         with pytest.raises(ValueError, match=f"model.name 'team_nets:build': a run started through a deployment .*{MODULES_ENV}"):
-            run_flow(config, "flows.train", None, {}, None)
+            with PipelineRun(config, "flows.train", [], None):
+                pytest.fail("got past the checks")
     assert not started_by_deployment()  # outside a deployment's flow run: the command line's
     assert not marker.exists() and not storage.exists()
 

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from flows import mnist, train
 from pipeline_config import PipelineConfig
 from runner import console, hooks
-from runner.harness import run_flow
+from runner.pipeline_run import PipelineRun
 from runner.summary import RunSummary, StageRecord
 from runner.tracking import flat_params, tracking_uri
 from storage_io import StorageLayout, has_credentials, redact_text, redact_url
@@ -126,11 +126,12 @@ def test_an_unusable_mlflow_tracking_uri_is_refused_naming_the_variable(monkeypa
 
 
 def test_a_deployments_run_refuses_it_in_the_flows_own_preflight(monkeypatch, tmp_path):
-    """What a served deployment's run does first (`run_flow`): refused before the run folder exists."""
+    """What a served deployment's run does first (`PipelineRun`): refused before the run folder exists."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "file:///tmp/x")
     config = PipelineConfig.model_validate({"storage_root": str(tmp_path / "root"), "download": {"source": "sample"}})
     with pytest.raises(ValueError, match="MLFLOW_TRACKING_URI is a file: URI"):
-        run_flow(config, "flows.mnist", lambda _: pytest.fail("got past the preflight"), {}, None)
+        with PipelineRun(config, "flows.mnist", [], lambda _: pytest.fail("got past the preflight")):
+            pytest.fail("got past the preflight")
     assert not (tmp_path / "root").exists()
 
 

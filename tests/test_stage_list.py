@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from flows import mnist, train, tune
-from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM
+from flows.stages import CLEANUP, DOWNLOAD, EVALUATE, PROMOTE, TO_PARQUET, TRAIN, TRANSFORM, data_stages
 from pipeline_config import TunePipelineConfig
 from runner.stages import Stage
 
@@ -25,11 +25,17 @@ ROOT = Path(__file__).resolve().parent.parent
 STAGE_NAMES = {"download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup", "tune"}
 
 
+def body_nodes(function) -> list[ast.AST]:
+    """Every node of ``function``'s body, in order."""
+    (definition,) = ast.parse(inspect.getsource(function)).body
+    return [node for statement in definition.body for node in ast.walk(statement)]
+
+
 def calls_in(function) -> list[str]:
-    """The names every call in ``function``'s body calls (``stage``, ``trial_spec``, ``config.model_dump``: ``model_dump``)."""
-    tree = ast.parse(inspect.getsource(function))
+    """The names every call in ``function``'s body calls (``run``, ``trial_spec``, ``config.model_dump``: ``model_dump``);
+    not its decorator's or its defaults'."""
     names = []
-    for node in ast.walk(tree):
+    for node in body_nodes(function):
         if isinstance(node, ast.Call):
             func = node.func
             names.append(func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else "?")
@@ -37,22 +43,33 @@ def calls_in(function) -> list[str]:
 
 
 def stage_arguments(function) -> list[str]:
-    """The first argument of each ``stage(...)`` call, in order: the stages the list runs."""
-    tree = ast.parse(inspect.getsource(function))
-    return [node.args[0].id for node in ast.walk(tree)
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "stage"]
+    """The first argument of each ``run(...)`` call, in order (``data_stages(...)``: its three): the stages it runs."""
+    found = []
+    for node in body_nodes(function):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "run":
+            found.append(node.args[0].id)
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "data_stages":
+            found += stage_arguments(data_stages)
+    return found
 
 
-def test_the_stage_lists_call_stages_and_nothing_else():
-    assert set(calls_in(train.run_stages)) == {"stage", "model_dump"}  # model_dump: what the model card records
-    assert stage_arguments(train.run_stages) == ["DOWNLOAD", "TO_PARQUET", "TRANSFORM", "TRAIN", "EVALUATE", "PROMOTE", "CLEANUP"]
-    # The search's list adds only the winner's recipe, worked out from the search's output.
-    assert set(calls_in(tune.run_stages)) == {"stage", "model_dump", "trial_train_config", "trial_spec"}
-    assert stage_arguments(tune.run_stages) == ["DOWNLOAD", "TO_PARQUET", "TRANSFORM", "TUNE", "TRAIN", "EVALUATE", "PROMOTE", "CLEANUP"]
+def test_the_flow_bodies_are_their_stage_lists():
+    """Each flow's body is one run context and its stage calls (issue 68): no callbacks, nothing else called."""
+    # model_dump: what the model card records; nothing_new and ended: promote.skip_unchanged, before Ray starts
+    assert set(calls_in(train.train_pipeline.fn)) == {
+        "PipelineRun", "resume_module", "nothing_new", "ended", "data_stages", "run", "model_dump",
+    }
+    assert stage_arguments(train.train_pipeline.fn) == ["DOWNLOAD", "TO_PARQUET", "TRANSFORM", "TRAIN", "EVALUATE", "PROMOTE", "CLEANUP"]
+    # The search's list adds only the winner's recipe, worked out from the search's output; its data stages are the same.
+    assert set(calls_in(tune.mnist_tune.fn)) == {
+        "PipelineRun", "stage_plan", "data_stages", "run", "model_dump", "trial_train_config", "trial_spec",
+    }
+    assert stage_arguments(tune.mnist_tune.fn) == ["DOWNLOAD", "TO_PARQUET", "TRANSFORM", "TUNE", "TRAIN", "EVALUATE", "PROMOTE", "CLEANUP"]
+    assert calls_in(mnist.mnist_pipeline.fn) == ["fn"]  # MNIST's flow runs the training flow's body, under its own name
 
 
 def test_each_stage_declares_its_cpus_and_the_flows_plans_are_their_stage_lists():
-    assert train.STAGES == mnist.STAGES == [DOWNLOAD, TO_PARQUET, TRANSFORM, TRAIN, EVALUATE, PROMOTE, CLEANUP]
+    assert train.STAGES == [DOWNLOAD, TO_PARQUET, TRANSFORM, TRAIN, EVALUATE, PROMOTE, CLEANUP]
     assert all(isinstance(stage, Stage) for stage in train.STAGES)
     assert {stage.name: stage.cpus for stage in train.STAGES} == train.STAGE_CPUS == {
         "download": 1, "to-parquet": 1, "transform": 0, "train": 0, "evaluate": 0, "promote": 0, "cleanup": 0,
@@ -106,9 +123,9 @@ def test_a_champion_the_search_makes_sends_the_promoted_event(tmp_path, shared_s
     own stages in Ray workers, becomes the champion and the server gets ``pipeline.model.promoted`` for it, sent
     from the flow's process with the flow run related."""
     from reporting import events
+    from tests.support.images import write_image_folder
     from tests.support.models import SMALL_MODEL
     from tests.support.prefect_server import api_env, wait_for
-    from tests.support.images import write_image_folder
     from tests.support.ray_cluster import join_env
 
     folder = write_image_folder(tmp_path / "shapes", {"train": 40, "test": 15})

@@ -227,8 +227,8 @@ def test_a_refusal_after_the_folder_check_leaves_the_storage_root_as_it_was(tmp_
 
 
 def test_a_deployments_run_refused_before_any_work_writes_nothing_either(tmp_path):
-    """`run_flow`, what a deployment's run does first: the same checks, the same empty root."""
-    from runner.harness import run_flow
+    """`PipelineRun`, what a deployment's run does first: the same checks, the same empty root."""
+    from runner.pipeline_run import PipelineRun
 
     storage = tmp_path / "storage"
     config = PipelineConfig.model_validate({
@@ -236,7 +236,8 @@ def test_a_deployments_run_refused_before_any_work_writes_nothing_either(tmp_pat
         "download": {"source": "folder", "path": str(tiny_folder(tmp_path / "tiny", 4))},
     })
     with pytest.raises(ValueError, match="model.name 'training.model.catalog:small_cnn'"):
-        run_flow(config, "flows.train", lambda _: pytest.fail("got past the checks"), {}, None)
+        with PipelineRun(config, "flows.train", [], lambda _: pytest.fail("got past the checks")):
+            pytest.fail("got past the checks")
     assert not storage.exists()
 
 

@@ -66,11 +66,12 @@ def test_the_watcher_keeps_a_listing_only_once_prefect_accepted_its_event(tmp_pa
 # --- 2. the search's train_best promotes, so it sends the promotion event --------------------------------------
 
 
-def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_server, run_tree):
-    """flows.tune's stage list with ``tune.train_best``, run by the real `StageRecorder` with every stage's own hooks
-    (`flows.stages`): its promotion sends ``pipeline.model.promoted`` as the training flow's does, to a real Prefect
-    server. A real search takes minutes (the slow tier): only the stages' Ray tasks are replaced by their recorded
-    outputs (`Recorded.run_task`), so the flow's stage list and everything each stage does around its task run."""
+def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_server, run_tree, monkeypatch):
+    """flows.tune's body with ``tune.train_best``, its stages run by the real `StageRecorder` with every stage's own
+    hooks (`flows.stages`): its promotion sends ``pipeline.model.promoted`` as the training flow's does, to a real
+    Prefect server. A real search takes minutes (the slow tier): the stages' Ray tasks are replaced by their recorded
+    outputs (`Recorded.run_task`) and the run context by one that only hands the body that recorder (`Recorded`'s
+    run, no checks and no Ray), so the flow's stage list and everything each stage does around its task run."""
     from dataset.tensors.transform import TransformSpec
     from flows import tune
     from pipeline_config import TransformConfig, TunePipelineConfig
@@ -97,8 +98,24 @@ def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_
 
     before = {e["id"] for e in server_events(shared_server, events.PROMOTED)}
     recorder = Recorded(None, layout, config, {}, tune.stage_plan(config), "flows.tune")
+
+    class RecordedRun:  # what `PipelineRun` hands the flow's body, without its checks and without Ray
+        def __init__(self, *args):
+            self.layout, self.result = layout, None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.result = recorder.summary()
+            return False
+
+        def __call__(self, stage, **parameters):
+            return recorder(stage, **parameters)
+
+    monkeypatch.setattr(tune, "PipelineRun", RecordedRun)
     with using_api(shared_server.api):
-        tune.run_stages(recorder, layout, config)
+        tune.mnist_tune.fn(config)
     assert list(recorder.stages) == ["download", "to-parquet", "transform", "tune", "train", "evaluate", "promote", "cleanup"]
     assert recorder.completed() and recorder.summary().tuning == {"trials": 4}
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from prefect import flow
 from prefect.logging.handlers import APILogWorker
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from pipeline_config import PipelineConfig, TunePipelineConfig
-from runner.harness import _named_run, flow_run_name
+from runner.pipeline_run import _named_run, flow_run_name
 
 pytestmark = pytest.mark.slow
 WORKLOAD = "shapes-demo"
@@ -26,7 +25,7 @@ WORKLOAD = "shapes-demo"
 
 @flow(name="workload-name-probe", flow_run_name=flow_run_name)
 def probe(config: PipelineConfig = PipelineConfig()) -> str:
-    """A flow named like the pipeline's: what run_flow names the run folder when run_name is unset."""
+    """A flow named like the pipeline's: what PipelineRun names the run folder when run_name is unset."""
     return _named_run(config)
 
 
@@ -41,7 +40,7 @@ def test_a_run_started_without_a_run_name_is_named_after_its_flow_run(shared_ser
             state = probe(config, return_state=True)
             folder = state.result()
             flow_run = shared_server.flow_run(str(state.state_details.flow_run_id))
-            if prefix is None:  # a run name given: the flow run takes it (run_flow uses it, not _named_run)
+            if prefix is None:  # a run name given: the flow run takes it (PipelineRun uses it, not _named_run)
                 assert flow_run["name"] == "chosen"
                 continue
             assert flow_run["name"] == folder, (flow_run["name"], folder)

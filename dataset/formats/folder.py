@@ -236,7 +236,7 @@ def check_source(cfg, image_size: int | None = None, storage_root: str | None = 
     ``download.source=folder``, the `FolderLayout` of ``download.path`` (`dataset.sources.folder_source`); None for MNIST.
 
     Kept here, under its old name, for the callers that check any run's data before its work (the CLI and
-    `runner.harness.run_flow`)."""
+    `runner.pipeline_run.PipelineRun`)."""
     return source_for(cfg).check(image_size, storage_root)
 
 

@@ -192,7 +192,7 @@ class SignalKeepingRayTaskRunner(RayTaskRunner):
 
 
 def _run_name() -> str:
-    """The flow run's name (a pipeline run's name, `runner.harness.flow_run_name`), for the run slot's holder."""
+    """The flow run's name (a pipeline run's name, `runner.pipeline_run.flow_run_name`), for the run slot's holder."""
     from prefect.runtime import flow_run
 
     return str(flow_run.name or "?")
