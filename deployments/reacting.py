@@ -47,7 +47,7 @@ def watched_config(config_file: Path) -> PipelineConfig:
             f"--watch {config_file}: set download.source: folder and download.path, the folder to watch "
             "(or download.source: parquet and download.path, a folder of Parquet files)"
         )
-    from flows.watch import watched_path
+    from flows.watch import watched_path  # the flow is imported only when its deployments are served
 
     download = config.download.model_copy(update={"path": watched_path(watched)})
     promote = config.promote.model_copy(update={"skip_unchanged": True})
@@ -76,7 +76,7 @@ class Watcher(threading.Thread):
         self.config, self.every_s, self.stopped = config, every_s, threading.Event()
 
     def run(self) -> None:
-        from flows.watch import describe, look
+        from flows.watch import describe, look  # the flow is imported only when its deployments are served
 
         self.wait_for_trigger()
         while not self.stopped.is_set():
@@ -90,7 +90,7 @@ class Watcher(threading.Thread):
 
     def wait_for_trigger(self) -> None:
         """Until ``train/on-data``'s trigger exists on the server: an event sent before it would start nothing."""
-        from prefect.client.orchestration import get_client
+        from prefect.client.orchestration import get_client  # only when deployments are built
 
         while not self.stopped.is_set():
             try:
@@ -109,9 +109,9 @@ def watcher(config_file: Path | None, every_s: float = WATCH_EVERY_S) -> Watcher
 
 
 def _on_data_deployment(config: PipelineConfig, debounce_s: float, common: dict[str, Any]):
-    from prefect.events import DeploymentEventTrigger
+    from prefect.events import DeploymentEventTrigger  # only when deployments are built
 
-    from flows.train import train_pipeline
+    from flows.train import train_pipeline  # the flow is imported only when its deployments are served
 
     parameters = {"config": config.model_dump(mode="json")}
     window = timedelta(seconds=debounce_s)
@@ -132,10 +132,10 @@ def _on_data_deployment(config: PipelineConfig, debounce_s: float, common: dict[
 
 
 def _score_deployment(config: PipelineConfig, folder: str, common: dict[str, Any]):
-    from prefect.events import DeploymentEventTrigger
+    from prefect.events import DeploymentEventTrigger  # only when deployments are built
 
-    from flows.score import score_with_champion
-    from flows.watch import watched_path
+    from flows.score import score_with_champion  # the flow is imported only when its deployments are served
+    from flows.watch import watched_path  # the flow is imported only when its deployments are served
 
     model = config.registry_name
     parameters = {"model": model, "images": watched_path(folder), "storage_root": config.storage_root}

@@ -22,7 +22,7 @@ They join one Ray cluster: a Ray head this process starts on 127.0.0.1 when it s
 it stops (``--ray-address`` names a running cluster instead), so no run pays for starting a Ray of
 its own (`runner.cluster.ray_head`). With ``--limit 2`` (a scheduled run and a UI run at once) both start,
 and the runs take turns on the cluster: each plans its stages from the whole cluster, so the second
-waits before its first stage, saying for whom and how long, until the first ends (`runner.cluster.cluster_slot`). The runs get this process's environment (``PREFECT_API_URL``, ``MNIST_FAILURE_WEBHOOK_URL``,
+waits before its first stage, saying for whom and how long, until the first ends (`runner.cluster.cluster_slot`). The runs get this process's environment (``PREFECT_API_URL``, ``PIPELINE_FAILURE_WEBHOOK_URL``,
 ``PIPELINE_MODEL_MODULES``: the modules a run's ``model.name`` may import) and working directory (the default ``storage_root`` "storage" is relative to it). On shutdown the
 nightly schedule is paused.
 
@@ -70,7 +70,7 @@ TRAIN_TAGS = ["ray", "workload"]  # the generic flow's: its runs' workload is a 
 def common_options() -> dict[str, Any]:
     """What every served deployment shares: a module-path entrypoint (runs load `flows.*` from the installed
     project, whatever the working directory of this process) and run parameters checked against the flow's."""
-    from prefect.deployments.runner import EntrypointType
+    from prefect.deployments.runner import EntrypointType  # only when deployments are built
 
     return {"entrypoint_type": EntrypointType.MODULE_PATH, "enforce_parameter_schema": True}
 
@@ -117,9 +117,9 @@ def build_deployments(
     Returns:
         ``[nightly, manual, tune, train]`` (``tune`` is ``mnist-resnet18-tune/manual``, ``train`` is ``train/manual``).
     """
-    from prefect.client.schemas.schedules import CronSchedule
+    from prefect.client.schemas.schedules import CronSchedule  # only when deployments are built
 
-    from flows.mnist import mnist_pipeline
+    from flows.mnist import mnist_pipeline  # the flow is imported only when its deployments are served
 
     common = common_options()
     nightly = mnist_pipeline.to_deployment(
@@ -142,7 +142,7 @@ def build_deployments(
 
 def _tune_deployment(preset: str, common: dict[str, Any]) -> RunnerDeployment:
     """The search's ``mnist-resnet18-tune/manual`` (no schedule), its run form starting from tune preset ``preset``."""
-    from flows.tune import mnist_tune
+    from flows.tune import mnist_tune  # the flow is imported only when its deployments are served
 
     return mnist_tune.to_deployment(
         name="manual",
@@ -158,7 +158,7 @@ def _tune_deployment(preset: str, common: dict[str, Any]) -> RunnerDeployment:
 
 def _train_deployment(preset: str, common: dict[str, Any]) -> RunnerDeployment:
     """The generic flow's ``train/manual`` (no schedule, any workload), its run form starting from preset ``preset``."""
-    from flows.train import train_pipeline
+    from flows.train import train_pipeline  # the flow is imported only when its deployments are served
 
     return train_pipeline.to_deployment(
         name="manual",
@@ -205,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Register the four deployments and execute their runs, one at a time by default, until interrupted."""
-    from prefect import serve
+    from prefect import serve  # only when deployments are built
 
     args = parse_args(argv)
     try:

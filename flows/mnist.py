@@ -2,13 +2,14 @@
 
     python -m flows.mnist                     # default preset: the quality run
     python -m flows.mnist --preset smoke      # a minutes-long check
-    python -m flows.mnist --help              # every field, also settable as MNIST_<SECTION>__<FIELD>
+    python -m flows.mnist --help              # every field, also settable as PIPELINE_<SECTION>__<FIELD>
 
 The same stages, harness and parameters as ``python -m flows.train`` (``workload`` defaults to
 mnist there too); what this module keeps is MNIST's own names, so existing deployments
-(``mnist-resnet18/nightly``, ``mnist-resnet18/manual``), ``MNIST_*`` environment variables,
-artifact keys and champions stay valid: the flow ``mnist-resnet18``, whose body is `flows.train.train_pipeline`'s
-(its runs' resume commands say ``python -m flows.mnist``), and the settings with the ``MNIST_`` prefix.
+(``mnist-resnet18/nightly``, ``mnist-resnet18/manual``), artifact keys and champions stay valid: the flow
+``mnist-resnet18``, whose body is `flows.train.train_pipeline`'s (its runs' resume commands say
+``python -m flows.mnist``). Its settings read ``PIPELINE_*`` as every entry point's do, and still the
+``MNIST_*`` variables they read before, each named as deprecated when the command starts.
 """
 
 from __future__ import annotations

@@ -40,22 +40,21 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import Field, ValidationError
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic import ValidationError
+from pydantic_settings import CliApp
 
 from dataset.formats.inputs import NO_LABEL, read_folder
 from dataset.formats.parquet import MNIST_CLASSES
 from pipeline_config import (
-    DEFAULT_WORKLOAD,
     DownloadConfig,
     EvaluateConfig,
-    ModelConfig,
     PipelineConfig,
     PromoteConfig,
     RayConfig,
     TransformConfig,
-    registry_model_name,
 )
+from pipeline_config.predict import PredictSettings
+from pipeline_config.settings import old_prefix_lines
 from runner.cluster import ray_auth
 from runner.cluster.ray_init import local_gcs_port, ray_init_args
 from storage_io import (
@@ -76,48 +75,6 @@ from training.model.catalog import ModelSpec
 
 if TYPE_CHECKING:
     import numpy as np
-
-
-class PredictSettings(BaseSettings):
-    """Score a folder of IDX, Parquet or PNG/JPEG images with a promoted model and write predictions to Parquet."""
-
-    model_config = SettingsConfigDict(
-        cli_prog_name="python -m flows.predict", env_prefix="MNIST_PREDICT_", cli_kebab_case=True,
-        cli_implicit_flags=True, cli_hide_none_type=True, cli_avoid_json=True, extra="forbid",
-    )
-
-    input: Path = Field(
-        description=(
-            "Folder of Parquet files (an 'image' column), IDX files (*-images-idx3-ubyte[.gz]) or PNG/JPEG images "
-            "(in <class>/ subfolders for accuracy, or directly in the folder, unlabelled)."
-        )
-    )
-    output: str | None = Field(
-        None, description="Parquet file to write (local path or s3://); unset: <storage_root>/predictions/<model>-v<N>-<time>.parquet."
-    )
-    storage_root: str = Field("storage", description="The storage root the model was promoted on (folder or s3://bucket/prefix).")
-    workload: str = Field(DEFAULT_WORKLOAD, description="The workload the model was trained on (the runs' workload).")
-    model: str | None = Field(
-        None,
-        description=(
-            "The model's registry name (promote.model_name of the runs that trained it, or <workload>-<model.name>: "
-            "mnist-small-cnn for training.model.catalog:small_cnn). Unset: <workload>-resnet18, e.g. mnist-resnet18."
-        ),
-    )
-    version: int | None = Field(None, ge=1, description="A published version number; unset: the champion.")
-    num_actors: int = Field(1, ge=1, le=256, description="Model actors in the Ray Data inference pool. 1 on one machine without GPUs: no actor, this process scores.")
-    batch_rows: int = Field(250, ge=1, le=65536, description="Images per inference batch.")
-    ray_address: str | None = Field(None, description="Unset: a local Ray for this command. 'auto' or 'host:port': that cluster.")
-    overwrite: bool = Field(False, description="Replace --output when that file exists already (unset: an existing file is refused).")
-
-    def model_name(self) -> str:
-        """``--model``, or the name runs of ``--workload`` with the default model register under."""
-        return self.model or default_model(self.workload)
-
-
-def default_model(workload: str = DEFAULT_WORKLOAD) -> str:
-    """The registry name runs of ``workload`` with the default ``model.name`` promote to (``mnist-resnet18``)."""
-    return registry_model_name(workload, ModelConfig().name)
 
 
 def check_output(output: str, overwrite: bool) -> int | None:
@@ -232,7 +189,7 @@ def score_table(table: pa.Table, folder: str, scoring: CardScoring, ray_cfg: Ray
     # and a bad --input must be refused within seconds (docs/architecture.md).
     import ray
 
-    from training.inference import predict_table
+    from training.inference import predict_table  # torch and Ray Data: after the input checked out
 
     address, kwargs = ray_init_args(ray_cfg, api_url="")
     kwargs["runtime_env"]["env_vars"].pop("PREFECT_API_URL", None)  # no Prefect here
@@ -292,6 +249,8 @@ def check_model(root: str, model: str, which: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    for line in old_prefix_lines(PredictSettings):
+        print(line, file=sys.stderr)
     try:
         settings = CliApp.run(PredictSettings, cli_args=argv)
         PipelineConfig(workload=settings.workload)  # the same name rules as the flow's

@@ -21,7 +21,7 @@ def check_cluster_fits(config: PipelineConfig) -> None:
     """Refuse training workers the cluster cannot hold (`DoesNotFit`: the CLI exits 2), or a champion this run's
     model could never be compared with (ValueError naming the field), before any work starts; say how the
     workload was named, and how training departs from train.num_workers when train.use_gpu=auto has to."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     if config.download.path:  # a user's folder: the workload may be named after it
         console.say(workload_line(config))

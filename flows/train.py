@@ -6,7 +6,7 @@
 
 ``workload`` names the run (``<workload>-<time>-<id>``), its artifact keys and the registry's
 model (``<workload>-<model>``); its default is MNIST, whose own entry point ``flows.mnist`` is
-this flow with MNIST's names (flow ``mnist-resnet18``, ``MNIST_*`` environment variables). An
+this flow under MNIST's names (flow ``mnist-resnet18``; it also reads the deprecated ``MNIST_*`` variables). An
 image folder (``download.source=folder``) without a workload of its own is named after the folder.
 
 With ``promote.skip_unchanged`` (the ``nightly`` preset), a run whose data, model and recipe are its

@@ -3,7 +3,7 @@
     python -m flows.tune --preset smoke                # a few-minutes search on the bundled sample
     python -m flows.tune --tune.num-samples 16 --tune.train-best
     python -m flows.tune --workload flowers --model.name mobilenet_v3_small ...   # another workload
-    python -m flows.tune --help                        # every field, also settable as MNIST_<SECTION>__<FIELD>
+    python -m flows.tune --help                        # every field, also settable as PIPELINE_<SECTION>__<FIELD>
 
 Download, conversion and transform are the main flow's stages, unchanged (outputs verified on
 storage are reused). The tune stage runs the trials, each a Ray Train run of the real training
@@ -31,7 +31,8 @@ from runner.summary import RunSummary
 from runner.watchers import TrialWatcher
 from storage_io import join
 from tasks.tune import tune_search
-from training.tuning import TRIALS_DIR, plan_trials, trial_spec, trial_train_config
+from training.trial_configs import plan_trials, trial_spec, trial_train_config
+from training.tuning import TRIALS_DIR
 
 
 class Tune(Stage):
@@ -97,7 +98,7 @@ def mnist_tune(config: TunePipelineConfig = TunePipelineConfig()) -> RunSummary:
 
 def check_trials_fit(config: TunePipelineConfig) -> None:
     """Refuse a search the cluster cannot hold (ValueError naming the field) before any work starts."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     resources = ray.cluster_resources()
     plan_trials(config.train, config.tune, resources.get("CPU", 0), resources.get("GPU", 0))

@@ -25,6 +25,7 @@ import sys
 from typing import Any
 
 from prefect import flow
+from prefect.settings import PREFECT_API_URL
 
 from dataset.formats import watching
 from pipeline_config import PipelineConfig
@@ -90,7 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", help="the workload it is (unset: named after the folder)")
     parser.add_argument("--storage-root", default="storage", help="where the last listing is kept (default: storage)")
     args = parser.parse_args(argv)
-    from prefect.settings import PREFECT_API_URL
 
     if not PREFECT_API_URL.value():
         print("PREFECT_API_URL is not set: set it to the Prefect server that serves the deployments "

@@ -2,20 +2,24 @@
 
 Precedence, lowest first: field defaults < preset < ``--config-file`` YAML < environment
 variables < CLI flags. pydantic-settings parses the environment and the command line
-(``--train.epochs 3``, ``MNIST_TRAIN__EPOCHS=3``); this module only layers the two files
-underneath whatever those gave. The environment variables' prefix is the entry point's:
-``MNIST_`` for ``flows.mnist`` and ``flows.tune`` (as it always was), ``PIPELINE_`` for the
-generic ``flows.train`` (``PIPELINE_WORKLOAD=flowers``, ``PIPELINE_TRAIN__EPOCHS=3``).
+(``--train.epochs 3``, ``PIPELINE_TRAIN__EPOCHS=3``); this module only layers the two files
+underneath whatever those gave. Every entry point reads the ``PIPELINE_`` prefix
+(``PIPELINE_WORKLOAD=flowers``, ``PIPELINE_TRAIN__EPOCHS=3``). ``flows.mnist`` and ``flows.tune`` read
+``MNIST_`` before; they still do, below ``PIPELINE_``, and the command line names each such variable
+with its new name (`old_prefix_lines`). ``flows.train`` never read ``MNIST_``, so an MNIST setup's
+variables stay out of its runs.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import AliasChoices, BaseModel, Field, model_validator
-from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+from pydantic_settings import BaseSettings, CliApp, EnvSettingsSource, PydanticBaseSettingsSource, SettingsConfigDict
 
 from pipeline_config.model import PipelineConfig
 from pipeline_config.tune import TunePipelineConfig
@@ -114,8 +118,12 @@ def preset_with(preset: str, values: dict[str, Any]) -> dict[str, Any]:
     return _deep_merge(load_preset(preset), values)
 
 
+# The environment prefix of every entry point (issue 68), and the one flows.mnist and flows.tune read before.
+ENV_PREFIX = "PIPELINE_"
+OLD_ENV_PREFIX = "MNIST_"
+
 _SETTINGS = {
-    "env_prefix": "MNIST_",
+    "env_prefix": ENV_PREFIX,
     "env_nested_delimiter": "__",
     "extra": "forbid",
     "cli_kebab_case": True,
@@ -178,7 +186,34 @@ class CliOptions(BaseModel):
         return values
 
 
-class PipelineSettings(BaseSettings, CliOptions, PipelineConfig):
+class ReadsOldPrefix:
+    """Settings that also read their fields from ``OLD_ENV_PREFIX`` variables, below ``ENV_PREFIX``'s ones."""
+
+    old_env_prefix: ClassVar[str] = OLD_ENV_PREFIX
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource, env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource, file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        old = EnvSettingsSource(settings_cls, env_prefix=cls.old_env_prefix)
+        return init_settings, env_settings, old, dotenv_settings, file_secret_settings
+
+
+def old_prefix_lines(settings: type, environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line for each variable of the old prefix that ``settings`` still reads, naming what to set instead."""
+    if not issubclass(settings, ReadsOldPrefix):
+        return []
+    old, new = settings.old_env_prefix, settings.model_config["env_prefix"]
+    fields = {name.lower() for name in settings.model_fields}
+    environ = os.environ if environ is None else environ
+    return [
+        f"{key}: read as {new}{key[len(old):]} (the {old} prefix is deprecated; set {new}{key[len(old):]} instead)"
+        for key in sorted(environ) if key.upper().startswith(old) and key[len(old):].split("__", 1)[0].lower() in fields
+    ]
+
+
+class PipelineSettings(ReadsOldPrefix, BaseSettings, CliOptions, PipelineConfig):
     """Run the MNIST training pipeline (a Prefect flow on Ray) once and print its summary."""
 
     model_config = SettingsConfigDict(cli_prog_name="python -m flows.mnist", **_SETTINGS)
@@ -188,22 +223,17 @@ class PipelineSettings(BaseSettings, CliOptions, PipelineConfig):
         return PipelineConfig.model_validate(self.flow_values())
 
 
-# The generic entry point's environment prefix: not MNIST_, so the variables an MNIST setup exports
-# never leak into another workload's runs (and the reverse).
-TRAIN_ENV_PREFIX = "PIPELINE_"
-
-
 class TrainSettings(BaseSettings, CliOptions, PipelineConfig):
     """Run the training pipeline for any workload (a Prefect flow on Ray) once and print its summary."""
 
-    model_config = SettingsConfigDict(cli_prog_name="python -m flows.train", **(_SETTINGS | {"env_prefix": TRAIN_ENV_PREFIX}))
+    model_config = SettingsConfigDict(cli_prog_name="python -m flows.train", **_SETTINGS)
 
     def pipeline_config(self) -> PipelineConfig:
         """The flow's parameter: every field but the CLI-only ones."""
         return PipelineConfig.model_validate(self.flow_values())
 
 
-class TuneSettings(BaseSettings, CliOptions, TunePipelineConfig):
+class TuneSettings(ReadsOldPrefix, BaseSettings, CliOptions, TunePipelineConfig):
     """Search the training recipe with Ray Tune (a Prefect flow on Ray) and print the best trial."""
 
     _flow: ClassVar[str] = "tune"

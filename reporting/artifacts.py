@@ -227,7 +227,7 @@ def _best_effort(fn: Callable[..., _T]) -> Callable[..., _T | None]:
 @_best_effort
 def publish_environment_report(env: dict[str, Any], workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish what the run runs on (``reporting.environment.describe()``) as a table; returns the artifact ids."""
-    from prefect.artifacts import create_table_artifact
+    from prefect.artifacts import create_table_artifact  # Prefect only when publishing
 
     description = f"Python {env.get('python')}, torch {env.get('packages', {}).get('torch')}, commit {env.get('git_commit')}"
     return [create_table_artifact(environment_rows(env), key=artifact_keys(workload)["environment"], description=description)]
@@ -236,7 +236,7 @@ def publish_environment_report(env: dict[str, Any], workload: str = DEFAULT_WORK
 @_best_effort
 def publish_dataset_report(dataset, workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish the sample-digits picture for a ``ParquetDataset``; returns the artifact ids."""
-    from prefect.artifacts import create_markdown_artifact
+    from prefect.artifacts import create_markdown_artifact  # Prefect only when publishing
 
     markdown = sample_digits_markdown(dataset.split_dir("train"), dataset.rows["train"], tuple(dataset.image_shape), dataset.classes)
     return [create_markdown_artifact(markdown, key=artifact_keys(workload)["samples"], description="Nine training digits with labels")]
@@ -245,7 +245,7 @@ def publish_dataset_report(dataset, workload: str = DEFAULT_WORKLOAD) -> list:
 @_best_effort
 def publish_training_report(trained, workload: str = DEFAULT_WORKLOAD) -> list:
     """Publish the training curves of a ``TrainedModel``; returns the artifact ids."""
-    from prefect.artifacts import create_markdown_artifact
+    from prefect.artifacts import create_markdown_artifact  # Prefect only when publishing
 
     markdown = training_markdown(trained)
     return [create_markdown_artifact(markdown, key=artifact_keys(workload)["curves"], description="Loss and accuracy per epoch")]
@@ -263,7 +263,7 @@ def publish_tuning_report(
     trials: Sequence[dict[str, Any]], metric: str, best_id: str, config_path: str, workload: str = DEFAULT_WORKLOAD
 ) -> list:
     """Publish the trial table and the per-epoch curves of a search; returns the artifact ids."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact  # Prefect only when publishing
 
     keys = tune_keys(workload)
     stopped = sum(trial.get("status") == "stopped early" for trial in trials)
@@ -282,7 +282,7 @@ def publish_evaluation_report(evaluation, dataset, trained, workload: str = DEFA
     Called by the evaluation stage before its gate decides, so every report says whether the
     gate passed (in its title, the metrics table's ``gate`` column and the descriptions).
     """
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact  # Prefect only when publishing
 
     keys = artifact_keys(workload)
     gate = gate_verdict(evaluation.accuracy, evaluation.min_accuracy, getattr(evaluation, "gate_failures", ()))
@@ -331,7 +331,7 @@ def leakage_warning(dataset) -> str:
 @_best_effort
 def publish_run_comparison(model: str, runs: Sequence[dict[str, Any]], promotion: dict[str, Any] | None) -> list:
     """Publish a model's recent runs as a table and the accuracy-over-runs picture (stable keys per model)."""
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact  # Prefect only when publishing
 
     keys = comparison_keys(model)
     verdict = f"this run: {'promoted' if promotion and promotion.get('promoted') else 'not promoted'}"

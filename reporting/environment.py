@@ -88,7 +88,7 @@ def gpus() -> list[str]:
     300 MB for the whole run, issue 67) nor starts CUDA there."""
     try:
         if "torch" in sys.modules:
-            import torch
+            import torch  # torch: only where a model is built or run
 
             if not torch.cuda.is_available():
                 return []

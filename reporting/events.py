@@ -53,7 +53,7 @@ def emit(name: str, resource: dict[str, str], payload: dict[str, Any]) -> str | 
 
     An event is news, not the run's record (summary.json is): failing to send one never fails a run.
     """
-    from prefect.events import emit_event
+    from prefect.events import emit_event  # reporting imports no Prefect until it sends
 
     try:  # every value without a URL's credentials (a storage root, a folder, a mirror), as in the logs
         event = emit_event(event=name, resource=redact_value(resource), payload=redact_value(payload))
@@ -72,17 +72,17 @@ def send(name: str, resource: dict[str, str], payload: dict[str, Any], timeout_s
     process's Prefect client, with the flow run and its deployment as related resources and every value
     redacted, as `emit` does.
     """
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL  # reporting imports no Prefect until it sends
 
     api = PREFECT_API_URL.value()
     if not api:
         return None, "no Prefect API (PREFECT_API_URL is not set)"
 
-    import anyio
-    from prefect.client.orchestration import get_client
-    from prefect.events import Event
-    from prefect.events.related import related_resources_from_run_context
-    from prefect.utilities.asyncutils import run_coro_as_sync
+    import anyio  # anyio: only when an event is sent
+    from prefect.client.orchestration import get_client  # reporting imports no Prefect until it sends
+    from prefect.events import Event  # reporting imports no Prefect until it sends
+    from prefect.events.related import related_resources_from_run_context  # reporting imports no Prefect until it sends
+    from prefect.utilities.asyncutils import run_coro_as_sync  # reporting imports no Prefect until it sends
 
     async def post() -> str:
         with anyio.fail_after(timeout_s):
@@ -98,7 +98,7 @@ def send(name: str, resource: dict[str, str], payload: dict[str, Any], timeout_s
     except TimeoutError:
         return None, f"the Prefect API at {redact_text(api)} did not answer within {timeout_s:g}s"
     except Exception as exc:  # noqa: BLE001 - unreachable, refused, an HTTP error: said, never raised
-        import httpx
+        import httpx  # httpx: only when a server is asked
 
         text = redact_text(str(exc).splitlines()[0] if str(exc) else "")
         why = f"{type(exc).__name__}{': ' + text if text else ''}"

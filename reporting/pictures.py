@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from dataset.formats.parquet import images_from_column
+from dataset.tensors.windows import read_rows
 from storage_io import filesystem, list_files
 
 GRID = 3  # the seeds' 3x3 pictures
@@ -295,8 +296,6 @@ def read_split_rows(split_dir: str, positions: np.ndarray | None = None, row_ids
     Returns:
         ``(row_ids, images (N, H*W*C) uint8, labels)`` as numpy arrays.
     """
-    from dataset.tensors.windows import read_rows
-
     fs, where = filesystem(split_dir)  # a local folder or an S3 prefix
     files = [f"{where}/{name}" for name in list_files(split_dir, ".parquet") if "/" not in name]
     try:
@@ -329,7 +328,7 @@ def predictions_markdown(
     shape: tuple[int, int, int] = MNIST_SHAPE, classes: Sequence[str] | None = None,
 ) -> str:
     """The test-predictions report: images with true and predicted labels (the seeds' last picture)."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # pyarrow: only where rows are read
 
     fs, where = filesystem(predictions_path)
     table = pq.read_table(where, columns=["row_id", "label", "pred"], filesystem=fs)

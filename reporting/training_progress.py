@@ -41,7 +41,7 @@ class TrainingProgress(UserCallback):
     def after_report(self, run_context, metrics: list[dict[str, Any]], checkpoint) -> None:
         if not metrics or "epoch" not in metrics[0] or metrics[0].get("mid_epoch"):
             return
-        from prefect.artifacts import update_progress_artifact
+        from prefect.artifacts import update_progress_artifact  # not at import: Ray Train's controller loads this
 
         try:
             # _sync: the controller calls callbacks from inside its asyncio loop, where Prefect
@@ -65,12 +65,12 @@ def training_progress_callbacks(epochs: int, run_name: str, workload: str = DEFA
     creating it would start a temporary Prefect server here and another one in the Ray Train
     controller: no callback then.
     """
-    from prefect.context import TaskRunContext
+    from prefect.context import TaskRunContext  # not at import: Ray Train's controller loads this
 
     if TaskRunContext.get() is None:
         return []
     try:
-        from prefect.artifacts import create_progress_artifact
+        from prefect.artifacts import create_progress_artifact  # not at import: Ray Train's controller loads this
 
         artifact_id = create_progress_artifact(
             0.0, key=artifact_keys(workload)["progress"], description=f"Training {run_name}: starting, {epochs} epoch(s)", _sync=True

@@ -35,8 +35,8 @@ Logger = logging.Logger | logging.LoggerAdapter
 
 def run_logger() -> Logger:
     """The current Prefect run's logger (its lines reach the UI), or a plain INFO logger outside a run."""
-    from prefect import get_run_logger
-    from prefect.exceptions import MissingContextError
+    from prefect import get_run_logger  # after the CLI set Prefect's logging
+    from prefect.exceptions import MissingContextError  # after the CLI set Prefect's logging
 
     try:
         return get_run_logger()
@@ -69,8 +69,8 @@ def quiet_terminal(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from prefect.logging.configuration import ensure_logging_setup
-    from prefect.logging.handlers import PrefectConsoleHandler
+    from prefect.logging.configuration import ensure_logging_setup  # after the CLI set Prefect's logging
+    from prefect.logging.handlers import PrefectConsoleHandler  # after the CLI set Prefect's logging
 
     ensure_logging_setup()  # Prefect's handlers exist (importing prefect normally made them)
     handlers = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]

@@ -6,8 +6,11 @@ Ray cluster (started or reached), the flow, and the closing summary in the termi
 
 from __future__ import annotations
 
+import atexit
 import json
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +20,7 @@ from pydantic import ValidationError
 from dataset.formats import folder
 from dataset.tensors import sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig
-from pipeline_config.settings import parse_cli
+from pipeline_config.settings import old_prefix_lines, parse_cli
 from runner import console, stopping
 from runner.cluster import ray_auth
 from runner.cluster.runtime import cli_runtime
@@ -38,6 +41,8 @@ def run_cli(argv: list[str] | None, settings_class: type, flow: Any, title: str,
     (``MNIST`` for mnist).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    for line in old_prefix_lines(settings_class):  # MNIST_ variables flows.mnist and flows.tune still read
+        print(line, file=sys.stderr)
     try:
         settings, config, layout = checked_settings(argv, settings_class)
     except (ValidationError, ValueError) as exc:
@@ -129,10 +134,6 @@ def exit_now(code: int) -> None:
     waiting for its prompt for seconds on a small machine (docs/design.md). The exit handlers (``atexit``: Prefect's and Ray's shutdowns, logging's flush) still run, and
     the standard streams are flushed; with a non-daemon thread still running, the normal exit waits for it.
     """
-    import atexit
-    import os
-    import threading
-
     if any(t is not threading.main_thread() and t.is_alive() and not t.daemon for t in threading.enumerate()):
         sys.exit(code)
     atexit._run_exitfuncs()

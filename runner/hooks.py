@@ -5,7 +5,7 @@ with the same run name and storage root: finished download and conversion are sk
 Train resumes from the run's latest checkpoint).
 
 The webhook URL comes from the environment of the process that runs the flow
-(``MNIST_FAILURE_WEBHOOK_URL``: the serve process, the worker, or the CLI's shell), never
+(``PIPELINE_FAILURE_WEBHOOK_URL``, or the deprecated ``MNIST_FAILURE_WEBHOOK_URL``: the serve process, the worker, or the CLI's shell), never
 from a flow parameter: a URL with a token in it must not be stored with every flow run or shown
 in the run form. The POST body is JSON with the paragraph under ``text`` (what Slack-style
 incoming webhooks display) plus the fields it was built from.
@@ -27,7 +27,8 @@ from runner.console import resume_command
 from runner.summary import SEARCH_MODULE, RunSummary, outcome_of
 from storage_io import redact_error, redact_text, redact_value
 
-WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"
+WEBHOOK_ENV = "PIPELINE_FAILURE_WEBHOOK_URL"
+OLD_WEBHOOK_ENV = "MNIST_FAILURE_WEBHOOK_URL"  # read when WEBHOOK_ENV is unset, named as deprecated
 WEBHOOK_TIMEOUT_S = 10.0
 
 def failure_summary(
@@ -123,7 +124,7 @@ def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = WEBHOOK_T
 
 def report_failure(flow, flow_run, state) -> None:
     """Prefect ``on_failure`` hook: log the failure summary to the flow run and POST it to the webhook, if set."""
-    from prefect.logging.loggers import flow_run_logger
+    from prefect.logging.loggers import flow_run_logger  # only when a run failed
 
     logger = flow_run_logger(flow_run=flow_run, flow=flow)
     summary, error = outcome_of(state)  # the one the failed run's exception carries, built even when writing it failed
@@ -132,22 +133,33 @@ def report_failure(flow, flow_run, state) -> None:
         message = f"{type(error).__name__}: {redact_error(error)}"
     report = redact_value(failure_summary(flow_run.name, message, summary, flow_run.parameters))
     logger.error(report["text"])
-    url = os.environ.get(WEBHOOK_ENV, "").strip()
+    url, variable = webhook_url()
     if not url:
         return
+    if variable == OLD_WEBHOOK_ENV:
+        logger.warning("%s is deprecated: set %s instead (it is read the same way)", OLD_WEBHOOK_ENV, WEBHOOK_ENV)
     payload = report | {"flow_run_id": str(flow_run.id), "flow_run_name": flow_run.name, "state": state.name}
     try:
         post_webhook(url, payload)
-        logger.info("Failure summary posted to the webhook in %s", WEBHOOK_ENV)
+        logger.info("Failure summary posted to the webhook in %s", variable)
     except Exception as exc:  # the paragraph is already in the log; a dead webhook must not hide it
-        logger.warning("Failure webhook (%s) failed: %s: %s", WEBHOOK_ENV, type(exc).__name__, webhook_error(exc, url))
+        logger.warning("Failure webhook (%s) failed: %s: %s", variable, type(exc).__name__, webhook_error(exc, url, variable))
 
 
-def webhook_error(exc: BaseException, url: str) -> str:
+def webhook_url() -> tuple[str, str]:
+    """(the failure webhook's URL or "", the variable it came from): `WEBHOOK_ENV`, else the deprecated `OLD_WEBHOOK_ENV`."""
+    for variable in (WEBHOOK_ENV, OLD_WEBHOOK_ENV):
+        url = os.environ.get(variable, "").strip()
+        if url:
+            return url, variable
+    return "", WEBHOOK_ENV
+
+
+def webhook_error(exc: BaseException, url: str, variable: str = WEBHOOK_ENV) -> str:
     """``exc``'s message without the webhook's URL, which is its secret (a Slack-style URL carries its
     token in the path): the URL is named by its variable, any other URL is redacted."""
     try:
         host = urlsplit(url).hostname
     except ValueError:
         host = None
-    return redact_text(str(exc).replace(url, f"${WEBHOOK_ENV}"), hide_hosts=[host] if host else [])
+    return redact_text(str(exc).replace(url, f"${variable}"), hide_hosts=[host] if host else [])

@@ -14,6 +14,8 @@ from contextlib import ExitStack
 from datetime import datetime, timezone
 from typing import Any
 
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
@@ -24,7 +26,7 @@ from reporting import artifacts, environment
 from runner import console, stopping
 from runner.cluster.ray_init import ray_task_runner
 from runner.stages import Stage, StageRecorder
-from runner.summary import RunSummary, attach
+from runner.summary import DataRecord, RunSummary, attach
 from runner.tracking import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, run_lease, storage_writes
 from training.model import trust
@@ -47,8 +49,6 @@ def flow_run_name() -> str:
     """The Prefect flow run's name: the run's name (its folder under runs/), so the UI lists runs by
     workload. A run started without ``run_name`` (a deployment's) gets a new default name here,
     and `PipelineRun` names its folder after it."""
-    from prefect.runtime import flow_run
-
     config = flow_run.parameters.get("config")
     if isinstance(config, dict):  # before validation; an invalid config fails with its own message later
         try:
@@ -162,10 +162,6 @@ def ended_before_training(
     ``source``: where its data came from (``RawData.source``); ``data``: `runner.summary.DataRecord`
     fields (where the raw data and the dataset are).
     """
-    from prefect.runtime import flow_run
-
-    from runner.summary import DataRecord
-
     summary = RunSummary(
         run_name=layout.run_name, module=module, workload=config.workload, flow_run_id=str(flow_run.id) if flow_run.id else None,
         storage_root=layout.root, run_dir=layout.run_dir, data_source=source, data=DataRecord(**data),
@@ -178,16 +174,12 @@ def ended_before_training(
 
 def started_by_deployment() -> bool:
     """Whether this flow run was started through a deployment (the UI's run form, the API), not by the CLI."""
-    from prefect.context import FlowRunContext
-
     context = FlowRunContext.get()
     return bool(context and context.flow_run and context.flow_run.deployment_id)
 
 
 def _named_run(config: PipelineConfig) -> str:
     """The flow run's name when `flow_run_name` made it for this config (a deployment's run), else a new default name."""
-    from prefect.runtime import flow_run
-
     prefix = run_name_prefix(config)
     name = flow_run.name
     if isinstance(name, str) and name.startswith(f"{prefix}-") and len(name) == len(default_run_name(prefix)):

@@ -34,7 +34,7 @@ def current_api_url() -> str | None:
     url = get_current_settings().api.url
     if url:
         return url
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api.server import SubprocessASGIServer  # the server: about a second to import
 
     server = SubprocessASGIServer._instances.get(None)
     return server.api_url if server is not None and server.running else None
@@ -68,7 +68,7 @@ def prefect_api(alongside: Callable[[str], None] | None = None) -> Iterator[str]
             os.environ["PREFECT_API_URL"] = previous
         # Now, not at interpreter exit (Prefect's atexit hook): the run is over. Its last log
         # lines are sent first, or they would meet a closed port.
-        from prefect.logging.handlers import APILogHandler
+        from prefect.logging.handlers import APILogHandler  # the server: about a second to import
 
         try:
             APILogHandler().flush()  # blocks until the queued log lines are sent (at most 5 s)

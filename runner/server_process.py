@@ -24,6 +24,7 @@ The server's output goes to ``server_log_path()`` so a failure has a log to poin
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -58,7 +59,7 @@ class ServerStartError(RuntimeError):
 
 def startup_timeout_s() -> int:
     """Seconds the temporary server may take to start: the user's own setting, else ``STARTUP_TIMEOUT_S``."""
-    from prefect.settings import get_current_settings
+    from prefect.settings import get_current_settings  # read when called, after PREFECT_* are set
 
     ephemeral = get_current_settings().server.ephemeral
     if "startup_timeout_seconds" in ephemeral.model_fields_set:  # set in the environment or the profile
@@ -68,7 +69,7 @@ def startup_timeout_s() -> int:
 
 def server_log_path() -> Path:
     """Where the temporary server's output goes: PREFECT_HOME/temporary-server.log (the temp folder if unwritable)."""
-    from prefect.settings import get_current_settings
+    from prefect.settings import get_current_settings  # read when called, after PREFECT_* are set
 
     home = Path(get_current_settings().home).expanduser()
     try:
@@ -92,7 +93,7 @@ def watch_parent(parent_pid: int) -> None:
 
 def owned_server_class() -> type:
     """A ``SubprocessASGIServer`` whose uvicorn runs under this module (imported late: Prefect's server is heavy)."""
-    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.server.api.server import SubprocessASGIServer  # read when called, after PREFECT_* are set
 
     class OwnedServer(SubprocessASGIServer):
         log_path: Path | None = None  # set by start()
@@ -119,9 +120,7 @@ def owned_server_class() -> type:
 
 def _start_and_wait(server: Any, timeout_s: float) -> None:
     """Start ``server`` and wait, by the clock, until its own port answers /health; ``ServerStartError`` if not."""
-    import atexit
-
-    import httpx
+    import httpx  # httpx: only when a server is asked
 
     server.log_path = server_log_path()
     _rotate(server.log_path)
@@ -159,7 +158,7 @@ def _start_and_wait(server: Any, timeout_s: float) -> None:
 
 def _healthy(client: Any, api_url: str) -> bool:
     """Whether ``api_url`` answers /health as a Prefect server does (200 and ``true``)."""
-    import httpx
+    import httpx  # httpx: only when a server is asked
 
     try:
         response = client.get(f"{api_url}/health")
@@ -191,8 +190,8 @@ def _start_owned(server: Any) -> subprocess.Popen[Any]:
 
     Its output (uvicorn's and the server's own log lines) is appended to ``server.log_path``, after a header line.
     """
-    import prefect
-    from prefect.settings import get_current_settings
+    import prefect  # read when called, after PREFECT_* are set
+    from prefect.settings import get_current_settings  # read when called, after PREFECT_* are set
 
     server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
     uvicorn_args = [
@@ -215,7 +214,7 @@ def _start_owned(server: Any) -> subprocess.Popen[Any]:
 def main(argv: list[str]) -> None:
     parent_pid, uvicorn_args = int(argv[0]), argv[1:]
     threading.Thread(target=watch_parent, args=(parent_pid,), name="watch-parent", daemon=True).start()
-    import uvicorn.main
+    import uvicorn.main  # uvicorn: only in the server's own process
 
     sys.argv = ["uvicorn", *uvicorn_args]
     uvicorn.main.main()  # exits when uvicorn stops; exit code 3 when the port is taken, as Prefect expects

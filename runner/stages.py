@@ -17,6 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from prefect import Task
+from prefect.runtime import flow_run
 from prefect_ray.context import remote_options
 
 from pipeline_config import PipelineConfig
@@ -74,8 +75,8 @@ def stage_options(cpus: float) -> dict[str, Any]:
     """
     if cpus:
         return {"num_cpus": cpus}
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    import ray  # Ray: only where the cluster is used
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # Ray: only where the cluster is used
 
     return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)}
 
@@ -185,8 +186,6 @@ class StageRecorder:
         """Run name, storage, per-stage status and seconds, what the stages noted, and the metrics on storage."""
         facts = dict(self.facts)
         metrics = _read_metrics(self.layout)
-        from prefect.runtime import flow_run
-
         return RunSummary(
             run_name=self.layout.run_name,
             module=self.module,

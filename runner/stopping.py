@@ -185,7 +185,7 @@ def wait_for_stage(future: Any, stage: str) -> Any:
     handler turns that into an abort of its run (workers and controller stop; checkpoints that
     were reported stay on storage).
     """
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     if STOP.requested:
         raise RunStopped(stage, STOP.reason or "stopped")
@@ -212,7 +212,7 @@ def wait_for_stage(future: Any, stage: str) -> Any:
 
 def _cancel(ref: Any) -> None:
     """Cancel a stage's Ray task and give it ``STAGE_STOP_WAIT_S`` to wind down."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     ray.cancel(ref, recursive=True)
     deadline = time.monotonic() + STAGE_STOP_WAIT_S
@@ -227,7 +227,7 @@ def prefect_is_cancelling() -> bool:
     that channel's intent is only exposed by a private module, so any failure reads as False.
     """
     try:
-        from prefect._internal import control_listener
+        from prefect._internal import control_listener  # only when a run is stopped
 
         return control_listener.get_intent() == "cancel"
     except Exception:  # noqa: BLE001 - a private API: absent or changed means "not known"
@@ -255,7 +255,7 @@ class ApiWatch:
         self._thread = threading.Thread(target=self._run, name="prefect-api-watch", daemon=True)
 
     def _answers(self) -> bool:
-        import httpx
+        import httpx  # httpx: only when a server is asked
 
         try:
             return httpx.get(f"{self.api_url.rstrip('/')}/health", timeout=min(5.0, self.poll_s * 2)).status_code == 200

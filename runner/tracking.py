@@ -129,7 +129,7 @@ class Tracker:
 
     def client(self):
         if self._client is None:
-            from mlflow import MlflowClient
+            from mlflow import MlflowClient  # MLflow: only when a run is tracked
 
             self._client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
         return self._client
@@ -198,7 +198,7 @@ class Tracker:
         _link_in_prefect(self.run_url, self.config.workload)
 
     def _log_params(self, known: dict[str, str]) -> None:
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # MLflow: only when a run is tracked
 
         params = flat_params(self.config.model_dump(mode="json"))
         new = [Param(key, value[:6000]) for key, value in params.items() if key not in known]  # a resume keeps the first values
@@ -206,8 +206,8 @@ class Tracker:
             self.client().log_batch(self.run_id, params=new[start : start + MAX_PARAMS])
 
     def _set_tags(self) -> None:
-        from mlflow.entities import RunTag
-        from prefect.runtime import flow_run
+        from mlflow.entities import RunTag  # MLflow: only when a run is tracked
+        from prefect.runtime import flow_run  # only when MLflow tracks the run
 
         env = self.env
         tags = {
@@ -233,7 +233,7 @@ class Tracker:
 
     def _log_rows(self, run_id: str, rows: dict[int, dict[str, Any]]) -> None:
         """One point per epoch and metric, step = the global epoch; steps MLflow has are left alone."""
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # MLflow: only when a run is tracked
 
         if not rows:
             return
@@ -249,7 +249,7 @@ class Tracker:
             client.log_batch(run_id, metrics=points[start : start + 1000])
 
     def _log_test(self, evaluation: dict[str, Any]) -> None:
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # MLflow: only when a run is tracked
 
         known = self.client().get_run(self.run_id).data.metrics
         now = int(time.time() * 1000)
@@ -276,7 +276,7 @@ class Tracker:
 
     def _register(self, promotion: dict[str, Any]) -> None:
         """The promoted version as an MLflow model version with the alias ``champion``, once."""
-        from mlflow.exceptions import MlflowException
+        from mlflow.exceptions import MlflowException  # MLflow: only when a run is tracked
 
         client, name, ours = self.client(), promotion["model"], str(promotion["version"])
         try:
@@ -345,7 +345,7 @@ def _files(folder: str) -> Iterator[str]:
 
 def _prefect_ui_url() -> str | None:
     """The Prefect UI this run reports to: PREFECT_UI_URL, else the API's address without /api."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL  # only when MLflow tracks the run
 
     ui, api = PREFECT_UI_URL.value(), PREFECT_API_URL.value()
     return ui or (api.removesuffix("/").removesuffix("/api") if api else None)
@@ -354,7 +354,7 @@ def _prefect_ui_url() -> str | None:
 def _link_in_prefect(url: str, workload: str) -> None:
     """The Prefect run page's link to the MLflow run (a link artifact, outside a flow run: nothing)."""
     try:
-        from prefect.artifacts import create_link_artifact
+        from prefect.artifacts import create_link_artifact  # only when MLflow tracks the run
 
         create_link_artifact(url, link_text="the MLflow run", key=f"{workload}-mlflow-run", description="This run in MLflow")
     except Exception as exc:  # noqa: BLE001 - a report must not fail the run

@@ -79,7 +79,9 @@ class StorageLayout(BaseModel):
         and credentials the endpoint refuses."""
         if not self.remote:
             return
-        from botocore.config import Config
+        from botocore.config import Config  # botocore: only for an s3:// root
+
+        # botocore: only for an s3:// root
         from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
         settings = S3Settings()

@@ -68,7 +68,7 @@ _HELD_S3_LOCKS: set[str] = set()
 
 @contextmanager
 def _s3_lock(uri: str, deadline: float, timeout_s: float) -> Iterator[None]:
-    from botocore.exceptions import ClientError
+    from botocore.exceptions import ClientError  # botocore: only for an s3:// root
 
     client = S3Settings().boto3_client()
     bucket, _, key = uri[len(S3_SCHEME) :].partition("/")

@@ -24,6 +24,8 @@ from collections.abc import Collection
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from pydantic_core import PydanticCustomError, ValidationError
+
 MASK = "***"
 # A query or fragment parameter is a credential when its name (lowercased, "-" as "_") contains one of these...
 _SECRET_PARTS = ("token", "password", "passwd", "secret", "signature", "credential", "apikey", "api_key", "access_key", "private")
@@ -123,8 +125,6 @@ def redact_error(exc: BaseException) -> str:
     A pydantic ``ValidationError`` is rebuilt from its errors, each input and message redacted first,
     so the text pydantic then shortens holds no part of a secret; any other exception's text is
     `redact_text`'s. Shorten the result, never the text before it."""
-    from pydantic_core import ValidationError
-
     if isinstance(exc, ValidationError):
         try:
             return str(_redacted_validation_error(exc))
@@ -140,8 +140,6 @@ def _redacted_validation_error(exc):
     """``exc`` (a pydantic ``ValidationError``) again, with each error's input and message redacted: an error
     of a type pydantic knows keeps it (its text and link are pydantic's own), any other becomes a custom error
     of the same type name and message."""
-    from pydantic_core import PydanticCustomError, ValidationError
-
     lines = []
     for error in exc.errors():
         kind, ctx, msg = error["type"], dict(error.get("ctx") or {}), redact_text(error["msg"])

@@ -229,7 +229,7 @@ def champion_scorer(spec: TransformSpec, cfg: EvaluateConfig, model_name_field: 
             )
         # Scoring needs torch and Ray Data: imported here, where a champion is really scored again (the
         # data changed), so a promotion that reuses the recorded accuracy keeps its worker free of torch.
-        from training.inference import predict
+        from training.inference import predict  # torch and Ray Data: only when a champion is scored again
 
         out = predict(spec, folder, cfg, registry_files.version_model(folder))
         return float((out["label"] == out["pred"]).mean()) if len(out["label"]) else 0.0

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect import task
+from prefect.runtime import flow_run
 from pydantic import BaseModel
 
 from dataset.formats.parquet import image_record
@@ -135,8 +136,6 @@ def make_candidate(
     raw_dir: str | None,
 ) -> registry.Candidate:
     """The evaluated model as the registry sees it: its scores, its data and recipe, what its card will say."""
-    from prefect.runtime import flow_run
-
     return registry.Candidate(
         run_name=layout.run_name,
         flow_run_id=str(flow_run.id) if flow_run.id else None,

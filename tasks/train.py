@@ -33,15 +33,16 @@ from __future__ import annotations
 import ray
 from prefect import task
 
-from dataset.tensors.transform import TransformSpec
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig
 from reporting.logs import stage_logger
 from reporting.training_progress import training_progress_callbacks
 from storage_io import StorageLayout
+from training.manifests import TrainedModel
 from training.model import weights
 from training.model.catalog import ModelSpec
 from training.resources import plan_cluster
-from training.trainer import TrainedModel, fit, fit_in_process, is_infrastructure_failure, torch_trainer
+from training.trainer import fit, fit_in_process, is_infrastructure_failure, torch_trainer
 
 
 def retry_infrastructure_failures(task, task_run, state) -> bool:

@@ -19,7 +19,7 @@ import ray
 from prefect import task
 
 from dataset.sources.interface import source_for
-from dataset.tensors.transform import TransformSpec
+from dataset.tensors.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, TrainConfig, TransformConfig, TuneConfig
 from reporting.artifacts import publish_tuning_report
 from reporting.logs import stage_logger
@@ -27,16 +27,15 @@ from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
 from training.model import weights
 from training.model.catalog import ModelSpec
 from training.trainer import is_infrastructure_failure
+from training.trial_configs import best_config_values, plan_trials
 from training.tuning import (
     BEST_CONFIG_FILE,
     TrialContext,
     TrialRecord,
     TuningResult,
-    best_config_values,
     best_config_yaml,
     best_trial,
     experiment_dir,
-    plan_trials,
     trial_records,
     trials_dir,
     tuner,

@@ -14,11 +14,12 @@ import torch
 
 from pipeline_config import TrainConfig
 from tests.support.shards import Rows
+from training.manifests import LoopConfig
 from training.model.catalog import ModelSpec
 from training.trainer import loop_config
 from training.worker.captured_step import CapturedStep, use_captured_step
 from training.worker.guard import preemption_cadence
-from training.worker.loop import LoopConfig, attach_step, start_attempt, train_epoch
+from training.worker.loop import attach_step, start_attempt, train_epoch
 
 RESNET = ModelSpec(name="resnet18", in_channels=1, num_classes=10)
 

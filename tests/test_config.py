@@ -30,7 +30,7 @@ def test_defaults_and_smoke_preset():
 def test_precedence_preset_file_env_cli(tmp_path, monkeypatch):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("train:\n  epochs: 5\n  seed: 7\nevaluate:\n  min_accuracy: 0.2\n")
-    monkeypatch.setenv("MNIST_TRAIN__SEED", "9")
+    monkeypatch.setenv("PIPELINE_TRAIN__SEED", "9")
     settings = parse_cli(["--preset", "smoke", "--config-file", str(config_file), "--evaluate.min-accuracy", "0.3"])
     config = settings.pipeline_config()
     assert config.download.source == "sample"  # preset
@@ -119,15 +119,36 @@ def test_the_workload_names_runs_artifacts_and_the_registry_and_mnist_keeps_its_
     assert run_name_prefix(other) == "rgb-shapes" and run_name_prefix(TunePipelineConfig(workload="rgb-shapes")) == "rgb-shapes-tune"
     assert set(artifact_keys("rgb-shapes").values()) == {key.replace("mnist-", "rgb-shapes-", 1) for key in artifact_keys().values()}
 
-    # flows.mnist (and flows.tune) read MNIST_*, the generic flows.train PIPELINE_*
-    from pipeline_config.settings import TrainSettings
+    # Every entry point reads PIPELINE_*; flows.mnist and flows.tune still read the MNIST_* they read before, below it
+    from pipeline_config.settings import TrainSettings, TuneSettings, old_prefix_lines
 
     monkeypatch.setenv("PIPELINE_WORKLOAD", "rgb-shapes")
     monkeypatch.setenv("PIPELINE_TRAIN__EPOCHS", "4")
     monkeypatch.setenv("MNIST_TRAIN__EPOCHS", "6")
+    monkeypatch.setenv("MNIST_TRAIN__SEED", "11")
     generic = parse_cli(["--preset", "smoke"], TrainSettings).pipeline_config()
-    assert (generic.workload, generic.train.epochs, generic.download.source) == ("rgb-shapes", 4, "sample")
-    assert (parse_cli([]).pipeline_config().workload, parse_cli([]).pipeline_config().train.epochs) == ("mnist", 6)
+    assert (generic.workload, generic.train.epochs, generic.train.seed, generic.download.source) == ("rgb-shapes", 4, 0, "sample")
+    mnist = parse_cli([]).pipeline_config()
+    assert (mnist.workload, mnist.train.epochs, mnist.train.seed) == ("rgb-shapes", 4, 11)  # PIPELINE_ over MNIST_
+    assert parse_cli([], TuneSettings).pipeline_config().train.seed == 11
+    assert old_prefix_lines(TrainSettings) == []  # flows.train never read MNIST_: nothing to say
+    assert old_prefix_lines(type(parse_cli([]))) == [
+        "MNIST_TRAIN__EPOCHS: read as PIPELINE_TRAIN__EPOCHS (the MNIST_ prefix is deprecated; set PIPELINE_TRAIN__EPOCHS instead)",
+        "MNIST_TRAIN__SEED: read as PIPELINE_TRAIN__SEED (the MNIST_ prefix is deprecated; set PIPELINE_TRAIN__SEED instead)",
+    ]
+
+
+def test_the_cli_names_each_old_prefix_variable_it_still_reads(tmp_path):
+    """flows.mnist still reads MNIST_<FIELD> and says, before anything else, what to set instead (issue 68)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MNIST_", "PIPELINE_"))}
+    out = subprocess.run(
+        [sys.executable, "-m", "flows.mnist", "--storage-root", str(tmp_path / "root")],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env=env | {"MNIST_TRAIN__EPOCHS": "none"},
+    )
+    assert out.returncode == 2, out.stderr
+    first, *rest = out.stderr.splitlines()
+    assert first == "MNIST_TRAIN__EPOCHS: read as PIPELINE_TRAIN__EPOCHS (the MNIST_ prefix is deprecated; set PIPELINE_TRAIN__EPOCHS instead)"
+    assert "train.epochs" in "\n".join(rest) and not (tmp_path / "root").exists()  # the value itself refused, naming the field
 
 
 def test_cli_refuses_a_bad_workload_naming_the_field_before_any_work(tmp_path):
@@ -200,7 +221,8 @@ def test_elastic_worker_range_is_checked_and_passed_to_ray_train():
 def test_predict_finds_the_workloads_champion_by_default_and_refuses_a_bad_workload(tmp_path, capsys):
     from pydantic_settings import CliApp
 
-    from flows.predict import PredictSettings, main
+    from flows.predict import main
+    from pipeline_config.predict import PredictSettings
 
     def model(*args: str) -> str:
         return CliApp.run(PredictSettings, cli_args=["--input", str(tmp_path), *args]).model_name()

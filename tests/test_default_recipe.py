@@ -22,7 +22,8 @@ from flows.train import STAGE_CPUS
 from pipeline_config import PipelineConfig
 from pipeline_config.evaluation import OWN_GATES
 from tests.support.runs import torchvision_resnet18_seed_style
-from training.checkpoint.model_files import SEEDS_MODEL, checkpoint_model
+from training.checkpoint.files import SEEDS_MODEL
+from training.checkpoint.model_files import checkpoint_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent

@@ -289,7 +289,7 @@ def served(server, work, webhook, shared_ray) -> Iterator[dict]:
     Ray workers, so the cancel test's run holds still in training until it is cancelled."""
     cron = far_cron()
     proc = serve_deployments(
-        server, work, "--cron", cron, "--tune-preset", "smoke", ray=shared_ray, MNIST_FAILURE_WEBHOOK_URL=webhook, **PAUSE
+        server, work, "--cron", cron, "--tune-preset", "smoke", ray=shared_ray, PIPELINE_FAILURE_WEBHOOK_URL=webhook, **PAUSE
     )
     stop = threading.Event()
     releaser = threading.Thread(target=release_other_pauses, args=(work / "storage", stop), daemon=True)

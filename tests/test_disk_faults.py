@@ -33,31 +33,18 @@ from dataset.sources.interface import RawData
 from pipeline_config import CleanupConfig, ParquetConfig, TrainConfig, TransformConfig
 from storage_io import StorageLayout, StorageWriteError, atomic_write_json, exists, join, storage_writes, upload_dir
 from tasks.cleanup import cleanup, incomplete_checkpoints
-from tasks.evaluate import Evaluation
+from tasks.manifests import Evaluation
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tasks.train import train
 from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.parquet import read_split
 from tests.support.runs import torchvision_resnet18_seed_style
-from training.checkpoint.files import checkpoint_problem
+from training.checkpoint.files import CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, SEEDS_MODEL, checkpoint_problem
 from training.checkpoint.in_attempt import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
-from training.checkpoint.model_files import (
-    CHECKSUMS_FILE,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    SEEDS_MODEL,
-    load_state,
-    save_checkpoint_files,
-)
-from training.manifests import RAY_TRAIN_SNAPSHOT, UnreadableSnapshot
-from training.trainer import (
-    CheckpointInfo,
-    TrainedModel,
-    is_infrastructure_failure,
-    raise_storage_failure,
-    storage_failure,
-)
+from training.checkpoint.model_files import load_state, save_checkpoint_files
+from training.manifests import RAY_TRAIN_SNAPSHOT, CheckpointInfo, TrainedModel, UnreadableSnapshot
+from training.trainer import is_infrastructure_failure, raise_storage_failure, storage_failure
 
 GOOD = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
 OTHER = ParquetConfig(rows_per_file=128, rows_per_group=64, validation_every=4)  # another fingerprint

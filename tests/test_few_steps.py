@@ -25,9 +25,10 @@ from reporting.artifacts import training_markdown
 from runner import console
 from runner.stages import StageRecorder
 from storage_io import StorageLayout
+from training.manifests import LoopConfig, TrainedModel
 from training.model.catalog import ModelSpec
-from training.trainer import TrainedModel, loop_config
-from training.worker.loop import LoopConfig, start_attempt
+from training.trainer import loop_config
+from training.worker.loop import start_attempt
 
 SMALL = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
 SHORT = (

@@ -25,12 +25,14 @@ from storage_io import StorageLayout, atomic_write_bytes, join
 from tests.support.models import SMALL_MODEL
 from tests.support.registry import make_dataset
 from training.champion import registry
+from training.checkpoint.files import CHECKSUMS_FILE, MODEL_FILE
 from training.checkpoint.in_attempt import checkpoint_extra
-from training.checkpoint.model_files import CHECKSUMS_FILE, MODEL_FILE, save_checkpoint_files
+from training.checkpoint.model_files import save_checkpoint_files
+from training.manifests import LoopConfig
 from training.model.catalog import ModelSpec, build_model
 from training.model.weights import WeightsError, check, for_training, match, read_state, start_from
 from training.trainer import loop_config
-from training.worker.loop import LoopConfig, start_attempt
+from training.worker.loop import start_attempt
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from tasks.promote import known_scores
 from tests.support.gate_data import TEST_ROWS, digit_dataset, digits_8x8, noise_dataset
 from tests.support.registry import make_dataset
 from training.champion import registry, registry_files
-from training.checkpoint.model_files import MODEL_FILE
+from training.checkpoint.files import MODEL_FILE
 from training.model.catalog import ModelSpec
 
 MODEL = "digits-small-cnn"

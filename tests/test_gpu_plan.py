@@ -22,16 +22,18 @@ from runner.harness import checked_settings, close_cli
 from runner.summary import outcome_of
 from storage_io import read_lines
 from tests.support.shards import Rows
-from training.checkpoint.in_attempt import Position, checkpoint_extra, load_checkpoint
-from training.checkpoint.model_files import EXTRA_STATE_FILE, load_state, save_checkpoint_files
+from training.checkpoint.files import EXTRA_STATE_FILE
+from training.checkpoint.in_attempt import checkpoint_extra, load_checkpoint
+from training.checkpoint.model_files import load_state, save_checkpoint_files
 from training.checkpoint.records import record_attempt
 from training.inference import actor_gpus
+from training.manifests import LoopConfig, Position
 from training.model.catalog import ModelSpec
 from training.resources import GPU_WORKER_CPUS, DoesNotFit, plan_cluster
 from training.trainer import last_compute, loop_config
-from training.tuning import plan_trials
+from training.trial_configs import plan_trials
 from training.worker.device import autocast, pick_device, resolve_precision
-from training.worker.loop import LoopConfig, start_attempt, train_epoch, validate
+from training.worker.loop import start_attempt, train_epoch, validate
 from training.worker.recipe import ema_decay_at, make_ema
 
 SMALL = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)

@@ -58,7 +58,7 @@ def test_the_work_pool_template_validates_with_prefect():
     # A deployment's job variables go through the same path the worker takes.
     resolved = work_pool.resolve_work_pool_template(template, {"storage_root": "s3://other/prefix", "env": {"X": "1"}})
     container = resolved["job_manifest"]["spec"]["template"]["spec"]["containers"][0]
-    assert {"name": "MNIST_STORAGE_ROOT", "value": "s3://other/prefix"} in container["env"]
+    assert {"name": "PIPELINE_STORAGE_ROOT", "value": "s3://other/prefix"} in container["env"]
     assert resolved["env"]["X"] == "1"
 
 
@@ -359,7 +359,7 @@ def _ray_start_params_not_a_string(docs, secret):
 
 def _config_map(docs, secret):
     docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "run-settings"},
-                 "data": {"MNIST_TRAIN__EPOCHS": "3", "MLFLOW_TRACKING_TOKEN": secret}})
+                 "data": {"PIPELINE_TRAIN__EPOCHS": "3", "MLFLOW_TRACKING_TOKEN": secret}})
 
 
 def _config_map_used_by_env_from(docs, secret):
@@ -421,7 +421,7 @@ def test_a_credential_anywhere_in_a_manifest_fails_without_its_value(tmp_path, c
 def test_a_config_map_without_credentials_and_env_from_a_secret_pass(tmp_path, capsys):
     docs = copy.deepcopy(documents(RAYJOB))
     docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "run-settings", "annotations": {"note": "epochs"}},
-                 "data": {"MNIST_TRAIN__EPOCHS": "3", "AWS_SHARED_CREDENTIALS_FILE": "/var/run/secrets/aws"}})
+                 "data": {"PIPELINE_TRAIN__EPOCHS": "3", "AWS_SHARED_CREDENTIALS_FILE": "/var/run/secrets/aws"}})
     _head(docs)["envFrom"] = [{"configMapRef": {"name": "run-settings"}}, {"secretRef": {"name": "pipeline-s3-credentials"}}]
     _head(docs)["env"] = [*_head(docs)["env"], {"name": "RUN_REPORTS", "value": "https://x.example.com/?page=2&sort=desc"}]
     cluster_spec(ray_object(docs))["headGroupSpec"]["rayStartParams"]["redis-password"] = "$(RAY_REDIS_PASSWORD)"

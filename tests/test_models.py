@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from pipeline_config import PipelineConfig
+from training.checkpoint.files import EXTRA_STATE_FILE, SEEDS_MODEL
 from training.checkpoint.model_files import (
-    EXTRA_STATE_FILE,
-    SEEDS_MODEL,
     build_resnet18,
     checkpoint_model,
     load_model,

@@ -39,12 +39,12 @@ from storage_io import (
     upload_dir,
 )
 from tasks.cleanup import cleanup
-from tasks.evaluate import Evaluation
+from tasks.manifests import Evaluation
 from tests.support.registry import light_candidate, s3_objects
 from tests.support.runs import build_run_tree
 from training.champion import registry, registry_files
-from training.checkpoint.model_files import MODEL_FILE, SEEDS_MODEL
-from training.trainer import CheckpointInfo, TrainedModel
+from training.checkpoint.files import MODEL_FILE, SEEDS_MODEL
+from training.manifests import CheckpointInfo, TrainedModel
 
 MODEL = "mnist-resnet18"
 POLICY = CleanupConfig(delete_raw=True, delete_parquet=True, keep_checkpoints=1)

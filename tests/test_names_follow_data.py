@@ -20,7 +20,7 @@ from storage_io import StorageLayout, atomic_write_bytes, join
 from tests.support.images import CLASSES, SIZE, write_image_folder
 from tests.support.registry import light_candidate, make_dataset
 from training.champion import registry, registry_files
-from training.checkpoint.model_files import MODEL_FILE
+from training.checkpoint.files import MODEL_FILE
 
 
 def folder_config(path: Path | str, **fields) -> PipelineConfig:

@@ -30,7 +30,8 @@ from tests.support.digits import idx_bytes, synthetic_digits
 from tests.support.registry import candidate, light_candidate, make_dataset
 from tests.support.runs import torchvision_resnet18_seed_style
 from training.champion import registry, registry_files
-from training.checkpoint.model_files import MODEL_FILE, build_resnet18, load_model
+from training.checkpoint.files import MODEL_FILE
+from training.checkpoint.model_files import build_resnet18, load_model
 
 MODEL = "mnist-resnet18"
 

@@ -45,11 +45,11 @@ from storage_io import (
 )
 from tasks.cleanup import check_deletable, cleanup
 from tasks.download import download
-from tasks.evaluate import Evaluation
+from tasks.manifests import Evaluation
 from tasks.to_parquet import to_parquet
 from tests.support.digits import write_raw
-from training.checkpoint.model_files import SEEDS_MODEL
-from training.trainer import CheckpointInfo, TrainedModel
+from training.checkpoint.files import SEEDS_MODEL
+from training.manifests import CheckpointInfo, TrainedModel
 
 ROOT = Path(__file__).resolve().parent.parent
 CFG = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
@@ -174,8 +174,8 @@ def test_a_tampered_or_foreign_checkpoint_on_s3_is_refused_naming_the_object(tmp
     import torch
 
     from storage_io import upload_dir
-    from training.checkpoint.files import IntegrityError
-    from training.checkpoint.model_files import CHECKSUMS_FILE, MODEL_FILE, load_model, save_checkpoint_files
+    from training.checkpoint.files import CHECKSUMS_FILE, MODEL_FILE, IntegrityError
+    from training.checkpoint.model_files import load_model, save_checkpoint_files
     from training.model.catalog import ModelSpec
 
     spec = ModelSpec(name="training.model.catalog:small_cnn", in_channels=1, num_classes=10)
@@ -367,7 +367,8 @@ def test_a_split_in_a_bucket_streams_in_windows_with_the_rows_held_in_memory(tmp
     bucket by Ray Data tasks, with the rows (and the epoch order's rules) of the in-memory path."""
     import numpy as np
 
-    from dataset.tensors.transform import TransformSpec, build_split
+    from dataset.tensors.spec import TransformSpec
+    from dataset.tensors.transform import build_split
     from pipeline_config import TransformConfig
 
     local = RawData(**write_raw(tmp_path / "raw"))

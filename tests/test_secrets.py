@@ -106,6 +106,20 @@ def test_a_failed_webhook_is_reported_without_its_url(webhook_404):
     assert SECRET not in said and "404" in said and hooks.WEBHOOK_ENV in said
 
 
+def test_the_webhook_variable_is_pipeline_s_and_the_old_name_is_still_read(monkeypatch, webhook_404):
+    monkeypatch.delenv(hooks.WEBHOOK_ENV, raising=False)
+    monkeypatch.delenv(hooks.OLD_WEBHOOK_ENV, raising=False)
+    assert hooks.webhook_url() == ("", hooks.WEBHOOK_ENV)
+    monkeypatch.setenv(hooks.OLD_WEBHOOK_ENV, " http://127.0.0.1:9/old ")
+    assert hooks.webhook_url() == ("http://127.0.0.1:9/old", hooks.OLD_WEBHOOK_ENV)
+    monkeypatch.setenv(hooks.WEBHOOK_ENV, "http://127.0.0.1:9/new")
+    assert hooks.webhook_url() == ("http://127.0.0.1:9/new", hooks.WEBHOOK_ENV)  # the new name wins
+    with pytest.raises(Exception) as failed:
+        hooks.post_webhook(webhook_404, {"text": "x"})
+    said = hooks.webhook_error(failed.value, webhook_404, hooks.OLD_WEBHOOK_ENV)
+    assert SECRET not in said and hooks.OLD_WEBHOOK_ENV in said  # named by the variable it came from
+
+
 def test_the_failure_report_does_not_repeat_a_refused_parameters_password():
     message = f"1 validation error: tracking.uri holds credentials [input_value='https://alice:{SECRET}@mlflow:5000']"
     report = hooks.failure_summary("witty-fox", message, None, {"config": {}})

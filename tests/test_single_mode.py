@@ -22,7 +22,8 @@ from tasks.train import train
 from tasks.transform import transform
 from tests.support.digits import write_raw
 from tests.support.models import SMALL_MODEL
-from training.checkpoint.model_files import EXTRA_STATE_FILE, MODEL_FILE, checkpoint_model, load_model, load_state
+from training.checkpoint.files import EXTRA_STATE_FILE, MODEL_FILE
+from training.checkpoint.model_files import checkpoint_model, load_model, load_state
 from training.model.catalog import ModelSpec
 
 

@@ -11,8 +11,9 @@ import pytest
 from dataset.formats.parquet import to_table
 from dataset.sources.interface import RawData
 from dataset.tensors.augment import random_affine
-from dataset.tensors.batches import normalize, row_draws
-from dataset.tensors.transform import build_datasets, build_split, epoch_seed, fits_in_memory, prepare_batch
+from dataset.tensors.batches import epoch_seed, normalize, prepare_batch, row_draws
+from dataset.tensors.spec import fits_in_memory
+from dataset.tensors.transform import build_datasets, build_split
 from pipeline_config import ParquetConfig, TransformConfig
 from tasks.to_parquet import to_parquet
 from tasks.transform import transform
@@ -323,7 +324,8 @@ def test_a_few_rows_are_read_from_their_row_groups_only(tmp_path):
 
 def test_a_split_without_parquet_files_is_named(local_ray, spec_inputs, tmp_path):
     dataset, _ = spec_inputs
-    from dataset.tensors.transform import TransformSpec, read_split
+    from dataset.tensors.spec import TransformSpec
+    from dataset.tensors.transform import read_split
 
     empty = dataset.model_copy(update={"directory": str(tmp_path)})
     (tmp_path / "val").mkdir()

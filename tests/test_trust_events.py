@@ -72,7 +72,7 @@ def test_the_searchs_winner_promoted_sends_the_promotion_event(tmp_path, shared_
     Prefect server. A real search takes minutes (the slow tier): the stages' Ray tasks are replaced by their recorded
     outputs (`Recorded.run_task`) and the run context by one that only hands the body that recorder (`Recorded`'s
     run, no checks and no Ray), so the flow's stage list and everything each stage does around its task run."""
-    from dataset.tensors.transform import TransformSpec
+    from dataset.tensors.spec import TransformSpec
     from flows import tune
     from pipeline_config import TransformConfig, TunePipelineConfig
     from runner.stages import StageRecorder
@@ -249,15 +249,15 @@ def test_a_run_not_promoted_is_remembered_so_its_data_is_not_trained_again_until
     run-comparison report goes to the shared Prefect server) remembers what the run trained on; the next night
     with nothing changed since is nothing new."""
     from dataset.formats.parquet import ParquetDataset
-    from dataset.tensors.transform import TransformSpec
+    from dataset.tensors.spec import TransformSpec
     from pipeline_config import EvaluateConfig, PromoteConfig, TransformConfig
     from storage_io import StorageLayout
-    from tasks.evaluate import Evaluation
+    from tasks.manifests import Evaluation
     from tasks.promote import promote_model
     from tests.support.registry import make_checkpoint, make_dataset
     from training.champion import unchanged
-    from training.checkpoint.model_files import SEEDS_MODEL
-    from training.trainer import CheckpointInfo, TrainedModel
+    from training.checkpoint.files import SEEDS_MODEL
+    from training.manifests import CheckpointInfo, TrainedModel
 
     root = str(tmp_path / "root")
     setup = StorageLayout.create(root, "setup")

@@ -23,15 +23,8 @@ from runner.summary import RunSummary
 from tests.support.cli import CliRun, wait_gone
 from tests.support.models import SMALL_MODEL, pause_env
 from tests.support.prefect_server import free_port
-from training.tuning import (
-    TrialRecord,
-    best_config_values,
-    best_config_yaml,
-    best_trial,
-    param_space,
-    plan_trials,
-    scaled_augmentation,
-)
+from training.trial_configs import best_config_values, param_space, plan_trials, scaled_augmentation
+from training.tuning import TrialRecord, best_config_yaml, best_trial
 from training.worker.faults import FAULT_ENV, paused, release_pauses
 
 # --------------------------------------------------------------------------- fast: refused before any work
@@ -60,7 +53,7 @@ def test_bad_tune_values_are_refused_naming_the_field_and_nothing_is_created(tmp
 
 
 def test_bad_tune_value_from_the_environment_is_refused(tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("MNIST_TUNE__MAX_CONCURRENT_TRIALS", "-1")
+    monkeypatch.setenv("PIPELINE_TUNE__MAX_CONCURRENT_TRIALS", "-1")
     assert tune_flow.main(["--storage-root", str(tmp_path / "s")]) == 2
     assert "tune.max_concurrent_trials" in capsys.readouterr().err
 

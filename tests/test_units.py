@@ -13,18 +13,12 @@ from pipeline_config import CleanupConfig, TrainConfig
 from storage_io import publish_dir, staging_dir
 from tasks.cleanup import check_deletable, cleanup, plan
 from tests.support.runs import torchvision_resnet18_seed_style
-from training.checkpoint.files import IntegrityError
-from training.checkpoint.model_files import (
-    CHECKSUMS_FILE,
-    MODEL_FILE,
-    build_resnet18,
-    load_model,
-    save_checkpoint_files,
-)
+from training.checkpoint.files import CHECKSUMS_FILE, MODEL_FILE, IntegrityError
+from training.checkpoint.model_files import build_resnet18, load_model, save_checkpoint_files
 from training.checkpoint.records import read_history, record_epoch
 from training.inference import TTA_SHIFTS, Predictor, actor_resources, confusion_matrix, metrics_from_confusion, shifted
+from training.manifests import CheckpointInfo
 from training.resources import plan_resources
-from training.trainer import CheckpointInfo
 from training.worker.recipe import one_cycle_lr
 
 
@@ -252,7 +246,7 @@ def test_the_fused_adamw_stays_fused_after_loading_a_state_written_by_the_defaul
 
 
 def test_checkpoint_rank_follows_the_configured_score():
-    from training.trainer import checkpoint_rank
+    from training.manifests import checkpoint_rank
 
     early = CheckpointInfo(path="a", epoch=3, val_accuracy=1.0, val_loss=0.60)
     late = CheckpointInfo(path="b", epoch=9, val_accuracy=0.995, val_loss=0.51)

@@ -17,15 +17,9 @@ import numpy as np
 import pyarrow as pa
 import ray.data
 
-from dataset.tensors.transform import (
-    TransformSpec,
-    blocks,
-    build_datasets,
-    fits_in_memory,
-    prepare_batch,
-    read_ahead,
-    split_batches,
-)
+from dataset.tensors.batches import prepare_batch
+from dataset.tensors.spec import TransformSpec, fits_in_memory
+from dataset.tensors.transform import blocks, build_datasets, read_ahead, split_batches
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.checkpoint.model_files import load_model
 from training.model.catalog import ModelSpec, configure_cpu
@@ -44,7 +38,7 @@ FORWARD_VALUES = 1 << 23
 def shifted(images: torch.Tensor, dy: int, dx: int) -> torch.Tensor:
     """(N, C, H, W) images moved by (dy, dx) pixels; the uncovered edge repeats the nearest edge pixels
     (black for MNIST's digits, whose edges are black; a picture's own background for an image folder)."""
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # torch: only where a model is built or run
 
     if dy == 0 and dx == 0:
         return images
@@ -64,7 +58,7 @@ class Predictor:
     def __init__(
         self, checkpoint_dir: str, torch_threads: int = 1, tta: bool = False, model: dict | None = None, use_gpu: bool = False,
     ):
-        import torch
+        import torch  # torch: only where a model is built or run
 
         from training.worker.device import (  # with torch, as this class is: see the module's note on torch
             pick_device,
@@ -83,13 +77,13 @@ class Predictor:
         self.tta = tta
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
+        import torch  # torch: only where a model is built or run
 
         with torch.inference_mode():
             return self._predict(batch)
 
     def _predict(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        import torch
+        import torch  # torch: only where a model is built or run
 
         images = torch.from_numpy(batch["image"])
         # On CPU, forward passes of at most FORWARD_VALUES input values: the activations of a batch of large
@@ -252,7 +246,7 @@ def _score_here(
     """`score` in this process over normalized numpy ``batches`` (from Ray Data, or read here): `Predictor`
     scores them one by one (memory stays at a few batches whatever the split's size). The torch thread
     count is restored after."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     before = torch.get_num_threads()
     try:

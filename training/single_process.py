@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from storage_io import building, publish_dir
-from training.checkpoint.in_attempt import Position, checkpoint_extra, load_checkpoint
-from training.checkpoint.model_files import EXTRA_STATE_FILE, load_state, save_checkpoint_files
+from training.checkpoint.files import EXTRA_STATE_FILE
+from training.checkpoint.in_attempt import checkpoint_extra, load_checkpoint
+from training.checkpoint.model_files import load_state, save_checkpoint_files
 from training.checkpoint.records import HISTORY_FILE, read_history, record_attempt, record_epoch
+from training.manifests import LoopConfig, Position
 from training.worker.device import pick_device, visible_gpus
-from training.worker.loop import LoopConfig, attach_step, start_attempt, train_epoch, validate
+from training.worker.loop import attach_step, start_attempt, train_epoch, validate
 from training.worker.sharding import attempt_splits
 
 SINGLE_DIR = "single"

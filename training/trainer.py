@@ -220,10 +220,10 @@ def torch_trainer(
     every Ray worker that runs any stage (Prefect ships the flow, which names every stage), and the
     stages that do not train should not pay for torch.
     """
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # Ray Train: heavy
+    from ray.train.torch import TorchConfig, TorchTrainer  # Ray Train: only where the trainer is built
 
-    from training.worker.loop import train_loop_per_worker
+    from training.worker.loop import train_loop_per_worker  # torch: only where the trainer is built
 
     storage_fs, storage_path = filesystem(parent(run_dir))
     return TorchTrainer(
@@ -280,7 +280,7 @@ def last_compute(attempts: list[dict]) -> dict[str, str]:
 def fit_in_process(spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, threads: int, weights=None) -> TrainedModel:
     """``train.mode: single``: the same loop in this process with ``threads`` torch threads (`fit_single`; imported
     here for the reason `torch_trainer` gives)."""
-    from training.single_process import fit_single
+    from training.single_process import fit_single  # torch: only for train.mode single
 
     config = loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec, weights)
     found, history = fit_single(config, spec, run_dir, cfg.num_to_keep, cfg.checkpoint_score)

@@ -2,7 +2,7 @@
 
     python -m benchmarks.speed.gpu_step [--device cuda] [--batch 64] [--precision auto] [--steps 200]
 
-One process, the model ``benchmarks.build_model`` names (ResNet-18 unless ``MNIST_MODEL__NAME`` says
+One process, the model ``benchmarks.build_model`` names (ResNet-18 unless ``PIPELINE_MODEL__NAME`` says
 otherwise), one JSON line per variant with milliseconds per step and images/s:
 
 * ``plain``: `benchmarks.speed.device_rows.plain_images_per_s_on`, the baseline of the GPU rows;
@@ -51,8 +51,8 @@ def _timed(step, steps: int, sync) -> float:
 
 def _loop_config(batch: int, precision: str, ema_decay: float, train_rows: int, threads: int, cuda_graph: str = "off") -> dict:
     from benchmarks import model_name
-    from training.checkpoint.model_files import SEEDS_MODEL
-    from training.worker.loop import LoopConfig
+    from training.checkpoint.files import SEEDS_MODEL
+    from training.manifests import LoopConfig
 
     spec = {"name": model_name(), "in_channels": SEEDS_MODEL.in_channels, "num_classes": SEEDS_MODEL.num_classes}
     return LoopConfig(model=spec, epochs=1, global_batch_size=batch, learning_rate=3e-3, weight_decay=5e-4,
@@ -67,8 +67,9 @@ def ours_ms(device: str, batch: int, precision: str, steps: int, ema: bool, fed:
     import numpy as np
     import torch
 
+    from training.manifests import LoopConfig
     from training.worker.feeding import batches as feed
-    from training.worker.loop import LoopConfig, train_step, zero_total, attach_step, start_attempt
+    from training.worker.loop import attach_step, start_attempt, train_step, zero_total
 
     target = torch.device(device)
     rows = batch * (steps + 3)

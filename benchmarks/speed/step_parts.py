@@ -2,7 +2,7 @@
 
     python -m benchmarks.speed.step_parts [batch ...]   # default 64 128; prints one JSON object
 
-The model ``benchmarks.build_model`` names (ResNet-18 unless ``MNIST_MODEL__NAME`` says otherwise),
+The model ``benchmarks.build_model`` names (ResNet-18 unless ``PIPELINE_MODEL__NAME`` says otherwise),
 2 torch threads with denormals flushed (``training.model.catalog.configure_cpu``, as our workers), random
 in-memory digits. For each batch size, in one process and alternating, the milliseconds of:
 

@@ -41,7 +41,7 @@ def make_champion(config, layout, model_spec) -> None:
     from tasks.download import download
     from tasks.to_parquet import to_parquet
     from training.champion import registry, registry_files
-    from training.checkpoint.model_files import MODEL_FILE
+    from training.checkpoint.files import MODEL_FILE
     from training.model.catalog import build_model
 
     raw = download.fn(config.download, layout)

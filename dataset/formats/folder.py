@@ -353,7 +353,7 @@ def decode_task_cpus() -> float:
     At one whole CPU each, a 2-CPU machine decoded one batch at a time while the stage's CPU sat mostly idle:
     40,000 64x64 RGB PNGs took 7.7-8.4 s, against 6.2-6.5 s two at a time, and the plain PIL loop's 5.3-6.2 s
     (2-core AMD EPYC Zen 4, docs/performance.md)."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     context = ray.get_runtime_context()
     cpus = float(ray.cluster_resources().get("CPU", 1))

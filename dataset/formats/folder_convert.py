@@ -54,7 +54,7 @@ def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], re
     """A Ray Data dataset of the files at ``paths`` (on ``fs``) in their order, each task reading and decoding its
     own files (`dataset.formats.images.read_decode_batch`: no per-file read tasks, no bytes through the object store):
     columns ``image`` (N, H, W, C), ``path`` and ``error``."""
-    import ray.data
+    import ray.data  # Ray: only where the cluster is used
 
     channels, height, width = shape
     rows_per_batch = max(1, min(1024, (64 << 20) // (channels * height * width)))  # at most about 64 MB of pixels

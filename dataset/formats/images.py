@@ -48,7 +48,7 @@ def open_image(data, name: str, max_pixels: int | None, field: str | None = LIMI
     """The image in ``data`` (bytes or a binary file) opened lazily (header only); ImageError naming ``name``
     when it is not an image, or when it has more than ``max_pixels`` pixels (None: no limit; ``field``:
     the setting that raises it, None when there is none)."""
-    from PIL import Image
+    from PIL import Image  # Pillow: only where an image is decoded
 
     try:
         with warnings.catch_warnings():  # PIL warns above 89 megapixels; the limit here is max_pixels
@@ -83,7 +83,7 @@ def check_image(data: bytes, name: str, max_pixels: int | None, field: str = LIM
 
 def to_8bit(image):
     """``image`` with 8 bits per channel: a 16-bit grayscale image scaled (``value >> 8``) to mode ``L``."""
-    from PIL import Image
+    from PIL import Image  # Pillow: only where an image is decoded
 
     if image.mode not in SIXTEEN_BIT_MODES:
         return image
@@ -102,7 +102,7 @@ def pixels(image, channels: int, size: tuple[int, int] | None, name: str = "imag
 
 
 def _pixels(image, channels: int, size: tuple[int, int] | None) -> np.ndarray:
-    from PIL import Image
+    from PIL import Image  # Pillow: only where an image is decoded
 
     image = to_8bit(image)
     if size is not None and image.size != tuple(size):

@@ -38,7 +38,7 @@ class SourceUnreachableError(DownloadError):
 def file_checksum(path: str | os.PathLike[str], algorithm: str) -> str:
     """Hex digest of a file with ``algorithm`` (``md5`` or ``sha256``)."""
     if algorithm == "md5":
-        from torchvision.datasets.utils import calculate_md5
+        from torchvision.datasets.utils import calculate_md5  # torchvision: only where a model is built
 
         return calculate_md5(path)  # torchvision's, so official files are checked exactly as it does
     if algorithm == "sha256":

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 from urllib.parse import urlparse
 
-
 from dataset.sources.fetch import SourceUnreachableError, verified_files
 from dataset.sources.interface import SourceName
 from pipeline_config.common import MNIST_FILES, SAMPLE_DIR
@@ -52,7 +51,7 @@ def official_mirrors() -> tuple[str, ...]:
     """torchvision's MNIST mirrors, in its order of preference (or what a test set)."""
     if OFFICIAL_MIRRORS is not None:
         return OFFICIAL_MIRRORS
-    from torchvision.datasets import MNIST
+    from torchvision.datasets import MNIST  # torchvision: only where a model is built
 
     return tuple(MNIST.mirrors)
 
@@ -61,7 +60,7 @@ def official_md5() -> dict[str, str]:
     """torchvision's md5 of each official MNIST file (or what a test set)."""
     if OFFICIAL_MD5 is not None:
         return OFFICIAL_MD5
-    from torchvision.datasets import MNIST
+    from torchvision.datasets import MNIST  # torchvision: only where a model is built
 
     return dict(MNIST.resources)
 

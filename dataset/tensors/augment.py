@@ -154,7 +154,7 @@ def augment_tensor(
     returned as given (mirrored in place when ``flip``).
     """
     import torch  # here, not at the top: see the module's docstring
-    import torch.nn.functional as F
+    import torch.nn.functional as F  # torch: only where a model is built or run
 
     moves = {"shift_px": shift_px, "rotate_deg": rotate_deg, "scale": scale, "zoom_in": zoom_in}
     theta, draws = _theta(draws, tuple(pixels.shape), **moves)

@@ -27,9 +27,10 @@ import numpy as np
 import torch
 
 from dataset.formats.parquet import images_from_column
+from dataset.tensors.augment import augment_tensor
 from dataset.tensors.batches import row_draws
 from dataset.tensors.spec import TransformSpec, fits_in_memory, split_mb
-from dataset.tensors.transform import prepare_kwargs, epoch_positions, split_table
+from dataset.tensors.transform import epoch_positions, prepare_kwargs, split_table
 
 # Rows prepared at a time: 8,192 MNIST digits make 26 MB of float32 images, 64x64 RGB pictures 400 MB. A chunk
 # is gathered, augmented and normalized in one go and handed out whole (the training loop cuts it into steps).
@@ -141,8 +142,6 @@ class ResidentRows:
         # uint8 -> float32 / 255: a device tensor as divisor, so CUDA divides (a Python number is multiplied by its reciprocal).
         images = split.pixels.index_select(0, index).float().div_(self.scale)
         if self.augment:
-            from dataset.tensors.augment import augment_tensor
-
             images = augment_tensor(images, row_draws(split.host_row_ids[positions], self.seed, self.epoch), **self.augment)
         return {
             "image": (images - self.mean) / self.std,

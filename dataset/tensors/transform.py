@@ -29,6 +29,8 @@ always asks for a whole CPU) waiting forever, and training waits on it.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Iterable, Iterator
 
@@ -154,12 +156,12 @@ def blocks(table: pa.Table, block_rows: int) -> ray.data.Dataset:
     cluster test, tests/test_cluster.py). The metadata is a few fields read off the table. Ray
     2.60's own steps (``ray.data.read_api.from_arrow_refs``) otherwise; Ray is pinned.
     """
-    from ray.data._internal.logical.interfaces import LogicalPlan
-    from ray.data._internal.logical.operators.from_operators import FromArrow
-    from ray.data._internal.stats import DatasetStats
-    from ray.data._internal.util import get_table_block_metadata_schema
-    from ray.data.context import DataContext
-    from ray.data.dataset import MaterializedDataset
+    from ray.data._internal.logical.interfaces import LogicalPlan  # Ray: only where the cluster is used
+    from ray.data._internal.logical.operators.from_operators import FromArrow  # Ray: only where the cluster is used
+    from ray.data._internal.stats import DatasetStats  # Ray: only where the cluster is used
+    from ray.data._internal.util import get_table_block_metadata_schema  # Ray: only where the cluster is used
+    from ray.data.context import DataContext  # Ray: only where the cluster is used
+    from ray.data.dataset import MaterializedDataset  # Ray: only where the cluster is used
 
     tables = [table.slice(start, block_rows) for start in range(0, max(len(table), 1), block_rows)]
     metadata = [get_table_block_metadata_schema(t) for t in tables]
@@ -256,9 +258,6 @@ def read_ahead(batches: Iterable[dict[str, np.ndarray]], depth: int = 2) -> Iter
     streamed split's windows (pyarrow, numpy) overlaps with scoring them (torch), which both let go of the
     GIL for most of their work. An exception in the reading is raised here, at the batch it stopped at;
     a consumer that stops early stops the thread."""
-    import queue
-    import threading
-
     done, stop = object(), threading.Event()
     ready: queue.Queue = queue.Queue(maxsize=depth)
 

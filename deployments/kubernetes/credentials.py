@@ -24,6 +24,8 @@ too (a schema error echoes a value of the wrong type).
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -286,8 +288,6 @@ def _secret_findings(where: str, doc: dict) -> list[Finding]:
             text = "" if value is None else str(value)
             secrets.append(text)
             if field == "data":  # base64: the decoded value is the secret too
-                import base64
-                import binascii
 
                 try:
                     secrets.append(base64.b64decode(text, validate=True).decode())

@@ -76,7 +76,7 @@ def take(run: str, where: str, say: Callable[[str], None] | None = None, every_s
 
 def free(slot: Any) -> None:
     """End the slot's actor: the next waiting run takes the slot within `POLL_S`."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     try:
         ray.kill(slot, no_restart=True)
@@ -90,7 +90,7 @@ def _try_take(run: str) -> Any:
     The name is registered by Ray's GCS as the actor is created, in this call: of two runs asking at
     once, one gets ``ActorAlreadyExistsError`` (checked on Ray 2.60 with the pre-check that
     ``ray/actor.py`` calls racy bypassed)."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     try:
         return ray.remote(RunSlot).options(name=SLOT_NAME, namespace=SLOT_NAMESPACE, num_cpus=0, max_restarts=0).remote(run, time.time())
@@ -100,7 +100,7 @@ def _try_take(run: str) -> Any:
 
 def holder() -> dict[str, Any] | None:
     """Who holds the slot (``run``, ``since``), or None when nobody does or the holder is just going."""
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     try:
         return ray.get(ray.get_actor(SLOT_NAME, namespace=SLOT_NAMESPACE).held_by.remote(), timeout=10)

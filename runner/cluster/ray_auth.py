@@ -23,11 +23,13 @@ def token_problem(address: str | None, timeout_s: float = PROBE_TIMEOUT_S) -> st
     address and how to pass the token; None when it does not (or cannot be asked: unset, ``auto``, ``ray://``)."""
     if not address or "://" in address or ":" not in address or address in ("auto", "local"):
         return None
-    import grpc
+    import grpc  # Ray's gRPC: only to ask a head
     import ray  # noqa: F401 (the whole package first: its exit handler needs what `import ray` loads)
+
+    # Ray's internals: only where used
     from ray._private.authentication.authentication_utils import is_token_auth_enabled
-    from ray._private.grpc_utils import init_grpc_channel
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    from ray._private.grpc_utils import init_grpc_channel  # Ray's internals: only where used
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc  # Ray's internals: only where used
 
     channel = init_grpc_channel(address)  # with this process's token, when token authentication is on
     try:

@@ -13,6 +13,7 @@ read the token from ``~/.ray/auth_token`` (made here when the home has none).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -123,8 +124,6 @@ def _ends_with_parent() -> None:
     """In the head's ``ray start`` before it runs: SIGTERM when the process that started it dies, however it
     dies (SIGKILL included), so no head outlives its serving process (Linux ``PR_SET_PDEATHSIG``; Ray's
     reaper then stops the GCS, raylet and workers)."""
-    import ctypes
-
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 

@@ -16,6 +16,9 @@ import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
 from prefect_ray import RayTaskRunner
 
 from pipeline_config import RayConfig
@@ -87,7 +90,7 @@ def _free_port() -> int:
 
 
 def _node_ip() -> str:
-    from ray._private.services import get_node_ip_address
+    from ray._private.services import get_node_ip_address  # Ray's internals: only where used
 
     return get_node_ip_address()
 
@@ -154,9 +157,6 @@ def ray_task_runner(cfg: RayConfig) -> RayTaskRunner:
 
 def _log_in_run(message: str) -> None:
     """``message`` in the flow run's log (the Prefect UI), when there is a flow run."""
-    from prefect.exceptions import MissingContextError
-    from prefect.logging import get_run_logger
-
     try:
         get_run_logger().info(message)
     except MissingContextError:
@@ -193,6 +193,4 @@ class SignalKeepingRayTaskRunner(RayTaskRunner):
 
 def _run_name() -> str:
     """The flow run's name (a pipeline run's name, `runner.pipeline_run.flow_run_name`), for the run slot's holder."""
-    from prefect.runtime import flow_run
-
     return str(flow_run.name or "?")

@@ -7,6 +7,7 @@ the Ray side `runner.cluster.ray_init`.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -53,7 +54,7 @@ def cli_runtime(cfg: RayConfig, ray_now: bool = True, warm: str | None = None) -
             url = _started(lambda: stack.enter_context(prefect_api()))
             yield Runtime(url, temporary, None)
         return
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     given: list[str] = []
     dashboard: list[str | None] = [None]
@@ -89,8 +90,6 @@ STAGE_ENGINE_MODULES = ("prefect_ray.task_runners", "prefect.task_engine")
 
 def _import_quietly(modules: tuple[str, ...]) -> None:
     """Import ``modules`` (a warm-up: an import that fails here fails again, and is reported, in the stage itself)."""
-    import importlib
-
     for name in modules:
         try:
             importlib.import_module(name)
@@ -111,7 +110,7 @@ def warm_stage_workers(flow_module: str | None) -> list:
     """
     if not flow_module:
         return []
-    import ray
+    import ray  # Ray: only where the cluster is used
 
     modules = (*STAGE_ENGINE_MODULES, flow_module)
     try:

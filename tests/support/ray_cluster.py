@@ -7,9 +7,9 @@ cluster is that: `shared_cluster` starts one ``ray start --head`` with `runner.c
 (token authentication, the worker-pool settings of a run's own local Ray, dies with the test
 process), and a run joins it through its configuration, not its command line:
 
-- a CLI run gets `join_env` in its environment (``MNIST_RAY__ADDRESS`` for ``flows.mnist`` and
-  ``flows.tune``, ``PIPELINE_RAY__ADDRESS`` for ``flows.train``: the environment form of ``--ray.address``;
-  ``MNIST_PREDICT_RAY_ADDRESS`` for ``flows.predict``'s ``--ray-address``; ``RAY_AUTH_MODE=token`` so the
+- a CLI run gets `join_env` in its environment (``PIPELINE_RAY__ADDRESS``, what every entry point reads: the
+  environment form of ``--ray.address``; ``PIPELINE_PREDICT_RAY_ADDRESS`` for ``flows.predict``'s
+  ``--ray-address``; ``RAY_AUTH_MODE=token`` so the
   driver presents the token of ``~/.ray/auth_token``), so the commands stay as a user types them;
 - ``python -m deployments.serve`` gets ``--ray-address`` (`serve_args`) and ``RAY_AUTH_MODE=token``
   (`serve_env`), and its runs join it (`tests.support.prefect_server.serve_deployments`'s ``ray``).
@@ -86,8 +86,7 @@ def shared_cluster(folder: Path, num_cpus: int | None = None) -> Iterator[Shared
 
 def join_env(cluster: SharedRay) -> dict[str, str]:
     """The environment entries that make a CLI run (flows.mnist, flows.tune, flows.train, flows.predict) join ``cluster``."""
-    return {"MNIST_RAY__ADDRESS": cluster.address, "PIPELINE_RAY__ADDRESS": cluster.address,
-            "MNIST_PREDICT_RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "token"}
+    return {"PIPELINE_RAY__ADDRESS": cluster.address, "PIPELINE_PREDICT_RAY_ADDRESS": cluster.address, "RAY_AUTH_MODE": "token"}
 
 
 def serve_args(cluster: SharedRay) -> tuple[str, ...]:

@@ -7,7 +7,8 @@ import os
 
 from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, join
 from training.champion import registry, registry_files
-from training.checkpoint.model_files import MODEL_FILE, build_resnet18
+from training.checkpoint.files import MODEL_FILE
+from training.checkpoint.model_files import build_resnet18
 
 
 def make_checkpoint(folder: str, seed: int = 0) -> str:

@@ -9,9 +9,9 @@ import torch
 from dataset.formats.parquet import ParquetDataset
 from dataset.sources.interface import RawData
 from storage_io import StorageLayout
-from tasks.evaluate import Evaluation
-from training.checkpoint.model_files import MODEL_FILE, SEEDS_MODEL
-from training.trainer import CheckpointInfo, TrainedModel
+from tasks.manifests import Evaluation
+from training.checkpoint.files import MODEL_FILE, SEEDS_MODEL
+from training.manifests import CheckpointInfo, TrainedModel
 
 
 def torchvision_resnet18_seed_style():

@@ -170,7 +170,7 @@ def card_model(card: dict) -> ModelSpec:
 def card_data(card: dict) -> dict[str, Any]:
     """The data a version was trained on, as predict needs it: ``shape`` (C, H, W), ``classes``,
     ``mean``, ``std`` and ``image_size``. A card written before it recorded them is MNIST's."""
-    from dataset.formats.parquet import manifest_data
+    from dataset.formats.parquet import manifest_data  # pyarrow: only when a card's data is asked for
 
     data = card.get("data") if isinstance(card.get("data"), dict) else {}
     transform = (card.get("config") or {}).get("transform") if isinstance(card.get("config"), dict) else None

@@ -21,14 +21,8 @@ import torch
 from torch.optim.swa_utils import AveragedModel
 
 from storage_io import exists, join, remove, storage_write_error
-from training.checkpoint.model_files import (
-    EXTRA_STATE_FILE,
-    MODEL_FILE,
-    OPTIMIZER_FILE,
-    load_state,
-    save_checkpoint_files,
-    unwrap,
-)
+from training.checkpoint.files import EXTRA_STATE_FILE, MODEL_FILE, OPTIMIZER_FILE
+from training.checkpoint.model_files import load_state, save_checkpoint_files, unwrap
 from training.manifests import Position
 from training.model.weights import StartWeights
 from training.worker.recipe import inference_model

@@ -62,7 +62,7 @@ def save_checkpoint_files(
     none, so it never names a file that is not there. ``optimizer_state`` overrides
     ``optimizer.state_dict()`` (FSDP gathers a full one itself).
     """
-    import torch
+    import torch  # torch: only where a model is built or run
 
     directory = Path(directory)
     torch.save(unwrap(model).state_dict(), directory / MODEL_FILE)
@@ -78,7 +78,7 @@ def load_state(directory: str | os.PathLike[str], name: str, origin: str | None 
 
     ``directory`` is a local folder; ``origin`` the checkpoint it was downloaded from, for messages.
     """
-    import torch
+    import torch  # torch: only where a model is built or run
 
     path = Path(directory) / name
     if not path.is_file():

@@ -70,9 +70,9 @@ def configure_cpu(threads: int) -> None:
     EPYC, where both ran at about 1,050 img/s). The flag is per thread: set before torch starts its
     thread pool, which inherits it.
     """
-    import torch
+    import torch  # torch: only where a model is built or run
 
-    from dataset.tensors.memory import keep_large_blocks_in_heap
+    from dataset.tensors.memory import keep_large_blocks_in_heap  # pyarrow: with torch, in a training process
 
     torch.set_flush_denormal(True)
     torch.set_num_threads(threads)
@@ -110,7 +110,7 @@ def _resolve(name: str) -> tuple[str, Any]:
             f"model.name {name!r}: use resnet18, a torchvision classification model's name (e.g. mobilenet_v3_small) "
             "or package.module:function"
         )
-    from torchvision import models
+    from torchvision import models  # torchvision: only where a model is built
 
     known = models.list_models(module=models)  # classification models only (not detection, segmentation, video)
     if name not in known:
@@ -122,7 +122,7 @@ def _resolve(name: str) -> tuple[str, Any]:
 
 def build_model(name: str, *, in_channels: int, num_classes: int):
     """The ``nn.Module`` that ``name`` names, for images of ``in_channels`` channels and ``num_classes`` classes."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     kind, builder = _resolve(name)
     if kind == "resnet18":
@@ -176,8 +176,8 @@ def resnet18_for(in_channels: int, num_classes: int):
 
     Built in the seeds' order (the network, then the new stem), so a seed gives the seeds' weights.
     """
-    import torch
-    from torchvision.models import resnet18
+    import torch  # torch: only where a model is built or run
+    from torchvision.models import resnet18  # torchvision: only where a model is built
 
     model = resnet18(num_classes=num_classes)
     model.conv1 = torch.nn.Conv2d(in_channels, 64, kernel_size=(7, 7), stride=(2, 2), padding=(3, 3), bias=False)
@@ -186,7 +186,7 @@ def resnet18_for(in_channels: int, num_classes: int):
 
 def _with_input_channels(model, in_channels: int, name: str):
     """``model`` with its first convolution remade for ``in_channels`` (same kernel, stride, padding)."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     for parent in model.modules():
         for child_name, child in parent.named_children():
@@ -206,7 +206,7 @@ def small_cnn(in_channels: int, num_classes: int):
 
     Trains at thousands of images per second on one CPU core; any image size of 8x8 and up.
     """
-    from torch import nn
+    from torch import nn  # torch: only where a model is built or run
 
     def block(c_in: int, c_out: int) -> nn.Sequential:
         return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(inplace=True), nn.MaxPool2d(2))

@@ -153,7 +153,7 @@ def try_model(name: str, shape: tuple[int, int, int], num_classes: int, resizabl
     can be resized, an image folder's; MNIST's IDX digits cannot). Torch's random state is left as it was.
     A model that passed is not tried again in this process (`trial_apart` keeps the same rule for the flow's
     process: the CLI checks before Ray starts, the flow again in its body)."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     channels, height, width = shape
     images = f"{_TRIAL_IMAGES} images of {channels}x{height}x{width}"
@@ -184,7 +184,7 @@ def try_model(name: str, shape: tuple[int, int, int], num_classes: int, resizabl
 
 def _forward(model, shape: tuple[int, int, int]):
     """``model`` in train mode, without gradients, on `_TRIAL_IMAGES` random images of ``shape`` (C, H, W)."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     with torch.no_grad():
         return model.train()(torch.randn(_TRIAL_IMAGES, *shape))
@@ -197,7 +197,7 @@ def smallest_size(model, channels: int, num_classes: int, failed: int, largest: 
     Found by running the model: sizes doubled from ``failed`` until one works, then halved back to the first
     that does (a dozen passes at most; the larger a size, the fewer are tried). A model that runs on a size
     runs on every larger one, as a network of convolutions, pools and a global pooling does."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     def runs(size: int) -> bool:
         try:

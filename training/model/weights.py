@@ -153,7 +153,7 @@ def read_state(file: str, source: str, expected_sha256: str | None = None) -> tu
     """(the state dict in ``file``, ``module.`` prefixes stripped; the file's sha256). WeightsError naming
     model.weights when it cannot be read, is damaged, or holds no tensors; or, with ``expected_sha256``,
     when its bytes are not those any more."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     shown = f"model.weights {redact_text(source)!r}"
     try:
@@ -180,7 +180,7 @@ def read_state(file: str, source: str, expected_sha256: str | None = None) -> tu
 
 def _state_dict(state: object, shown: str) -> dict[str, torch.Tensor]:
     """The tensors of a loaded file by name, without a ``module.`` prefix; WeightsError when there are none."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     if not isinstance(state, Mapping):
         raise WeightsError(f"{shown} holds {type(state).__name__}, not a state dict (a mapping of names to tensors)")
@@ -214,7 +214,7 @@ def match(model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Match:
 def check(source: str, root: str, model_name: str, shape: tuple[int, int, int], num_classes: int) -> tuple[StartWeights, Match]:
     """Before any work and in the training stage: ``source`` located, read and loaded into ``model_name`` built for
     ``shape``'s channels and ``num_classes``; WeightsError naming model.weights when no tensor of it fits."""
-    import torch
+    import torch  # torch: only where a model is built or run
 
     file = locate(source, root)
     state, sha256 = read_state(file, source)

@@ -26,6 +26,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from storage_io import atomic_write_bytes, exists, join
 
@@ -110,8 +111,6 @@ class FaultInjector:
 
 def paused(marker_dir: str) -> list[str]:
     """The markers of the pauses that have fired in the run whose faults folder is ``marker_dir`` (local folders)."""
-    from pathlib import Path
-
     return sorted(str(path) for path in Path(marker_dir).glob("pause-*.fired"))
 
 

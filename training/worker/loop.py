@@ -27,10 +27,10 @@ import torch.distributed as dist
 from torch.optim.swa_utils import AveragedModel
 
 from storage_io import storage_writes
-from training.checkpoint.in_attempt import Position, report, report_mid_epoch, restore
+from training.checkpoint.in_attempt import report, report_mid_epoch, restore
 from training.checkpoint.model_files import unwrap
 from training.checkpoint.records import RowLog, record_attempt, record_epoch
-from training.manifests import LoopConfig
+from training.manifests import LoopConfig, Position
 from training.model.catalog import ModelSpec, configure_cpu
 from training.model.weights import start_from
 from training.worker.captured_step import CapturedStep, use_captured_step

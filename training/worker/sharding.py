@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from dataset.tensors.resident import ResidentSplit, fits_on_device, resident_bytes
-from dataset.tensors.transform import TransformSpec, build_split
-from training.checkpoint.in_attempt import Position
+from dataset.tensors.spec import TransformSpec
+from dataset.tensors.transform import build_split
+from training.manifests import Position
 
 
 def gather_rows(local: list[torch.Tensor]) -> torch.Tensor:
