@@ -23,7 +23,7 @@ started for the command (or ``--ray-address`` joins a cluster); no Prefect API i
 Everything is checked before Ray starts, and a bad input exits 2 naming the file or flag
 (``--flag: message``, one line each): every input file (`dataset.formats.inputs`), the registry (a
 ``--model`` it does not hold, answered with the models that have a champion; a damaged pointer or
-card, a model.pt that does not match its checksum: `training.champion.registry_files.resolve`), and
+card, a model.pt that does not match its checksum: `training.champion.lookup.resolve`), and
 ``--output`` (a folder or another kind of file is refused; an existing file only replaced with
 ``--overwrite``, keeping its mode).
 """
@@ -69,7 +69,7 @@ from storage_io import (
     redact_error,
     redact_text,
 )
-from training.champion import registry_files
+from training.champion import lookup, registry_files
 from training.model import trust
 from training.model.catalog import ModelSpec
 
@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         which = f"--model {model}" if settings.model else f"the default model {model} (of --workload {settings.workload})"
         check_model(layout.root, model, which)
         # The pointer and card read, model.pt checked against its checksum: a damaged registry is named here.
-        version, folder, card = registry_files.resolve(layout.root, model, settings.version)
+        version, folder, card = lookup.resolve(layout.root, model, settings.version)
         scoring = card_scoring(card, folder, settings.num_actors, settings.batch_rows)
         data = scoring.data
         table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"], scoring.columns)

@@ -13,7 +13,7 @@ from pipeline_config import PipelineConfig
 from pipeline_config.model import folder_workload
 from runner import console
 from storage_io import StorageLayout
-from training.champion import registry_files
+from training.champion import lookup, registry_files
 from training.resources import plan_cluster
 
 
@@ -66,4 +66,4 @@ def check_registry_fits(config: PipelineConfig) -> None:
     else:
         fix = (f"Set --workload to a name of this data's own (it is {config.workload}; the champion's name is "
                "<workload>-<model>), or set promote.model_name.")
-    registry_files.check_comparable(layout.root, config.registry_name, shape, classes, fix)
+    lookup.check_comparable(layout.root, config.registry_name, shape, classes, fix)

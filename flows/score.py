@@ -28,7 +28,7 @@ from pipeline_config import PipelineConfig, RayConfig
 from reporting import events
 from runner.pipeline_run import started_by_deployment
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, basename, join, to_stored
-from training.champion import registry_files
+from training.champion import lookup
 
 PREDICTIONS_DIR = "predictions"
 LATEST_FILE = "latest.json"
@@ -47,7 +47,7 @@ def score_with_champion(
     """Score the images in ``images`` (a folder, as ``flows.predict --input`` takes it) with ``model``'s champion (or ``version``); write the predictions under the
     storage root, versioned, and point ``latest.json`` at them."""
     root = StorageLayout.create(PipelineConfig(storage_root=storage_root).storage_root, "score").root
-    version, folder, card = registry_files.resolve(root, model, version)
+    version, folder, card = lookup.resolve(root, model, version)
     # The card's architecture is code: a deployment's run (model and storage_root are its parameters) imports
     # it only from PIPELINE_MODEL_MODULES, checked on the name before any model is built.
     scoring = card_scoring(card, folder, 1, 250, deployed=started_by_deployment())

@@ -7,7 +7,7 @@ reads (its lease in ``<root>/leases/``). A path that breaks a rule stops the sta
 nothing is deleted. The dry run applies the same checks, so it lists exactly what a real run deletes.
 
 The model registry is never touched: nothing under ``<root>/models/`` and none of the data a
-promoted version's model card names (`training.champion.registry_files.protected_data`). A selected path that
+promoted version's model card names (`training.champion.lookup.protected_data`). A selected path that
 is, holds or lies inside such a folder is kept, listed with why in the report (dry run or not).
 Cards name that data relative to the storage root, so a copied or moved root keeps its champion's
 data; an older card's absolute path protects the same place under this root too, and a card that
@@ -46,7 +46,7 @@ from storage_io import (
     total_bytes,
 )
 from tasks.manifests import Evaluation
-from training.champion import registry_files
+from training.champion import lookup
 from training.checkpoint.files import checkpoint_problem
 from training.manifests import TrainedModel, UnreadableSnapshot, checkpoint_rank, ray_train_checkpoints
 
@@ -164,7 +164,7 @@ def cleanup(
         logger.warning("Not looking for incomplete checkpoints: %s", exc)
         debris = {}
     selected += [path for path in debris if path not in selected]
-    registry_folders = registry_files.protected_data(layout.root)
+    registry_folders = lookup.protected_data(layout.root)
     kept = {path: why for path in selected for folder, why in registry_folders.items() if _overlaps(path, folder)}
     selected = [path for path in selected if path not in kept]
     in_use = paths_in_use(layout)

@@ -21,7 +21,15 @@ from runner.stages import StageRecorder
 from storage_io import StorageLayout
 from tasks.baseline import Baseline, centroid_probe
 from tasks.gate import (
-    MIN_CLASS_ROWS, Z, LabelsDisagree, beating, before_training, failures, gate_for, labels_disagree, lower_bound,
+    MIN_CLASS_ROWS,
+    LabelsDisagree,
+    Z,
+    beating,
+    before_training,
+    failures,
+    gate_for,
+    labels_disagree,
+    lower_bound,
 )
 from tests.support.gate_data import TEST_ROWS, confusion_with, digit_dataset, digits_8x8, noise_dataset, parquet_dataset
 

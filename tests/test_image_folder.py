@@ -21,7 +21,7 @@ import pytest
 from pydantic import ValidationError
 
 from benchmarks.speed import recipe as recipe_bench
-from dataset.formats import folder
+from dataset.formats import folder, folder_scan
 from dataset.formats.inputs import NO_LABEL, read_folder
 from dataset.formats.parquet import MNIST_CLASSES, ParquetDataset, images_from_column, manifest_data
 from pipeline_config import DownloadConfig, ParquetConfig
@@ -178,11 +178,11 @@ def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_p
 def test_decoding_tasks_share_the_cpus_the_calling_stage_leaves(local_ray):
     """As many decoding tasks at once as the cluster has CPUs: the to-parquet stage holds one of the 2 CPUs
     and only writes, so each task asks for half of one; a process holding none (a driver) leaves whole ones."""
-    assert folder.decode_task_cpus() == 1.0
+    assert folder_scan.decode_task_cpus() == 1.0
 
     @local_ray.remote(num_cpus=1)
     def in_a_stage() -> float:
-        return folder.decode_task_cpus()
+        return folder_scan.decode_task_cpus()
 
     assert local_ray.get(in_a_stage.remote()) == 0.5
 

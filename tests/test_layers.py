@@ -28,10 +28,9 @@ MAX_MODULE_LINES = 300
 # The production modules still over MAX_MODULE_LINES, at their length when the limit came in (issue 68): none
 # may grow, and no other module may pass the limit. Split one, and take it off this list.
 OVER_THE_LIMIT = {
-    "training/champion/registry_files.py": 379, "dataset/formats/folder.py": 366, "runner/tracking.py": 362,
-    "dataset/formats/parquet_files.py": 362, "deployments/kubernetes/credentials.py": 357,
+    "runner/tracking.py": 362, "dataset/formats/parquet_files.py": 362, "deployments/kubernetes/credentials.py": 357,
     "benchmarks/data/scale.py": 353, "deployments/kubernetes/check.py": 350, "dataset/formats/inputs.py": 350,
-    "reporting/pictures.py": 346, "reporting/artifacts.py": 345, "dataset/tensors/transform.py": 334,
+    "reporting/pictures.py": 346, "reporting/artifacts.py": 345, "dataset/tensors/transform.py": 333,
     "pipeline_config/data.py": 331, "pipeline_config/learning.py": 319, "benchmarks/run.py": 309,
     "training/trainer.py": 306, "flows/predict.py": 302,
 }

@@ -3,7 +3,7 @@
 Real PNG folders in tmp_path (the tests' RGB workload, tests/support/images.py) and a real local
 storage root. What was read is counted through the seams the cache saves: the hash
 (`dataset.formats.listing.sha256_file`), the full decode (`dataset.formats.images.check_image`) and the header
-read (`dataset.formats.folder._read_image`), each wrapped to count and then do the real work.
+read (`dataset.formats.folder_scan._read_image`), each wrapped to count and then do the real work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dataset.formats import folder, images, listing
+from dataset.formats import folder, folder_scan, images, listing
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import StorageLayout, read_json
 from tasks.download import list_folder
@@ -33,7 +33,7 @@ def counted(monkeypatch):
     """{"hashed": n, "decoded": n, "opened": n}: the files read to be hashed, the images decoded in full
     and the images opened at all (header or decode) so far."""
     counts = {"hashed": 0, "decoded": 0, "opened": 0}
-    real_hash, real_check, real_read = listing.sha256_file, images.check_image, folder._read_image
+    real_hash, real_check, real_read = listing.sha256_file, images.check_image, folder_scan._read_image
 
     def hashed(path, *args, **kwargs):
         counts["hashed"] += 1
@@ -49,7 +49,7 @@ def counted(monkeypatch):
 
     monkeypatch.setattr(listing, "sha256_file", hashed)
     monkeypatch.setattr(images, "check_image", decoded)
-    monkeypatch.setattr(folder, "_read_image", opened)
+    monkeypatch.setattr(folder_scan, "_read_image", opened)
     return counts
 
 
@@ -127,15 +127,15 @@ def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_ope
     folder.keep_checks(cfg, root)
     for image_size in (None, 32):
         counted["opened"] = 0
-        assert folder.image_shape(layout, image_size, root) == (3, image_size or 20, image_size or 20)
+        assert folder_scan.image_shape(layout, image_size, root) == (3, image_size or 20, image_size or 20)
         assert counted["opened"] == 0
-    assert folder.image_shape(layout, None, None) == (3, 20, 20) and counted["opened"] == 18  # no root: no cache
+    assert folder_scan.image_shape(layout, None, None) == (3, 20, 20) and counted["opened"] == 18  # no root: no cache
 
     gray = data / "train" / "red_square" / "red_square-000.png"
     Image.fromarray(np.zeros((20, 24), dtype=np.uint8)).save(gray)  # now 24 wide, and gray
     counted["opened"] = 0
     with pytest.raises(folder.FolderError, match=rf"{gray}: 24x20 pixels, but .* is 20x20"):
-        folder.image_shape(layout, None, root)
+        folder_scan.image_shape(layout, None, root)
     assert counted["opened"] >= 1
     where = listing.cache_path(root, str(data))
     assert read_json(where)["files"]["train/red_square/red_square-000.png"][4] == ["RGB", 20, 20]  # not written
@@ -143,9 +143,9 @@ def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_ope
     folder.keep_checks(cfg, root)
     assert read_json(where)["files"]["train/red_square/red_square-000.png"][4] == ["L", 24, 20]
     counted["opened"] = 0
-    assert folder.image_shape(layout, 16, root) == (3, 16, 16) and counted["opened"] == 0  # the others are still RGB
+    assert folder_scan.image_shape(layout, 16, root) == (3, 16, 16) and counted["opened"] == 0  # the others are still RGB
     with pytest.raises(folder.FolderError, match=r"-\d{3}\.png: 20x20 = 400 pixels, more than download.max_image_pixels \(399\)"):
-        folder.image_shape(layout, 16, root, max_pixels=399)
+        folder_scan.image_shape(layout, 16, root, max_pixels=399)
     assert counted["opened"] == 1
 
 

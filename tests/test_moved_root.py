@@ -42,7 +42,7 @@ from tasks.cleanup import cleanup
 from tasks.manifests import Evaluation
 from tests.support.registry import light_candidate, s3_objects
 from tests.support.runs import build_run_tree
-from training.champion import registry, registry_files
+from training.champion import lookup, registry, registry_files
 from training.checkpoint.files import MODEL_FILE, SEEDS_MODEL
 from training.manifests import CheckpointInfo, TrainedModel
 
@@ -121,7 +121,7 @@ def test_a_moved_root_resolves_its_champion_and_knows_it_already_promoted_a_run(
     moved.parent.mkdir()
     os.rename(layout.root, moved)
     assert not Path(layout.root).exists()
-    version, folder, card = registry_files.resolve(str(moved), MODEL)
+    version, folder, card = lookup.resolve(str(moved), MODEL)
     assert (version, folder) == (1, str(moved / "models" / MODEL / "v1")) and card["run_name"] == "older-run"
     assert registry_files.read_champion(str(moved), MODEL)["path"] == folder
     assert registry_files.problems(str(moved), MODEL) == []
@@ -199,7 +199,7 @@ def test_a_root_synced_to_s3_keeps_its_champions_data_through_cleanup(tmp_path, 
     s3_raw = raw.model_copy(update={"directory": layout.raw_dir("sample")})
     s3_dataset = dataset.model_copy(update={"directory": layout.dataset_dir("abc")})
 
-    version, folder, _ = registry_files.resolve(s3_root, MODEL)  # model.pt downloaded and checked against its checksum
+    version, folder, _ = lookup.resolve(s3_root, MODEL)  # model.pt downloaded and checked against its checksum
     assert (version, folder) == (1, f"{s3_root}/models/{MODEL}/v1")
     report = cleanup.fn(POLICY, s3_raw, s3_dataset, s3_trained, s3_eval, layout)
     assert set(report.kept) == {s3_raw.directory, s3_dataset.directory}

@@ -18,7 +18,7 @@ from storage_io import StorageLayout
 from tests.support.images import CLASSES, SIZE
 from tests.support.parquet_hf import shapes, write_table
 from tests.support.registry import candidate, make_dataset
-from training.champion import registry, registry_files
+from training.champion import lookup, registry
 
 MODEL = "shapes-resnet18"
 
@@ -29,7 +29,7 @@ def test_predict_reads_the_image_and_label_columns_of_the_models_run(tmp_path):
     data_spec = {"image": {"channels": 3, "height": SIZE, "width": SIZE}, "classes": list(CLASSES), "mean": 0.5, "std": 0.5}
     promoted = candidate(layout, "hf", 0.9, make_dataset(layout, "shapes-a")).model_copy(update={"config": config, "data_spec": data_spec})
     assert registry.promote(layout, MODEL, promoted).promoted
-    _, folder, card = registry_files.resolve(layout.root, MODEL, None)
+    _, folder, card = lookup.resolve(layout.root, MODEL, None)
     scoring = card_scoring(card, folder, 1, 100)
     assert scoring.columns == ("img", "digit")
 

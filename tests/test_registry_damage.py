@@ -19,7 +19,7 @@ from pipeline_config import CleanupConfig
 from storage_io import MANIFEST, StorageLayout, atomic_write_bytes, atomic_write_json, exists, join, read_bytes
 from tests.support.cli import ROOT
 from tests.support.registry import candidate, light_candidate, make_dataset, s3_objects
-from training.champion import registry, registry_files, registry_repair
+from training.champion import lookup, registry, registry_files, registry_repair
 
 MODEL = "mnist-resnet18"
 
@@ -62,7 +62,7 @@ def test_a_damaged_pointer_is_named_and_never_taken_as_no_champion(champion_root
     assert str(pointer_file(layout)) in str(refused.value) and "--repair" in str(refused.value)
     assert pointer_file(layout).read_bytes() == content and registry_files.versions(layout.root, MODEL) == [1]
     with pytest.raises(registry_files.RegistryDamaged, match="damaged") as unreadable:  # what flows.predict reads
-        registry_files.resolve(layout.root, MODEL)
+        lookup.resolve(layout.root, MODEL)
     assert str(pointer_file(layout)) in str(unreadable.value) and "no champion yet" not in str(unreadable.value)
 
 
@@ -83,7 +83,7 @@ def test_a_missing_pointer_beside_published_versions_is_damage(champion_root):
     pointer_file(layout).unlink()
     assert registry_files.problems(layout.root, MODEL) == [f"{pointer_file(layout)}: missing although v1 are published"]
     with pytest.raises(registry_files.RegistryDamaged, match="missing although v1"):
-        registry_files.resolve(layout.root, MODEL)
+        lookup.resolve(layout.root, MODEL)
     with pytest.raises(registry_files.RegistryDamaged):
         registry.promote(layout, MODEL, candidate(layout, "bad", 0.10, data))
     assert not pointer_file(layout).exists()
@@ -94,7 +94,7 @@ def test_a_damaged_card_is_named_not_unpublished(champion_root, card):
     layout, data = champion_root
     card_path = Path(registry_files.version_dir(layout.root, MODEL, 1), registry_files.CARD_FILE)
     card_path.write_bytes(card)
-    for call in (lambda: registry_files.resolve(layout.root, MODEL), lambda: registry_files.resolve(layout.root, MODEL, 1)):
+    for call in (lambda: lookup.resolve(layout.root, MODEL), lambda: lookup.resolve(layout.root, MODEL, 1)):
         with pytest.raises(registry_files.RegistryDamaged, match=f"{card_path}: damaged") as exc:
             call()
         assert "is not a published version" not in str(exc.value)
@@ -125,7 +125,7 @@ def test_a_tampered_model_pt_is_refused_before_any_scoring(champion_root):
     weights.write_bytes(bytes(blob))
     started = time.monotonic()
     with pytest.raises(registry_files.RegistryDamaged, match="model.pt: damaged.*does not match its sha256"):
-        registry_files.resolve(layout.root, MODEL)
+        lookup.resolve(layout.root, MODEL)
     assert time.monotonic() - started < 10
     with pytest.raises(registry_files.RegistryDamaged, match="model.pt: damaged"):
         registry.promote(layout, MODEL, candidate(layout, "next", 0.99, data))
@@ -160,7 +160,7 @@ def test_a_damaged_pointer_on_s3_stops_promotion_and_repair_moves_it_aside(s3_ro
     with pytest.raises(registry_files.RegistryDamaged, match=f"{s3_root}/models/{MODEL}/champion: damaged"):
         registry.promote(layout, MODEL, light_candidate(layout, "bad", 0.10, data))
     with pytest.raises(registry_files.RegistryDamaged, match="damaged"):
-        registry_files.resolve(s3_root, MODEL)
+        lookup.resolve(s3_root, MODEL)
     assert read_bytes(registry_files.champion_path(s3_root, MODEL)) == b"garbage"
     done = registry_repair.repair_registry(s3_root, MODEL)
     assert any("moved the champion pointer" in line for line in done)

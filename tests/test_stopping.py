@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from runner import console, hooks
-from runner.summary import RunSummary
 from runner.stopping import EXIT_CODES, StopRequest
+from runner.summary import RunSummary
 from tests.support.cli import CliRun, wait_gone
 from tests.support.digits import real_digits_mirror
 from tests.support.models import SMALL_MODEL_ARGS, pause_env

@@ -149,7 +149,7 @@ def test_score_on_promotion_refuses_a_card_naming_a_module_that_is_not_allowed_b
     from storage_io import StorageLayout
     from tests.support.cli import ROOT
     from tests.support.registry import candidate, make_dataset
-    from training.champion import registry, registry_files
+    from training.champion import lookup, registry
     from training.model.trust import MODULES_ENV
 
     marker = tmp_path / "team_scorers-was-imported"
@@ -172,7 +172,7 @@ def test_score_on_promotion_refuses_a_card_naming_a_module_that_is_not_allowed_b
     assert not marker.exists() and "team_scorers" not in sys.modules  # its top level never ran
     assert not (tmp_path / "root" / "predictions").exists()
 
-    version, folder, card = registry_files.resolve(root, "planted-model")
+    version, folder, card = lookup.resolve(root, "planted-model")
     card_scoring(card, folder, 1, 250)  # the command line (flows.predict) trusts its user, as flows.train's does
     monkeypatch.setenv(MODULES_ENV, "team_scorers")
     assert card_scoring(card, folder, 1, 250, deployed=True).model.name == "team_scorers:build"  # allowed by the operator
@@ -208,7 +208,7 @@ def test_nothing_new_compares_what_model_weights_holds_not_its_name(tmp_path):
 
     from storage_io import StorageLayout, sha256_file
     from tests.support.registry import make_checkpoint, make_dataset
-    from training.champion import unchanged
+    from training.champion import lookup, unchanged
 
     root = str(tmp_path / "root")
     layout = StorageLayout.create(root, "setup")
@@ -232,9 +232,8 @@ def test_nothing_new_compares_what_model_weights_holds_not_its_name(tmp_path):
 
     # A registry name: the champion it names is what counts, so a new champion of it is something new.
     champion(layout, "base-run", dataset, {"train": {"epochs": 1}}, model="base-resnet18", seed=3)
-    from training.champion import registry_files
 
-    _, folder, _ = registry_files.resolve(root, "base-resnet18")
+    _, folder, _ = lookup.resolve(root, "base-resnet18")
     named = nightly(root, model={"weights": "base-resnet18"})
     base = {"source": "base-resnet18", "file": f"{folder}/model.pt", "sha256": sha256_file(f"{folder}/model.pt")}
     champion(layout, "champion-2", dataset, named, base, seed=4, accuracy=0.95)

@@ -10,12 +10,12 @@ Layout, as torchvision's ``ImageFolder`` and Hugging Face's ``imagefolder`` read
 subfolders, sorted; label i is the i-th. Every check (`check_folder`) runs before any work and
 names the path that is wrong. The folder is only read: never copied, modified or deleted.
 
-A local folder's images are decoded in full before any work (`scan_images`, from `dataset.sources.folder_source`'s
+A local folder's images are decoded in full before any work (`dataset.formats.folder_scan.scan_images`, from `dataset.sources.folder_source`'s
 check): a file that stops
 short, or one of more than ``download.max_image_pixels`` pixels (from its header), is refused by
 name. With a storage root, what earlier runs learned (each file's sha256, that it decoded in full,
 and its header) is kept in a `dataset.formats.listing.ListingCache` and reused while a file keeps its size
-and mtime: the checks after the first one and the conversion take the shape from it (`image_shape`).
+and mtime: the checks after the first one and the conversion take the shape from it (`dataset.formats.folder_scan.image_shape`).
 Files that are not images and links to missing files are passed over and counted (`FolderLayout.skipped`;
 the conversion's terminal line names the first few). Hidden entries (a name starting with ``.``: a
 ``.ipynb_checkpoints/`` or ``.git/`` folder, a ``.DS_Store`` or ``._x.png`` file) are never a class or an
@@ -41,10 +41,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dataset.formats import images
 from dataset.formats.listing import ListingCache
 from dataset.sources.interface import source_for
-from storage_io import filesystem, is_dir, is_remote, join, list_dirs, list_tree, read_bytes, sha256_file
+from storage_io import is_dir, is_remote, join, list_dirs, list_tree, sha256_file
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
 # PIL modes read as one channel; any other (RGB, RGBA, P, CMYK, ...) makes the dataset RGB.
@@ -246,15 +245,6 @@ def keep_checks(cfg, storage_root: str | None) -> None:
     source_for(cfg).keep_checks(storage_root)
 
 
-def image_shape(
-    layout: FolderLayout, image_size: int | None, storage_root: str | None, max_pixels: int | None = None,
-) -> tuple[int, int, int]:
-    """`scan_images` through the listing cache on ``storage_root``: the headers `check_source` recorded are
-    not read again while their files are unchanged (None: every header read). The cache is only read here:
-    a check that refuses the run before any work writes nothing on the storage root."""
-    return scan_images(layout, image_size, max_pixels, cache=listing_cache(layout, storage_root) if storage_root else None)
-
-
 def image_paths(layout: FolderLayout) -> list[str]:
     """The relative path of every image the layout names: train/, val/, test/, each in file order."""
     return [rel for split in ("train", "val", "test") for rel, _ in layout.files.get(split, [])]
@@ -285,80 +275,6 @@ def stratified_split(labels: list[int], every: int, seed: int) -> np.ndarray:
         count = 0 if len(where) < 2 else max(1, round(len(where) / every))
         held.append(where[rng.permutation(len(where))[:count]])
     return np.sort(np.concatenate(held)) if held else np.zeros(0, dtype=np.int64)
-
-
-def _read_image(path: str, max_pixels: int | None, decode: bool) -> tuple[str, tuple[int, int]]:
-    """(PIL mode, (width, height)) of the image at ``path``: from its header, or (``decode``) after decoding all of it."""
-    if decode:
-        return images.check_image(read_bytes(path), path, max_pixels)
-    if is_remote(path):
-        fs, where = filesystem(path)
-        handle = fs.open_input_file(where)
-    else:  # Python's own file: PIL reads a header in many small reads, each a call into pyarrow otherwise
-        handle = open(path, "rb")  # noqa: SIM115 (closed below)
-    try:
-        with images.open_image(handle, path, max_pixels) as image:
-            return image.mode, image.size  # header only: the pixels are not decoded
-    finally:
-        handle.close()
-
-
-def scan_images(
-    layout: FolderLayout, image_size: int | None, max_pixels: int | None = None, decode: bool = False,
-    cache: ListingCache | None = None,
-) -> tuple[int, int, int]:
-    """(channels, height, width) the converted images will have; FolderError naming a file that cannot be read,
-    one of more than ``max_pixels`` pixels (None: no limit), one whose size differs from the first one's when
-    ``image_size`` is unset, and (``decode``) one that cannot be decoded in full. ``cache``: a file it says
-    was decoded already is not decoded again, an unchanged file's header is taken from it instead of the
-    file, and each header read and each file decoded is recorded there (the caller saves it)."""
-    channels, first = 1, None
-    for split in ("train", "val", "test"):
-        for rel, _ in layout.files.get(split, []):
-            path = join(layout.path, rel)
-            full = decode and not (cache is not None and cache.checked(rel, max_pixels))
-            known = cache.header(rel) if cache is not None and not full else None
-            if known is not None and max_pixels is not None and known[1][0] * known[1][1] > max_pixels:
-                known = None  # read it again: the file's own read names the limit it is over
-            try:
-                mode, size = known or _read_image(path, max_pixels, full)
-            except images.ImageError as exc:
-                raise FolderError(str(exc)) from None
-            except OSError as exc:  # gone since the listing, unreadable
-                raise FolderError(f"{path}: cannot read it ({type(exc).__name__}: {exc})") from None
-            if cache is not None:
-                cache.mark_header(rel, mode, size)
-                if full:
-                    cache.mark_checked(rel, max_pixels)
-            if mode not in GRAY_MODES:
-                channels = 3
-            if first is None:
-                first = (rel, size)
-            elif image_size is None and size != first[1]:
-                raise FolderError(
-                    f"{path}: {size[0]}x{size[1]} pixels, but {join(layout.path, first[0])} is {first[1][0]}x{first[1][1]}; "
-                    "set transform.image_size to resize every image to one square size"
-                )
-    if first is None:
-        raise FolderError(f"download.path {layout.path}: no images")
-    width, height = (image_size, image_size) if image_size is not None else first[1]
-    return channels, height, width
-
-
-def decode_task_cpus() -> float:
-    """Logical CPUs each decoding task of `convert_folder` asks for: as many tasks run at once as the cluster
-    has CPUs, beside the CPUs the calling process holds (the to-parquet stage holds one, and only routes and
-    writes the decoded rows, about a fifth of the work): 0.5 each on 2 CPUs, 0.94 on 16.
-
-    At one whole CPU each, a 2-CPU machine decoded one batch at a time while the stage's CPU sat mostly idle:
-    40,000 64x64 RGB PNGs took 7.7-8.4 s, against 6.2-6.5 s two at a time, and the plain PIL loop's 5.3-6.2 s
-    (2-core AMD EPYC Zen 4, docs/performance.md)."""
-    import ray  # Ray: only where the cluster is used
-
-    context = ray.get_runtime_context()
-    cpus = float(ray.cluster_resources().get("CPU", 1))
-    held = float(context.get_assigned_resources().get("CPU", 0)) if context.worker.mode == ray.WORKER_MODE else 0.0
-    return round(max(0.25, (cpus - held) / cpus), 3)
 
 
 def describe(path: str) -> str:

@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from dataset.formats import images
-from dataset.formats.folder import FolderError, FolderLayout, decode_task_cpus, image_shape, stratified_split
+from dataset.formats.folder import FolderError, FolderLayout, stratified_split
+from dataset.formats.folder_scan import decode_task_cpus, image_shape
 from dataset.formats.parquet import SPLITS, SplitWriter, schema_for, to_table
 from pipeline_config import ParquetConfig
 from storage_io import filesystem, is_remote, join

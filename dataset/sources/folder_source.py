@@ -7,7 +7,7 @@ never copied, changed or deleted (cleanup deletes nothing of it), and the watche
 
 from __future__ import annotations
 
-from dataset.formats import folder
+from dataset.formats import folder, folder_scan
 from dataset.formats.folder import FolderError, FolderLayout
 from dataset.formats.folder_convert import convert_folder
 from dataset.formats.listing import save_held
@@ -52,7 +52,7 @@ class FolderSource(Source):
             raise FolderError(f"download.path {cfg.path}: cannot list it ({type(exc).__name__}: {exc})") from None
         if not remote:
             cache = folder.listing_cache(layout, storage_root)
-            folder.scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
+            folder_scan.scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
             cache.hold()  # written by `keep_checks` once the run is past every check: a refused run writes nothing
         return layout
 
@@ -67,13 +67,13 @@ class FolderSource(Source):
         folder's: None (its images are read by the conversion only)."""
         if checked is None or is_remote(checked.path):
             return None
-        return folder.image_shape(checked, image_size, storage_root), len(checked.classes)
+        return folder_scan.image_shape(checked, image_size, storage_root), len(checked.classes)
 
     def data_to_come(self, image_size, storage_root):
         layout = folder.check_folder(self.cfg.path)  # FolderError naming the path
         if is_remote(layout.path):
             return (None, image_size, image_size), layout.classes
-        return folder.image_shape(layout, image_size, storage_root), layout.classes
+        return folder_scan.image_shape(layout, image_size, storage_root), layout.classes
 
     def best_config_data(self) -> dict:
         return {"source": "folder", "path": self.cfg.path}

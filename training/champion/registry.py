@@ -13,7 +13,7 @@ root's lock for that model (`storage_io.file_lock`), so two runs finishing at on
 the second is compared with the first's result. A version folder is published whole (one rename
 locally; on S3 with model_card.json uploaded last) before the champion pointer names it, so a
 reader that follows the pointer always finds a complete version. Versions are never deleted here
-or by cleanup (`training.champion.registry_files.protected_data`).
+or by cleanup (`training.champion.lookup.protected_data`).
 
 Every path the registry stores (the card's dataset, raw data and checkpoint, the pointer's
 version folder) is relative to the storage root (`storage_io.paths`), so a copied or moved root

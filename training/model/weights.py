@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict
 
 from storage_io import is_dir, is_file, is_remote, join, parent, read_bytes, read_json, redact_text
-from training.champion.registry_files import MODELS_DIR, champions, read_champion, resolve
+from training.champion.lookup import resolve
+from training.champion.registry_files import MODELS_DIR, champions, read_champion
 from training.checkpoint.files import CHECKSUMS_FILE, MODEL_FILE
 from training.model.catalog import ModelSpec, build_model, said
 
