@@ -22,7 +22,8 @@ import httpx
 from pydantic import ValidationError
 
 from pipeline_config import DEFAULT_WORKLOAD
-from reporting.artifacts import artifact_keys, gate_verdict
+from reporting.artifacts import artifact_keys
+from reporting.report_text import gate_verdict
 from runner.console import resume_command
 from runner.summary import SEARCH_MODULE, RunSummary, outcome_of
 from storage_io import redact_error, redact_text, redact_value

@@ -18,7 +18,7 @@ from prefect import task
 from dataset.tensors.memory import release_memory
 from dataset.tensors.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, EvaluateConfig
-from reporting import artifacts
+from reporting import artifacts, report_text
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, join, storage_writes
 from tasks import gate as gates
@@ -80,7 +80,7 @@ def evaluate(
         atomic_write_json(result.metrics_path, result.model_dump())
     logger.info(
         "Test accuracy %.4f on %d images (without test-time augmentation %.4f; %s; the gate: %s)",
-        result.accuracy, result.rows, plain_accuracy, artifacts.gate_verdict(result.accuracy, gate.min_accuracy, failed), gate.origin,
+        result.accuracy, result.rows, plain_accuracy, report_text.gate_verdict(result.accuracy, gate.min_accuracy, failed), gate.origin,
     )
     # The evidence before any verdict acts: a failed gate's run page shows why it failed.
     artifacts.publish_evaluation_report(result, spec.dataset, trained, workload)

@@ -21,7 +21,7 @@ from flows.stages import TRAIN
 from flows.train import STAGES
 from pipeline_config import PipelineConfig, TrainConfig
 from pipeline_config.learning import FEW_STEPS, steps_per_epoch
-from reporting.artifacts import training_markdown
+from reporting.report_text import training_markdown
 from runner import console
 from runner.stages import StageRecorder
 from storage_io import StorageLayout

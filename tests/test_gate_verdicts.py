@@ -156,7 +156,7 @@ def test_the_closing_lines_and_the_failure_say_failed_for_a_gate_its_accuracy_al
     )
     lines = console.summary_lines(RunSummary(run_name="r", evaluation=evaluation.model_dump()), None, 60, None, True)
     assert "  test accuracy  90.00% on 100 images (gate 80.00%: FAILED)" in lines
-    from reporting.artifacts import gate_verdict  # the evaluation report's titles
+    from reporting.report_text import gate_verdict
 
     assert gate_verdict(0.9, 0.8, evaluation.gate_failures) == f"gate FAILED: {evaluation.gate_failures[0]}"
     assert gate_failed_message(evaluation) == ("class 'b': recall 0 (none of its 10 test images predicted as 'b'); the gate "

@@ -115,7 +115,7 @@ def test_test_and_validation_rows_that_copy_training_images_are_counted_named_an
     """Issue 66: a test split of exact copies of training rows scored 100% with no word. Copies of images that went
     to validation (row_id % 4 == 3 here) are not training images, but row 7's is row 0's: 31 of the 40 test rows
     copy a training image."""
-    from reporting.artifacts import leakage_warning
+    from reporting.report_text import leakage_warning
     from storage_io import read_json
 
     raw = _raw_with_copies(tmp_path / "raw")

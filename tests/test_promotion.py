@@ -22,8 +22,8 @@ import torch
 from dataset.formats.inputs import read_folder
 from dataset.formats.parquet import to_table
 from pipeline_config import CleanupConfig, PipelineConfig, PromoteConfig
-from reporting.artifacts import comparison_rows
 from reporting.pictures import accuracy_over_runs_png
+from reporting.report_text import comparison_rows
 from storage_io import MANIFEST, StorageLayout, atomic_write_json, exists, join, read_json
 from tests.support.cli import ROOT
 from tests.support.digits import idx_bytes, synthetic_digits

@@ -18,7 +18,7 @@ from PIL import Image
 
 from dataset.formats.parquet import convert
 from pipeline_config import ParquetConfig
-from reporting import artifacts, pictures, training_progress
+from reporting import artifacts, pictures, report_text, samples, training_progress
 from runner import hooks
 from runner.summary import RunSummary
 from tests.support.digits import write_raw
@@ -112,8 +112,8 @@ def test_metrics_rows_per_class_and_overall():
     precision[5] = 0.9
     recall = [1.0] * 10
     recall[3] = 0.9
-    gate = artifacts.gate_verdict(90 / 91, 0.995)
-    rows = artifacts.metrics_rows(confusion.tolist(), precision, recall, gate)
+    gate = report_text.gate_verdict(90 / 91, 0.995)
+    rows = report_text.metrics_rows(confusion.tolist(), precision, recall, gate)
     assert len(rows) == 11
     assert rows[4] == {"class": "3", "support": 10, "correct": 9, "precision": 1.0, "recall": 0.9, "accuracy": None, "gate": None}
     assert rows[0]["class"] == "all" and rows[0]["support"] == 91 and rows[0]["accuracy"] == round(90 / 91, 4)
@@ -121,9 +121,9 @@ def test_metrics_rows_per_class_and_overall():
 
 
 def test_gate_verdict_says_passed_or_failed_with_both_numbers():
-    assert artifacts.gate_verdict(0.989, 0.985) == "gate passed: 98.90% >= 98.50%"
-    assert artifacts.gate_verdict(0.985, 0.985) == "gate passed: 98.50% >= 98.50%"
-    assert artifacts.gate_verdict(0.984, 0.985) == "gate FAILED: 98.40% < 98.50%"
+    assert report_text.gate_verdict(0.989, 0.985) == "gate passed: 98.90% >= 98.50%"
+    assert report_text.gate_verdict(0.985, 0.985) == "gate passed: 98.50% >= 98.50%"
+    assert report_text.gate_verdict(0.984, 0.985) == "gate FAILED: 98.40% < 98.50%"
 
 
 def test_checkpoint_markdown_names_the_evaluated_checkpoint():
@@ -131,7 +131,7 @@ def test_checkpoint_markdown_names_the_evaluated_checkpoint():
         {"path": "/s/runs/r/checkpoint_000000", "epoch": 0, "val_accuracy": 0.9},
         {"path": "/s/runs/r/checkpoint_000001", "epoch": 1, "val_accuracy": 0.95},
     ]
-    markdown = artifacts.checkpoint_markdown(kept[1]["path"], kept, "/s/runs/r", 0.9612, "gate FAILED: 96.12% < 98.50%")
+    markdown = report_text.checkpoint_markdown(kept[1]["path"], kept, "/s/runs/r", 0.9612, "gate FAILED: 96.12% < 98.50%")
     assert markdown.startswith("## Checkpoint used for evaluation (gate FAILED: 96.12% < 98.50%)\n")
     assert "`/s/runs/r/checkpoint_000001`" in markdown and "0.9612" in markdown
     assert "| `checkpoint_000001` (evaluated) | 2 | 0.9500 |" in markdown
@@ -141,26 +141,26 @@ def test_pick_predictions_shows_some_mistakes_and_is_stable():
     labels = np.arange(100) % 10
     preds = labels.copy()
     preds[[4, 17, 33, 58, 71]] = 0
-    first = pictures.pick_predictions(labels, preds)
+    first = samples.pick_predictions(labels, preds)
     assert len(first) == 9 and (labels[first] != preds[first]).sum() == 3
-    assert np.array_equal(first, pictures.pick_predictions(labels, preds))
-    assert len(pictures.pick_predictions(labels, labels)) == 9  # no mistakes: nine correct ones
+    assert np.array_equal(first, samples.pick_predictions(labels, preds))
+    assert len(samples.pick_predictions(labels, labels)) == 9  # no mistakes: nine correct ones
 
 
 def test_read_split_rows_by_row_id_returns_the_right_images(dataset_dir):
     # synthetic_digits encodes the row index in the top-left pixel: row_id n has pixel n % 256
     wanted = [139, 121, 150]  # test rows, in a chosen order
-    row_ids, images, labels = pictures.read_split_rows(str(dataset_dir / "test"), row_ids=wanted)
+    row_ids, images, labels = samples.read_split_rows(str(dataset_dir / "test"), row_ids=wanted)
     assert row_ids.tolist() == wanted
     assert images[:, 0].tolist() == [(rid - 120) % 256 for rid in wanted]
     assert labels.tolist() == [(rid - 120) % 10 for rid in wanted]
     with pytest.raises(KeyError):
-        pictures.read_split_rows(str(dataset_dir / "test"), row_ids=[5])  # a train row
+        samples.read_split_rows(str(dataset_dir / "test"), row_ids=[5])  # a train row
 
 
 def test_sample_digits_report_reads_nine_training_digits(dataset_dir):
     train_rows = pq.read_table(dataset_dir / "train").num_rows
-    markdown = pictures.sample_digits_markdown(str(dataset_dir / "train"), train_rows)
+    markdown = samples.sample_digits_markdown(str(dataset_dir / "train"), train_rows)
     assert markdown.startswith("## Sample training digits")
     assert markdown_image(markdown).width > 300
 
@@ -172,7 +172,7 @@ def test_predictions_report_joins_predictions_to_test_images(dataset_dir, tmp_pa
     preds[:5] = (preds[:5] + 1) % 10
     path = tmp_path / "predictions.parquet"
     pq.write_table(pa.table({"row_id": test.column("row_id"), "label": labels, "pred": preds}), path)
-    markdown = pictures.predictions_markdown(str(path), str(dataset_dir / "test"))
+    markdown = samples.predictions_markdown(str(path), str(dataset_dir / "test"))
     assert "5 of 40 test images are misclassified" in markdown
     assert red_pixels(markdown_image(markdown)) > 50  # the misclassified ones are marked
 

@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from flows import tune as tune_flow
 from pipeline_config import TrainConfig, TransformConfig, TuneConfig, TunePipelineConfig
 from pipeline_config.settings import PipelineSettings, parse_cli
-from reporting.artifacts import trial_rows
 from reporting.pictures import trial_curves_png
+from reporting.report_text import trial_rows
 from runner import console
 from runner.summary import RunSummary
 from tests.support.cli import CliRun, wait_gone
