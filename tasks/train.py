@@ -25,7 +25,7 @@ Total budget before a run fails: (max_failures + 1) x (stage_retries + 1) traini
 
 ``train.mode: single`` runs the same loop in this stage's own process without Ray Train
 (training.single_process), as a baseline for the price of distribution. The trainer, its
-resources and the failure rules are in `training.trainer`; this stage is their Prefect task.
+resources in `training.trainer`, the failure rules in `training.failures`; this stage is their Prefect task.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, TrainConfig
 from reporting.logs import stage_logger
 from reporting.training_progress import training_progress_callbacks
 from storage_io import StorageLayout
+from training.failures import is_infrastructure_failure
 from training.manifests import TrainedModel
 from training.model import weights
 from training.model.catalog import ModelSpec
 from training.resources import plan_cluster
-from training.trainer import fit, fit_in_process, is_infrastructure_failure, torch_trainer
+from training.trainer import fit, fit_in_process, torch_trainer
 
 
 def retry_infrastructure_failures(task, task_run, state) -> bool:

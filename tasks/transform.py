@@ -21,6 +21,7 @@ from dataset.formats.parquet import ParquetDataset
 from dataset.tensors import normalization
 from dataset.tensors.batches import check_rows, check_split
 from dataset.tensors.memory import release_memory
+from dataset.tensors.read_ahead import split_batches
 from dataset.tensors.spec import (
     TransformSpec,
     checks_record,
@@ -29,7 +30,6 @@ from dataset.tensors.spec import (
     recorded_checks,
     split_mb,
 )
-from dataset.tensors.transform import split_batches
 from pipeline_config import TransformConfig
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_json, join, storage_writes

@@ -24,9 +24,9 @@ from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, Train
 from reporting.artifacts import publish_tuning_report
 from reporting.logs import stage_logger
 from storage_io import StorageLayout, atomic_write_bytes, join, storage_writes
+from training.failures import is_infrastructure_failure
 from training.model import weights
 from training.model.catalog import ModelSpec
-from training.trainer import is_infrastructure_failure
 from training.trial_configs import best_config_values, plan_trials
 from training.tuning import (
     BEST_CONFIG_FILE,

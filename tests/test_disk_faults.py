@@ -43,8 +43,8 @@ from tests.support.runs import torchvision_resnet18_seed_style
 from training.checkpoint.files import CHECKSUMS_FILE, MODEL_FILE, OPTIMIZER_FILE, SEEDS_MODEL, checkpoint_problem
 from training.checkpoint.in_attempt import checkpoint_dir_name, discard_failed_upload, unused_checkpoint_dir
 from training.checkpoint.model_files import load_state, save_checkpoint_files
+from training.failures import is_infrastructure_failure, raise_storage_failure, storage_failure
 from training.manifests import RAY_TRAIN_SNAPSHOT, CheckpointInfo, TrainedModel, UnreadableSnapshot
-from training.trainer import is_infrastructure_failure, raise_storage_failure, storage_failure
 
 GOOD = ParquetConfig(rows_per_file=64, rows_per_group=64, validation_every=4)
 OTHER = ParquetConfig(rows_per_file=128, rows_per_group=64, validation_every=4)  # another fingerprint

@@ -48,7 +48,7 @@ from tests.support.models import SMALL_MODEL_ARGS, faults_dir, pause_env, wait_f
 from tests.support.prefect_server import api_env
 from tests.support.ray_cluster import SharedRay, join_env
 from training.checkpoint.records import HISTORY_FILE, read_history
-from training.trainer import is_infrastructure_failure
+from training.failures import is_infrastructure_failure
 from training.worker.faults import FAULT_ENV, ROW_LOG_ENV, Fault, FaultInjector, parse_faults, paused
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -252,7 +252,7 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
     assert sum(len(b["row_id"]) for b in done.iter_batches(batch_format="numpy", batch_size=32)) == 0
     # What the stage checks (`split_batches`): a streamed split read here, window by window, gives the rows,
     # order and pixels Ray Data gives training for epoch 0, in batches of at most the size asked.
-    from dataset.tensors.transform import split_batches
+    from dataset.tensors.read_ahead import split_batches
 
     for split in ("train", "test"):
         batches = list(split_batches(streamed, split, 50))
@@ -491,7 +491,7 @@ def test_ray_data_s_scheduling_loop_pauses_while_its_consumer_has_output_waiting
 def test_read_ahead_keeps_the_order_raises_where_reading_failed_and_stops_with_its_consumer():
     import threading
 
-    from dataset.tensors.transform import read_ahead
+    from dataset.tensors.read_ahead import read_ahead
 
     batches = [{"row_id": np.arange(i, i + 2)} for i in range(0, 20, 2)]
     assert [b["row_id"].tolist() for b in read_ahead(iter(batches))] == [b["row_id"].tolist() for b in batches]

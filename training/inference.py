@@ -18,8 +18,9 @@ import pyarrow as pa
 import ray.data
 
 from dataset.tensors.batches import prepare_batch
+from dataset.tensors.read_ahead import read_ahead, split_batches
 from dataset.tensors.spec import TransformSpec, fits_in_memory
-from dataset.tensors.transform import blocks, build_datasets, read_ahead, split_batches
+from dataset.tensors.transform import blocks, build_datasets
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.checkpoint.model_files import load_model
 from training.model.catalog import ModelSpec, configure_cpu
@@ -162,8 +163,8 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: Mo
     ``model``: what the checkpoint holds (unset: what its extra_state.pt records).
 
     A streamed test split that this process scores (`scores_here`) is also read here, window by window
-    (`dataset.tensors.transform.split_batches`), by a thread that keeps up to two batches ahead of the scoring
-    (`dataset.tensors.transform.read_ahead`), not through Ray Data. Through Ray Data, the streamed split's
+    (`dataset.tensors.read_ahead.split_batches`), by a thread that keeps up to two batches ahead of the scoring
+    (`dataset.tensors.read_ahead.read_ahead`), not through Ray Data. Through Ray Data, the streamed split's
     read-ahead limit held the reader's finished window back while scoring ran, and Ray Data's scheduling
     loop (a thread of this process) went round about a thousand times a second, taking a core from the
     scoring: 8,000 64x64 RGB test images took 30-35 s, against 14-17 s read here and 13.6-14.0 s read

@@ -29,10 +29,7 @@ always asks for a whole CPU) waiting forever, and training waits on it.
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
-from collections.abc import Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
@@ -81,7 +78,7 @@ def stream_split(
     """One split's rows streamed in windows of row groups (`dataset.tensors.windows`): bounded memory, any size.
 
     ``shuffle_seed``: None keeps file order; ``exclude`` and ``part`` as `build_split` takes them."""
-    fs, planned = _windows_of(spec, split, shuffle_seed, exclude, part)
+    fs, planned = windows_of(spec, split, shuffle_seed, exclude, part)
     # One block per window, made here (`blocks`: no Ray Data read task, which would ask for a whole CPU).
     ds = blocks(pa.table({"window": np.arange(len(planned), dtype=np.int64)}), 1)
     ds = ds.map_batches(_read_windows, batch_format="numpy", batch_size=None, fn_kwargs={"fs": fs, "planned": planned, "image_bytes": int(np.prod(spec.dataset.image_shape))},
@@ -98,7 +95,7 @@ def stream_split(
     return ds
 
 
-def _windows_of(
+def windows_of(
     spec: TransformSpec, split: str, shuffle_seed: int | None, exclude: np.ndarray | None = None, part: tuple[int, int] | None = None,
 ) -> tuple[pafs.FileSystem, list[windows.Window]]:
     """(filesystem, the windows of one pass over ``split``) as `dataset.tensors.windows.plan` orders them."""
@@ -229,66 +226,6 @@ def prepare_kwargs(spec: TransformSpec, augment: bool, seed: int, epoch: int) ->
         "augment": augmentation(cfg, spec.dataset.source) if augment else None, "seed": seed, "epoch": epoch,
         "shape": tuple(spec.dataset.image_shape),
     }
-
-
-def split_batches(spec: TransformSpec, split: str, rows_per_batch: int, seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """One pass over ``split`` as `build_split` makes it for epoch 0, in numpy batches of at most
-    ``rows_per_batch`` rows: what the transform stage checks.
-
-    A split held in memory goes through Ray Data (`build_split`). A streamed split is read here, one window
-    at a time (`stream_split`'s windows, in its order), through the same `prepare_batch`: no Ray Data task
-    and nothing in the object store. Through Ray Data, checking the streamed splits of a 40,000-image
-    folder left 0.55 GB of object-store pages mapped in two idle workers for the rest of the run
-    (docs/performance.md, "Folders bigger than memory"); the stage took as long either way."""
-    if fits_in_memory(spec, split):
-        yield from build_split(spec, split, seed).iter_batches(batch_size=rows_per_batch, batch_format="numpy")
-        return
-    augment = split == "train"
-    fs, planned = _windows_of(spec, split, epoch_seed(seed, 0) if augment else None)
-    kwargs = prepare_kwargs(spec, augment, seed, 0)
-    for window in planned:
-        release_memory()  # the last window's rows and batches
-        table = windows.read_window(fs, window)
-        for start in range(0, table.num_rows, rows_per_batch):
-            yield prepare_batch(table.slice(start, rows_per_batch), **kwargs)
-
-
-def read_ahead(batches: Iterable[dict[str, np.ndarray]], depth: int = 2) -> Iterator[dict[str, np.ndarray]]:
-    """``batches`` produced by a thread of this process up to ``depth`` ahead of the consumer: reading a
-    streamed split's windows (pyarrow, numpy) overlaps with scoring them (torch), which both let go of the
-    GIL for most of their work. An exception in the reading is raised here, at the batch it stopped at;
-    a consumer that stops early stops the thread."""
-    done, stop = object(), threading.Event()
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce() -> None:
-        try:
-            for batch in batches:
-                if not put(batch):
-                    return
-            put(done)
-        except BaseException as exc:  # handed to the consumer
-            put(exc)
-
-    thread = threading.Thread(target=produce, name="read-ahead", daemon=True)
-    thread.start()
-    try:
-        while (item := ready.get()) is not done:
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 def _rows_in_memory(
