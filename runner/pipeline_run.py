@@ -61,7 +61,7 @@ def flow_run_name() -> str:
 
 
 class PipelineRun:
-    """One flow run of the pipeline, as the flow's body sees it: ``with pipeline_run(...) as run:``, then one
+    """One flow run of the pipeline, as the flow's body sees it: ``with PipelineRun(...) as run:``, then one
     ``run(STAGE, ...)`` per stage, then ``return run.result``.
 
     Entering it does the checks before any work (what a run may import, its data source, the tracking URI, the
