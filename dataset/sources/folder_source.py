@@ -13,6 +13,7 @@ from dataset.formats.folder_convert import convert_folder
 from dataset.formats.listing import save_held
 from dataset.formats.parquet import FORMAT_VERSION, ParquetDataset, build_manifest
 from dataset.sources.interface import Defaults, RawData, Source, check_reachable
+from dataset.tensors.memory import release_memory
 from pipeline_config import ParquetConfig
 from storage_io import MANIFEST, StorageLayout, atomic_write_json, building, is_remote, publish_dir, sha256_json
 
@@ -54,6 +55,7 @@ class FolderSource(Source):
             cache = folder.listing_cache(layout, storage_root)
             folder_scan.scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
             cache.hold()  # written by `keep_checks` once the run is past every check: a refused run writes nothing
+            release_memory()  # what decoding every image took, handed back: the flow's process trains beside it
         return layout
 
     def keep_checks(self, storage_root: str | None) -> None:

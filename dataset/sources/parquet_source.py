@@ -74,6 +74,7 @@ class ParquetSource(Source):
             cache = self._cache(layout, storage_root)
             scan(layout, image_size, self.cfg.max_image_pixels, decode=True, cache=cache)
             cache.hold()
+            release_memory()  # what decoding every image took, handed back: the flow's process trains beside it
         return layout
 
     def keep_checks(self, storage_root: str | None) -> None:
