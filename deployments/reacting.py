@@ -26,7 +26,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from dataset.sources.interface import source_for
+from dataset.sources.interface import watched
 from pipeline_config import PipelineConfig
 from pipeline_config.settings import preset_with_file
 from reporting import events
@@ -41,15 +41,15 @@ def watched_config(config_file: Path) -> PipelineConfig:
     ValueError naming the file when it does not validate or names no folder to watch (an image or Parquet folder).
     """
     config = PipelineConfig.model_validate(preset_with_file("default", config_file))
-    watched = source_for(config.download).watched()
-    if watched is None:
+    folder = watched(config.download)
+    if folder is None:
         raise ValueError(
             f"--watch {config_file}: set download.source: folder and download.path, the folder to watch "
             "(or download.source: parquet and download.path, a folder of Parquet files)"
         )
     from flows.watch import watched_path  # the flow is imported only when its deployments are served
 
-    download = config.download.model_copy(update={"path": watched_path(watched)})
+    download = config.download.model_copy(update={"path": watched_path(folder)})
     promote = config.promote.model_copy(update={"skip_unchanged": True})
     return config.model_copy(update={"download": download, "promote": promote})
 

@@ -2,7 +2,7 @@
 
 `check_cluster_fits` runs once the run's Ray is up (`runner.pipeline_run.PipelineRun`'s ``check_fits``, at the first stage);
 `check_registry_fits` also from the command line, before Ray starts. The data's shape and classes come
-from its source (`dataset.sources.interface.Source.data_to_come`): the flow never asks which source a run has.
+from its source (`dataset.sources.interface.Source.check`): the flow never asks which source a run has.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ def workload_line(config: PipelineConfig) -> str:
 
 def data_to_come(config: PipelineConfig) -> tuple[tuple[int | None, ...], list[str]]:
     """((channels, height, width), classes) of the data the run will convert, known before any work
-    (`dataset.sources.interface.Source.data_to_come`): a user's folder's from its listing and (local folders) its images'
-    headers, None where not known yet (an s3:// folder's channels); MNIST's IDX sources' from their format."""
-    return source_for(config.download).data_to_come(sizing.resolved(config).transform.image_size, config.storage_root)
+    (`dataset.sources.interface.Source.check`, without decoding): a user's folder's from its listing and (local folders)
+    its images' headers, None where not known yet (an s3:// folder's channels); MNIST's IDX sources' from their format."""
+    found = source_for(config.download).check(sizing.resolved(config).transform.image_size, config.storage_root, decode=False)
+    return found.shape, found.classes
 
 
 def check_registry_fits(config: PipelineConfig) -> None:

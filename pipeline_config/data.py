@@ -9,7 +9,8 @@ from urllib.parse import urlparse
 
 from pydantic import Field, SerializerFunctionWrapHandler, field_validator, model_serializer, model_validator
 
-from pipeline_config.common import MNIST_FILES, no_control_characters, Section
+from pipeline_config.common import MNIST_FILES, Section, no_control_characters
+from pipeline_config.sources import PATH_SOURCES, SOURCES, SourceChoice, described
 
 
 class MirrorChecksums(Section):
@@ -42,25 +43,11 @@ class MirrorChecksums(Section):
         return dict(zip(MNIST_FILES, values))
 
 
-# The sources that read the user's data where it is, named by download.path.
-PATH_SOURCES = ("folder", "parquet")
-
-
 class DownloadConfig(Section):
     """Where the data comes from: MNIST's four IDX files, a labelled image folder (source=folder), or a folder of
     Parquet files (source=parquet)."""
 
-    source: Literal["auto", "official", "mirror", "sample", "folder", "parquet"] = Field(
-        "auto",
-        description=(
-            "auto: try the official MNIST mirrors (short connect timeout) and fall back to the "
-            "bundled 5,000-digit sample with a warning; official: fail if unreachable; "
-            "mirror: use mirror_url; sample: use the bundled sample directly; "
-            "folder: your own labelled images in download.path (train/<class>/*.png|jpg, test/<class>/..., optional val/<class>/...); "
-            "parquet: Parquet files in download.path whose split is in the file or folder name (data/train-00000-of-00001.parquet, "
-            "train/0000.parquet, test.parquet), with an image and a label column (download.image_column, download.label_column)."
-        ),
-    )
+    source: SourceChoice = Field("auto", description=described())  # the choices: `pipeline_config.sources.SOURCES`
     path: str | None = Field(
         None,
         description=(
@@ -151,13 +138,13 @@ class DownloadConfig(Section):
     def _mirror_needs_url(self) -> DownloadConfig:
         if self.source == "mirror" and not self.mirror_url:
             raise ValueError("source=mirror needs download.mirror_url (a base URL serving the four files)")
-        if self.source == "folder" and not self.path:
-            raise ValueError("source=folder needs download.path (a folder or s3:// prefix holding train/<class>/ and test/<class>/)")
-        if self.source == "parquet" and not self.path:
-            raise ValueError("source=parquet needs download.path (a folder or s3:// prefix holding train and test Parquet files)")
-        if self.source not in PATH_SOURCES and self.path:
+        needs = SOURCES[self.source].path
+        if needs and not self.path:
+            raise ValueError(f"source={self.source} needs download.path ({needs})")
+        if not needs and self.path:
             raise ValueError(
-                f"download.path is only read with download.source=folder or parquet (source is {self.source}); unset it or set source=folder"
+                f"download.path is only read with download.source={' or '.join(PATH_SOURCES)} (source is {self.source}); "
+                "unset it or set source=folder"
             )
         return self
 

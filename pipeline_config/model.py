@@ -20,10 +20,18 @@ from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
 
-from pipeline_config.common import DEFAULT_WORKLOAD, RUN_NAME_PATTERN, S3_BUCKET_PATTERN, WORKLOAD_PATTERN, Section, no_control_characters
-from pipeline_config.data import PATH_SOURCES, DownloadConfig, ParquetConfig, TransformConfig
+from pipeline_config.common import (
+    DEFAULT_WORKLOAD,
+    RUN_NAME_PATTERN,
+    S3_BUCKET_PATTERN,
+    WORKLOAD_PATTERN,
+    Section,
+    no_control_characters,
+)
+from pipeline_config.data import DownloadConfig, ParquetConfig, TransformConfig
 from pipeline_config.evaluation import CleanupConfig, EvaluateConfig, PromoteConfig
 from pipeline_config.learning import ModelConfig, TrainConfig
+from pipeline_config.sources import PATH_SOURCES
 from pipeline_config.tracking import TrackingConfig
 
 

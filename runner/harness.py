@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from dataset.formats import folder
+from dataset.sources.interface import check_data
 from dataset.tensors import sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig
 from pipeline_config.settings import old_prefix_lines, parse_cli
@@ -85,7 +85,7 @@ def checked_settings(argv: list[str], settings_class: type) -> tuple[Any, Pipeli
     ValidationError or ValueError naming the field when something cannot work, before any work starts."""
     settings = parse_cli(argv, settings_class)
     config = settings.pipeline_config()
-    source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)
+    source = check_data(config.download, sizing.checked_size(config.transform), config.storage_root)
     tracking_uri(config)  # MLFLOW_TRACKING_URI the tracker cannot use, or with credentials: refused, naming it
     trust.check_model(sizing.resolved(config, source), source)  # the command line's user may import any module
     if config.run_name is None:

@@ -19,7 +19,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Completed
 from pydantic import ValidationError
 
-from dataset.formats import folder
+from dataset.sources.interface import DataToCome, check_data, keep_checks
 from dataset.tensors import sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from reporting import artifacts, environment
@@ -68,7 +68,7 @@ class PipelineRun:
     model's trial on the data) and names the run folder (`flow_run_name`'s name when ``run_name`` is unset);
     nothing is written yet, and nothing is started. The first stage call starts the rest: the Ray task runner,
     ``check_fits`` (the cluster holds the run), the run's lease, the listing cache the data checks held
-    (`dataset.formats.folder.keep_checks`: a run refused before any work leaves the storage root as it was) and
+    (`dataset.sources.interface.keep_checks`: a run refused before any work leaves the storage root as it was) and
     the environment report; each stage call then runs on it (`runner.stages.StageRecorder`). Leaving it writes
     ``summary.json`` however the run ended: ``result`` is the run's `RunSummary`; on a stop request (Ctrl-C,
     SIGTERM) a Cancelled state holding it, the stop not raised further; a failed run's exception carries it
@@ -80,7 +80,7 @@ class PipelineRun:
     def __init__(self, config: PipelineConfig, module: str, plan: list[Stage], check_fits: Callable[[PipelineConfig], None] | None):
         self.config, self.module, self.plan, self.check_fits = config, module, list(plan), check_fits
         self.layout: StorageLayout | None = None
-        self.source = None  # what the data check found (`dataset.formats.folder.check_source`)
+        self.source: DataToCome | None = None  # what the data check found (`dataset.sources.interface.check_data`)
         self.result: RunSummary | Cancelled | Completed | None = None
         self.recorder: StageRecorder | None = None
         self._started = False
@@ -89,7 +89,7 @@ class PipelineRun:
     def __enter__(self) -> PipelineRun:
         config = self.config
         trust.check_allowed(config.model.name, deployed=started_by_deployment())  # before anything is imported
-        self.source = folder.check_source(config.download, sizing.checked_size(config.transform), config.storage_root)
+        self.source = check_data(config.download, sizing.checked_size(config.transform), config.storage_root)
         tracking_uri(config)  # ValueError naming MLFLOW_TRACKING_URI when this process's cannot be used
         trust.check_model(self.resolved, self.source)  # ValueError naming model.name: it does not import, build or run on this data
         self.layout = StorageLayout.create(config.storage_root, config.run_name or _named_run(config))
@@ -119,7 +119,7 @@ class PipelineRun:
         if self.check_fits is not None:
             self.check_fits(self.config)  # before anything is written
         self._resources.enter_context(run_lease(self.layout))  # refuses a live run of the same name
-        folder.keep_checks(self.config.download, self.config.storage_root)  # past every check: the listing cache now
+        keep_checks(self.config.download, self.config.storage_root)  # past every check: the listing cache now
         env = environment.describe()
         artifacts.publish_environment_report(env, self.config.workload)
         self.recorder = StageRecorder(runner, self.layout, self.config, env, self.plan, self.module)

@@ -1,7 +1,8 @@
 """Stage 2: convert the run's data into Parquet splits that Ray Data reads in parallel.
 
 The layout, the manifest and the IDX conversion are in `dataset.formats.parquet`; each source's fingerprint and
-conversion in its module (`dataset.sources.interface.source_of`). This stage names the build by a fingerprint of its
+splits in its module (`dataset.sources.interface.source_of`), the staging, manifest and publishing shared by every
+source in `dataset.sources.writer`. This stage names the build by a fingerprint of its
 inputs and settings, takes the dataset's build lock (a concurrent run building the same dataset waits,
 then reuses it), skips a build whose manifest verifies, and otherwise converts into a staging folder that
 is published whole.
@@ -14,6 +15,7 @@ from prefect import task
 from dataset.formats.listing import cache_path
 from dataset.formats.parquet import ParquetDataset, find_leakage, manifest_data, manifest_leakage, manifest_problem
 from dataset.sources.interface import RawData, Source, source_of
+from dataset.sources.writer import convert
 from dataset.tensors import sizing
 from dataset.tensors.memory import release_memory
 from pipeline_config import DEFAULT_WORKLOAD, ParquetConfig
@@ -67,7 +69,7 @@ def to_parquet(
     image_size = sizing.image_size_for(source, image_size, layout.root, own=own)
     fingerprint = dataset_fingerprint(raw, cfg, image_size)
     final = layout.dataset_dir(fingerprint, workload)
-    passed_over = source.conversion_notes(raw)
+    passed_over = list(raw.notes)  # what the listing passed over, said whether the data is converted or reused
     if exists(final):  # a dataset to reuse: first, are the user's files what their recorded sha256 says?
         raw, replaced = content_checked(source, raw, layout.root)
         if replaced:
@@ -156,5 +158,5 @@ def _build_or_reuse(
     if problem:
         logger.warning("Rebuilding the Parquet dataset, the existing one is not trusted: %s", problem)
     notes = [f"rebuilt: the stored dataset failed its check ({problem})"] if problem else []
-    built = source.convert(raw, cfg, final, fingerprint, logger, image_size, max_pixels, storage_root)
+    built = convert(source, raw, cfg, final, fingerprint, logger, image_size, max_pixels, storage_root)
     return built.model_copy(update={"notes": notes})

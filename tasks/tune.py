@@ -18,7 +18,7 @@ from __future__ import annotations
 import ray
 from prefect import task
 
-from dataset.sources.interface import source_for
+from dataset.sources.interface import best_config_data
 from dataset.tensors.spec import TransformSpec
 from pipeline_config import DEFAULT_WORKLOAD, DownloadConfig, ModelConfig, TrainConfig, TransformConfig, TuneConfig
 from reporting.artifacts import publish_tuning_report
@@ -80,7 +80,7 @@ def tune_search(
     other = workload if workload != DEFAULT_WORKLOAD else None  # MNIST's file stays as it was
     transform = TransformConfig.model_validate(spec.config.model_dump())
     # A search on a user's folder: the best config names the folder, so the winner trains on the same images.
-    data = source_for(download).best_config_data() if download is not None else None
+    data = best_config_data(download) if download is not None else None
     values = best_config_values(train_cfg, transform, best.config, network.name, other, data)
     if model.weights:  # the winner trains again from the weights its trials started from
         values["model"] = {**values.get("model", {}), "weights": model.weights}

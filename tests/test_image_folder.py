@@ -24,6 +24,7 @@ from benchmarks.speed import recipe as recipe_bench
 from dataset.formats import folder, folder_scan
 from dataset.formats.inputs import NO_LABEL, read_folder
 from dataset.formats.parquet import MNIST_CLASSES, ParquetDataset, images_from_column, manifest_data
+from dataset.sources.interface import check_data
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import MANIFEST, read_json, sha256_json
 from tasks.download import download
@@ -108,8 +109,8 @@ def test_the_cli_refuses_a_bad_folder_before_any_work(tmp_path):
     write_image_folder(tmp_path / "big", {"train": 1}, size=24)
     (tmp_path / "big" / "train" / "green_disc" / "green_disc-000.png").replace(broken)
     with pytest.raises(folder.FolderError, match=f"{broken}: 24x24 pixels, but .* is 20x20; set transform.image_size"):
-        folder.check_source(DownloadConfig(source="folder", path=str(root)))
-    assert folder.check_source(DownloadConfig(source="folder", path=str(root)), image_size=16).classes == list(CLASSES)
+        check_data(DownloadConfig(source="folder", path=str(root)))
+    assert check_data(DownloadConfig(source="folder", path=str(root)), image_size=16).classes == list(CLASSES)
 
 
 def test_stratified_split_is_seeded_and_keeps_every_class():

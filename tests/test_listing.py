@@ -18,6 +18,7 @@ import pytest
 from PIL import Image
 
 from dataset.formats import folder, folder_scan, images, listing
+from dataset.sources.interface import check_data, keep_checks
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import StorageLayout, read_json
 from tasks.download import list_folder
@@ -54,9 +55,9 @@ def counted(monkeypatch):
 
 
 def run_both(cfg: DownloadConfig, root: Path, counts: dict) -> tuple[dict, dict]:
-    """check_source then list_folder, as a run does before its stages; (what they read, RawData.files)."""
+    """check_data then list_folder, as a run does before its stages; (what they read, RawData.files)."""
     counts.update(hashed=0, decoded=0, opened=0)
-    folder.check_source(cfg, None, str(root))
+    check_data(cfg, None, str(root))
     raw = list_folder(cfg, LOG, StorageLayout.create(str(root), "r"))
     read = dict(counts)
     assert read.pop("opened") == read["decoded"]  # a file decoded already is not opened for its header either
@@ -98,33 +99,34 @@ def test_a_check_at_a_looser_pixel_limit_is_not_reused_for_a_stricter_one(tmp_pa
     root = str(tmp_path / "storage")
     for limit, decoded in ((10_000, 18), (20_000, 0), (10_000, 0), (400, 18), (10_000, 0)):
         counted["decoded"] = 0
-        folder.check_source(DownloadConfig(source="folder", path=str(data), max_image_pixels=limit), None, root)
+        check_data(DownloadConfig(source="folder", path=str(data), max_image_pixels=limit), None, root)
         assert counted["decoded"] == decoded, limit
     with pytest.raises(folder.FolderError, match=r"blue_cross-000\.png: .*more than download.max_image_pixels \(399\)"):
-        folder.check_source(DownloadConfig(source="folder", path=str(data), max_image_pixels=399), None, root)
+        check_data(DownloadConfig(source="folder", path=str(data), max_image_pixels=399), None, root)
 
 
 def test_a_file_cut_short_after_a_clean_check_is_refused_by_name(tmp_path, counted):
     data = write_image_folder(tmp_path / "images", PER_CLASS)
     cfg, root = DownloadConfig(source="folder", path=str(data)), str(tmp_path / "storage")
-    folder.check_source(cfg, None, root)
+    check_data(cfg, None, root)
     cut = data / "test" / "green_disc" / "green_disc-000.png"
     cut.write_bytes(cut.read_bytes()[:-40])
     with pytest.raises(folder.FolderError, match=f"{cut}"):
-        folder.check_source(cfg, None, root)
+        check_data(cfg, None, root)
 
 
 def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_opening_a_file(tmp_path, counted):
     """What the model check, the flow's data check and the conversion ask (`image_shape`) comes from the
-    headers `check_source` recorded; a changed file is opened again, and so is one that is now over a
+    headers `check_data` recorded; a changed file is opened again, and so is one that is now over a
     stricter pixel limit (whose own read names the limit). `image_shape` never writes the cache; what
-    `check_source` learned is written once the run is past its checks (`keep_checks`)."""
+    `check_data` learned is written once the run is past its checks (`keep_checks`)."""
     data = write_image_folder(tmp_path / "images", PER_CLASS)
     root = str(tmp_path / "storage")
     cfg = DownloadConfig(source="folder", path=str(data))
-    layout = folder.check_source(cfg, None, root)
+    check_data(cfg, None, root)
+    layout = folder.check_folder(str(data))
     assert counted["opened"] == 18
-    folder.keep_checks(cfg, root)
+    keep_checks(cfg, root)
     for image_size in (None, 32):
         counted["opened"] = 0
         assert folder_scan.image_shape(layout, image_size, root) == (3, image_size or 20, image_size or 20)
@@ -139,8 +141,8 @@ def test_the_headers_read_by_the_check_give_the_conversion_its_shape_without_ope
     assert counted["opened"] >= 1
     where = listing.cache_path(root, str(data))
     assert read_json(where)["files"]["train/red_square/red_square-000.png"][4] == ["RGB", 20, 20]  # not written
-    folder.check_source(DownloadConfig(source="folder", path=str(data)), 16, root)  # resized: the sizes may differ
-    folder.keep_checks(cfg, root)
+    check_data(DownloadConfig(source="folder", path=str(data)), 16, root)  # resized: the sizes may differ
+    keep_checks(cfg, root)
     assert read_json(where)["files"]["train/red_square/red_square-000.png"][4] == ["L", 24, 20]
     counted["opened"] = 0
     assert folder_scan.image_shape(layout, 16, root) == (3, 16, 16) and counted["opened"] == 0  # the others are still RGB
@@ -159,7 +161,7 @@ def test_a_cache_file_of_the_version_without_headers_is_still_used(tmp_path, cou
     cache = json.loads(where.read_text())
     where.write_text(json.dumps({**cache, "version": 1, "files": {rel: e[:4] for rel, e in cache["files"].items()}}))
     counted.update(hashed=0, decoded=0, opened=0)
-    folder.check_source(cfg, None, str(root))
+    check_data(cfg, None, str(root))
     assert list_folder(cfg, LOG, StorageLayout.create(str(root), "r")).files == files
     assert counted == {"hashed": 0, "decoded": 0, "opened": 18}
     assert json.loads(where.read_text()) == cache

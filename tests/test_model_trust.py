@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from dataset.formats import folder
+from dataset.sources.interface import check_data
 from pipeline_config import PipelineConfig
 from runner.pipeline_run import PipelineRun, started_by_deployment
 from tests.support.images import write_image_folder
@@ -179,8 +179,8 @@ def test_a_function_is_never_called_with_arguments_it_does_not_take():
 def test_a_local_folder_is_tried_with_its_channels_size_and_classes(tmp_path, monkeypatch):
     images = write_image_folder(tmp_path / "shapes", {"train": 2, "test": 1})
     config = PipelineConfig(download={"source": "folder", "path": str(images)}, transform={"image_size": 16})
-    layout = folder.check_source(config.download, config.transform.image_size)
-    assert data_for_trial(config, layout) == ((3, 16, 16), 3)
+    checked = check_data(config.download, config.transform.image_size)
+    assert data_for_trial(config, checked) == ((3, 16, 16), 3) == data_for_trial(config)  # what the check found, or asked anew
     assert data_for_trial(PipelineConfig(), None) == ((1, 28, 28), 10)  # the IDX sources: MNIST's digits
     (tmp_path / "shape_nets.py").write_text(BAD_MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -21,12 +21,25 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from dataset.formats import folder, watching
+from dataset.formats import watching
 from dataset.formats.inputs import read_folder
 from dataset.formats.parquet import verify_manifest
 from dataset.formats.parquet_files import ParquetSourceError, check_layout, split_of
-from dataset.sources.interface import MODULES, RawData, defaults_for, source_class, source_for, source_of
+from dataset.sources.interface import (
+    RawData,
+    best_config_data,
+    check_data,
+    defaults_for,
+    keep_checks,
+    known_before_work,
+    source_class,
+    source_for,
+    source_of,
+    watched,
+)
+from dataset.sources.writer import convert
 from pipeline_config import DownloadConfig, ParquetConfig, PipelineConfig
+from pipeline_config.sources import SOURCES
 from storage_io import StorageLayout, atomic_write_bytes, read_json
 from tests.support.images import CLASSES, SIZE
 from tests.support.parquet_hf import png, shapes, write_hf_dataset, write_table
@@ -71,13 +84,14 @@ def test_a_hub_dataset_is_checked_listed_fingerprinted_and_converted(tmp_path):
     root = write_hf_dataset(tmp_path / "hf-shapes", {"train": 10, "test": 4})
     storage = str(tmp_path / "storage")
     source = source_for(config(root))
-    layout = source.check(None, storage)
-    assert layout.classes == list(CLASSES)  # the ClassLabel's names, from the schema's Hugging Face metadata
+    checked = source.check(None, storage)
+    assert checked.classes == list(CLASSES)  # the ClassLabel's names, from the schema's Hugging Face metadata
+    layout = check_layout(str(root))
     assert len(layout.rows["train"]) == 30 and len(layout.rows["test"]) == 12 and not layout.has_val
-    assert source.data_for_trial(layout, None, storage) == ((3, SIZE, SIZE), 3)
-    assert source.data_to_come(16, storage) == ((3, 16, 16), list(CLASSES))
+    assert checked.for_trial() == ((3, SIZE, SIZE), 3)
+    assert source.check(16, storage, decode=False) == ((3, 16, 16), list(CLASSES))
     assert not (tmp_path / "storage").exists()  # the check holds what it learned; nothing written before the run goes on
-    source.keep_checks(storage)
+    keep_checks(source.cfg, storage)
     assert list((tmp_path / "storage" / "listings").iterdir())  # the listing cache, on the storage root
 
     raw = source.fetch(StorageLayout.create(storage, "r"), LOG)
@@ -90,7 +104,7 @@ def test_a_hub_dataset_is_checked_listed_fingerprinted_and_converted(tmp_path):
     assert fingerprint != again.fingerprint(raw.model_copy(update={"options": {**raw.options, "label_column": "y"}}), ParquetConfig(), None)
 
     final = tmp_path / "storage" / "datasets" / f"hf-shapes-{fingerprint}"
-    dataset = again.convert(raw, ParquetConfig(), str(final), fingerprint, LOG, None, 50_000_000, storage)
+    dataset = convert(again, raw, ParquetConfig(), str(final), fingerprint, LOG, None, 50_000_000, storage)
     assert dataset.source == "parquet" and dataset.image_shape == (3, SIZE, SIZE) and dataset.classes == list(CLASSES)
     assert dataset.rows == {"train": 27, "val": 3, "test": 12}  # one of each class's ten held out for validation
     assert verify_manifest(str(final), fingerprint) is not None
@@ -111,8 +125,8 @@ def test_split_folders_a_validation_split_string_labels_and_plain_binary(tmp_pat
     root = write_hf_dataset(tmp_path / "folders", {"train": 4, "validation": 2, "test": 2}, layout="folders")
     layout = check_layout(str(root))
     assert layout.has_val and len(layout.rows["val"]) == 6 and layout.files == ["default/train/0000.parquet", "default/validation/0000.parquet", "default/test/0000.parquet"]
-    dataset = source_of(source_for(config(root)).fetch(None, LOG)).convert(
-        source_for(config(root)).fetch(None, LOG), ParquetConfig(), str(tmp_path / "out"), "f", LOG, None, None, None)
+    raw = source_for(config(root)).fetch(None, LOG)
+    dataset = convert(source_of(raw), raw, ParquetConfig(), str(tmp_path / "out"), "f", LOG, None, None, None)
     assert dataset.rows == {"train": 12, "val": 6, "test": 6}
 
     encoded, labels = shapes(3, seed=0)
@@ -130,23 +144,24 @@ def test_a_sixteen_bit_grayscale_image_is_scaled_to_eight_bits(tmp_path):
     write_table(tmp_path / "deep" / "train.parquet", deep, [0, 1, 0, 1], names=["a", "b"])
     write_table(tmp_path / "deep" / "test.parquet", deep[:2], [0, 1], names=["a", "b"])
     source = source_for(config(tmp_path / "deep"))
-    assert source.data_for_trial(source.check(None, None), None, None) == ((1, 8, 8), 2)
+    assert source.check(None, None).for_trial() == ((1, 8, 8), 2)
     raw = source.fetch(None, LOG)
-    source_of(raw).convert(raw, ParquetConfig(), str(tmp_path / "out"), "d", LOG, None, None, None)
+    convert(source_of(raw), raw, ParquetConfig(), str(tmp_path / "out"), "d", LOG, None, None, None)
     test = pq.read_table(tmp_path / "out" / "test").sort_by("row_id")
     assert [np.frombuffer(v.as_py(), dtype=np.uint8)[0] for v in test.column("image")] == [255, 128]
 
 
 def test_each_source_has_its_module_defaults_and_cleanup_rule(tmp_path):
-    assert {name: source_class(name).kind for name in MODULES} == {
+    assert {name: source_class(name).kind for name in SOURCES} == {
         "auto": "idx", "official": "idx", "mirror": "idx", "sample": "idx", "folder": "folder", "parquet": "parquet"}
-    assert defaults_for("idx") == (False, "affine") and defaults_for("folder") == defaults_for("parquet") == (True, "shifts")
+    assert defaults_for("idx") == (False, "affine", "zeros") and defaults_for("folder") == defaults_for("parquet") == (True, "shifts", "border")
     idx = RawData(source="sample", url="file:///x/", directory=str(tmp_path / "raw" / "sample"), files={}, skipped=True)
     assert idx.deletable() == [str(tmp_path / "raw" / "sample")]
     assert RawData(source="folder", url="/x", directory="/x", files={}, skipped=False).deletable() == []
-    assert source_for(config(tmp_path / "hf", image_column="img")).best_config_data() == {
+    assert best_config_data(config(tmp_path / "hf", image_column="img")) == {
         "source": "parquet", "path": str(tmp_path / "hf"), "image_column": "img", "label_column": "label"}
-    assert source_for(DownloadConfig()).watched() is None and source_for(config(tmp_path)).watched() == str(tmp_path)
+    assert best_config_data(DownloadConfig()) is None
+    assert watched(DownloadConfig()) is None and watched(config(tmp_path)) == str(tmp_path)
 
 
 def test_the_config_names_the_field():
@@ -297,12 +312,12 @@ def test_an_s3_folder_is_listed_and_converted_and_its_images_checked_by_the_conv
     for path in local.rglob("*.parquet"):
         atomic_write_bytes(f"{s3_root}/hf/{path.relative_to(local).as_posix()}", path.read_bytes())
     remote = source_for(config(f"{s3_root}/hf"))
-    layout = remote.check(None, None)  # footers and labels read; images first by the conversion
-    assert layout.classes == list(CLASSES) and remote.data_for_trial(layout, None, None) is None
-    assert not remote.shape_known_before_work()
-    assert remote.data_to_come(None, None) == ((None, None, None), list(CLASSES))
+    checked = remote.check(None, None)  # footers and labels read; images first by the conversion
+    assert checked.classes == list(CLASSES) and checked.for_trial() is None
+    assert not known_before_work(remote.cfg)
+    assert remote.check(None, None, decode=False) == ((None, None, None), list(CLASSES))
     raw = remote.fetch(None, LOG)
-    dataset = source_of(raw).convert(raw, ParquetConfig(), str(tmp_path / "out"), "s", LOG, None, 50_000_000, None)
+    dataset = convert(source_of(raw), raw, ParquetConfig(), str(tmp_path / "out"), "s", LOG, None, 50_000_000, None)
     assert dataset.rows == {"train": 6, "val": 3, "test": 3} and dataset.image_shape == (3, SIZE, SIZE)
     with pytest.raises(ParquetSourceError, match=f"download.path {s3_root}/absent: no such folder"):
         source_for(config(f"{s3_root}/absent")).check(None, None)
@@ -310,9 +325,9 @@ def test_an_s3_folder_is_listed_and_converted_and_its_images_checked_by_the_conv
 
 def test_the_check_before_work_is_the_sources_for_the_cli_and_the_flow(tmp_path):
     root = good(tmp_path)
-    layout = folder.check_source(config(root), None, None)  # the name runner.harness calls, for any source
-    assert layout.classes == list(CLASSES)
-    assert folder.check_source(DownloadConfig(source="sample")) is None
+    checked = check_data(config(root), None, None)  # what runner.harness and runner.pipeline_run call, for any source
+    assert checked.classes == list(CLASSES) and checked.for_trial() == ((3, SIZE, SIZE), 3)
+    assert check_data(DownloadConfig(source="sample")).for_trial() == ((1, 28, 28), 10)  # MNIST's, from the format
 
 
 # --------------------------------------------------------------------------- end to end

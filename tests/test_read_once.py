@@ -9,16 +9,19 @@ for 40, class b's listed under class a, and 82 Parquet files for 2.
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
 from dataset.formats import folder, watching
 from dataset.formats.parquet_files import check_layout, listing_notes
-from dataset.sources.interface import RawData, source_for
+from dataset.sources.interface import source_for
 from pipeline_config import DownloadConfig
 from storage_io import atomic_write_bytes, list_files, list_tree
 from tests.support.images import write_image_folder
 from tests.support.parquet_hf import write_hf_dataset
+
+LOG = logging.getLogger(__name__)
 
 PER_CLASS = {"train": 20, "test": 2}
 
@@ -72,8 +75,7 @@ def test_a_link_out_of_the_folder_is_followed_once_and_named_in_the_conversion_l
     note = layout.skipped_note()
     assert f"1 link(s) out of {root} followed: train/a/more -> {extra.resolve()}" in note
     assert f"train/a/more-again (a link to {extra.resolve()}, a folder listed already)" in note
-    raw = RawData(source="folder", url=str(root), directory=str(root), files={}, skipped=False)
-    assert source_for(DownloadConfig(source="folder", path=str(root))).conversion_notes(raw) == [note]
+    assert source_for(DownloadConfig(source="folder", path=str(root))).fetch(None, LOG).notes == [note]  # said by the conversion
 
 
 def test_a_parquet_folder_with_a_link_loop_lists_each_file_once_and_names_the_links(tmp_path):
@@ -91,8 +93,7 @@ def test_a_parquet_folder_with_a_link_loop_lists_each_file_once_and_names_the_li
         f"1 link(s) out of {root} followed: extra -> {(outside / 'data').resolve()}",
         f"1 link(s) in {root} not followed: data/loop (a link to {root.resolve()}, a folder that holds it: a loop)",
     ]
-    raw = RawData(source="parquet", url=str(root), directory=str(root), files={}, skipped=False)
-    assert source_for(DownloadConfig(source="parquet", path=str(root))).conversion_notes(raw) == listing_notes(str(root))
+    assert source_for(DownloadConfig(source="parquet", path=str(root))).fetch(None, LOG).notes == listing_notes(str(root))
 
 
 def test_a_missing_folder_or_a_file_lists_nothing_and_a_dangling_link_is_left_out(tmp_path):

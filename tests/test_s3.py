@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from dataset.formats.parquet import ParquetDataset
-from dataset.sources.interface import RawData
+from dataset.sources.interface import RawData, check_data
 from pipeline_config import CleanupConfig, DownloadConfig, ParquetConfig
 from pipeline_config.settings import parse_cli
 from storage_io import (
@@ -346,10 +346,12 @@ def test_an_image_folder_in_a_bucket_is_checked_read_and_converted_by_ray_data(t
         client.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(local).as_posix()}")
 
     cfg = DownloadConfig(source="folder", path=images)
-    checked = folder.check_source(cfg)
-    assert checked.classes == list(CLASSES) and len(checked.files["train"]) == 18 and len(checked.files["test"]) == 6
+    checked = check_data(cfg)
+    assert checked.classes == list(CLASSES) and checked.shape == (None, None, None)  # images read by the conversion only
+    listed = folder.check_folder(images)
+    assert len(listed.files["train"]) == 18 and len(listed.files["test"]) == 6
     with pytest.raises(folder.FolderError, match=f"download.path {s3_root}/elsewhere: no such folder"):
-        folder.check_source(DownloadConfig(source="folder", path=f"{s3_root}/elsewhere"))
+        check_data(DownloadConfig(source="folder", path=f"{s3_root}/elsewhere"))
 
     layout = StorageLayout.create(str(tmp_path / "storage"), "r")
     raw = download.fn(cfg, layout)

@@ -247,14 +247,16 @@ def test_what_the_checks_learned_is_written_once_the_run_goes_on(tmp_path):
     import json
 
     from dataset.formats import folder, folder_scan, listing
+    from dataset.sources.interface import check_data, keep_checks
     from pipeline_config import DownloadConfig
 
     data, storage = tiny_folder(tmp_path / "tiny", 8), tmp_path / "storage"
     cfg = DownloadConfig(source="folder", path=str(data))
-    layout = folder.check_source(cfg, None, str(storage))
+    check_data(cfg, None, str(storage))
+    layout = folder.check_folder(str(data))
     assert not storage.exists()
     assert folder_scan.image_shape(layout, None, str(storage)) == (1, 8, 8)  # from what is held: no file opened
-    folder.keep_checks(cfg, str(storage))
+    keep_checks(cfg, str(storage))
     entries = json.loads(Path(listing.cache_path(str(storage), str(data))).read_text())["files"]
     assert sorted(entries) == sorted(folder.image_paths(layout)) and all(entry[3] is not None for entry in entries.values())
 

@@ -3,7 +3,7 @@
     python -m benchmarks.data.listing --images 10000
 
 Writes ``--images`` RGB 64x64 PNGs (10 classes, 80% train/ and 20% test/) in a temporary folder
-under /tmp, then times what a run does before its stages, `dataset.formats.folder.check_source` (every
+under /tmp, then times what a run does before its stages, `dataset.sources.interface.check_data` (every
 image decoded in full) and the download stage's `tasks.download.list_folder` (every image hashed):
 without a cache, with a cold one (the first run with a storage root, which writes it) and with a
 warm one on the unchanged folder. Each the median of ``--repeat`` runs; the folder is removed after.
@@ -41,25 +41,25 @@ def write_folder(root: Path, count: int, seed: int = 0) -> Path:
 
 
 def time_both(cfg, storage_root: str | None) -> tuple[float, float]:
-    """Seconds of check_source and of list_folder, with the listing cache on ``storage_root`` (None: none)."""
-    from dataset.formats import folder
+    """Seconds of check_data and of list_folder, with the listing cache on ``storage_root`` (None: none)."""
+    from dataset.sources.interface import check_data
     from storage_io import StorageLayout
     from tasks.download import list_folder
 
     started = time.perf_counter()
-    folder.check_source(cfg, None, storage_root)
+    check_data(cfg, None, storage_root)
     checked = time.perf_counter()
     list_folder(cfg, logging.getLogger(__name__), StorageLayout.create(storage_root, "bench") if storage_root else None)
     return checked - started, time.perf_counter() - checked
 
 
 def median_of(repeat: int, cfg, storage_root: str | None) -> list[float]:
-    """The medians of ``repeat`` `time_both` runs: [check_source s, list_folder s]."""
+    """The medians of ``repeat`` `time_both` runs: [check_data s, list_folder s]."""
     return [statistics.median(times) for times in zip(*(time_both(cfg, storage_root) for _ in range(repeat)))]
 
 
 def measure(images: int, repeat: int) -> tuple[list[tuple[str, float, float]], int]:
-    """(case, check_source s, list_folder s) rows for a fresh folder of ``images`` images, and the cache's bytes."""
+    """(case, check_data s, list_folder s) rows for a fresh folder of ``images`` images, and the cache's bytes."""
     from pipeline_config import DownloadConfig
 
     work = Path(tempfile.mkdtemp(prefix="listing-bench-", dir="/tmp"))
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--images must be at least 20 and --repeat at least 1")
     rows, cache_bytes = measure(args.images, args.repeat)
     print(f"{args.images} RGB {SIZE}x{SIZE} PNGs, {CLASSES} classes; {cpu_name()}; cache file {cache_bytes / 1e6:.2f} MB")
-    print(f"{'case':<26} {'check_source s':>15} {'list_folder s':>14} {'total s':>8}")
+    print(f"{'case':<26} {'check_data s':>15} {'list_folder s':>14} {'total s':>8}")
     for case, check_s, list_s in rows:
         print(f"{case:<26} {check_s:>15.2f} {list_s:>14.2f} {check_s + list_s:>8.2f}")
     return 0

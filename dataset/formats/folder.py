@@ -30,7 +30,6 @@ and the conversion's terminal line names it (`FolderLayout.links_out`: ``train/a
 
 The folder as a run's data source (its checks before any work, listing, fingerprint, conversion) is
 `dataset.sources.folder_source`; its conversion to Parquet, with Ray Data, `dataset.formats.folder_convert`.
-`check_source` and `keep_checks` here check any run's data (`dataset.sources.interface.source_for`).
 """
 
 from __future__ import annotations
@@ -42,7 +41,6 @@ from typing import NamedTuple
 import numpy as np
 
 from dataset.formats.listing import ListingCache
-from dataset.sources.interface import source_for
 from storage_io import is_dir, is_remote, join, list_dirs, list_tree, sha256_file
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg")
@@ -228,21 +226,6 @@ def check_folder(path: str, field: str = "download.path") -> FolderLayout:
     layout = FolderLayout(path=path, classes=classes, files=files, skipped=tuple(skipped), links_out=tuple(links_out))
     _check_learnable(layout, field)
     return layout
-
-
-def check_source(cfg, image_size: int | None = None, storage_root: str | None = None):
-    """Before any work: the checks of the run's data source (`dataset.sources.interface.Source.check`): for
-    ``download.source=folder``, the `FolderLayout` of ``download.path`` (`dataset.sources.folder_source`); None for MNIST.
-
-    Kept here, under its old name, for the callers that check any run's data before its work (the CLI and
-    `runner.pipeline_run.PipelineRun`)."""
-    return source_for(cfg).check(image_size, storage_root)
-
-
-def keep_checks(cfg, storage_root: str | None) -> None:
-    """Once the run is past every check before its work: write what `check_source` learned (a listing cache)
-    to ``storage_root`` (`dataset.sources.interface.Source.keep_checks`); nothing for MNIST's IDX sources."""
-    source_for(cfg).keep_checks(storage_root)
 
 
 def image_paths(layout: FolderLayout) -> list[str]:

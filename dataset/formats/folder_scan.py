@@ -11,7 +11,7 @@ from storage_io import filesystem, is_remote, join, read_bytes
 def image_shape(
     layout: FolderLayout, image_size: int | None, storage_root: str | None, max_pixels: int | None = None,
 ) -> tuple[int, int, int]:
-    """`scan_images` through the listing cache on ``storage_root``: the headers `check_source` recorded are
+    """`scan_images` through the listing cache on ``storage_root``: the headers `dataset.sources.interface.check_data` recorded are
     not read again while their files are unchanged (None: every header read). The cache is only read here:
     a check that refuses the run before any work writes nothing on the storage root."""
     return scan_images(layout, image_size, max_pixels, cache=listing_cache(layout, storage_root) if storage_root else None)

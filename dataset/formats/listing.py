@@ -21,7 +21,7 @@ reuses the old sha256 and the old check. Touch the file, or delete the cache fil
 again. A damaged or foreign cache file is ignored (treated as empty), never an error; one that
 cannot be read or written only costs the work it would have saved.
 
-The checks before a run (`dataset.formats.folder.check_source`) do not write the file: what they learn is
+The checks before a run (`dataset.sources.interface.check_data`) do not write the file: what they learn is
 held in this process (`ListingCache.hold`) and written once the run is past every check
 (`save_held`, or the download stage's `ListingCache.save` in this process), so a run refused before
 any work (exit 2) leaves the storage root as it was. Every `ListingCache` of that folder on that root

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
@@ -95,7 +94,7 @@ class ParquetDataset(BaseModel):
     skipped: bool = False
     image_shape: tuple[int, int, int] = IMAGE_SHAPE  # (channels, height, width): what the model is built for
     classes: list[str] = list(MNIST_CLASSES)  # label i is classes[i]
-    source: Literal["idx", "folder", "parquet"] = "idx"  # what it was converted from: picks the defaults of transform.augment and mean/std (`dataset.sources.interface.defaults_for`)
+    source: str = "idx"  # the kind of source it was converted from (`dataset.sources.interface.Source.kind`): picks the defaults of transform.augment and mean/std (`dataset.sources.interface.defaults_for`)
     # What the conversion's terminal line says besides the counts: a stored dataset that failed its
     # check and was rebuilt (naming the file), files of an image folder that were passed over.
     notes: list[str] = []

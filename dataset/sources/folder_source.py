@@ -8,14 +8,13 @@ never copied, changed or deleted (cleanup deletes nothing of it), and the watche
 from __future__ import annotations
 
 from dataset.formats import folder, folder_scan
-from dataset.formats.folder import FolderError, FolderLayout
+from dataset.formats.folder import FolderError
 from dataset.formats.folder_convert import convert_folder
-from dataset.formats.listing import save_held
-from dataset.formats.parquet import FORMAT_VERSION, ParquetDataset, build_manifest
-from dataset.sources.interface import Defaults, RawData, Source, check_reachable
+from dataset.formats.parquet import FORMAT_VERSION
+from dataset.sources.interface import DataToCome, Defaults, RawData, Source, Written, check_reachable
 from dataset.tensors.memory import release_memory
 from pipeline_config import ParquetConfig
-from storage_io import MANIFEST, StorageLayout, atomic_write_json, building, is_remote, publish_dir, sha256_json
+from storage_io import StorageLayout, is_remote, sha256_json
 
 # How an image folder's pixels are decoded (`dataset.formats.images`), part of its datasets' fingerprint:
 # 2 since 16-bit grayscale is scaled to 8 bits (before, it was clipped at 255), so a dataset
@@ -34,51 +33,32 @@ class FolderSource(Source):
     title = "Image folder"
     defaults = Defaults(measure_stats=True, augment="shifts")
 
-    def check(self, image_size: int | None, storage_root: str | None) -> FolderLayout:
-        """The layout of ``download.path``; FolderError naming the path: an ``s3://`` folder whose endpoint or
-        bucket does not answer (the storage root's check, `StorageLayout.check_reachable`), a bad layout
-        (`dataset.formats.folder.check_folder`), and for a local folder every image decoded in full (`scan_images`): a
-        file that is not a readable image or stops short, one of more than ``download.max_image_pixels``
-        pixels, sizes that differ without ``transform.image_size``. An ``s3://`` folder's images are opened
-        by the conversion stage only: reading every image over the network before any work is too much to
-        spend. ``storage_root``: where the listing cache lives; an image it says decoded in full at this limit
-        or a stricter one, and unchanged since (size, mtime), has its header read only. What the check learns
-        is held in this process, not written (`keep_checks` writes it once the run is past every check)."""
+    def check(self, image_size: int | None, storage_root: str | None, decode: bool = True) -> DataToCome:
+        """The layout of ``download.path`` and its images' shape; FolderError naming the path: an ``s3://`` folder whose
+        endpoint or bucket does not answer (the storage root's check, `StorageLayout.check_reachable`), a bad layout
+        (`dataset.formats.folder.check_folder`), and for a local folder a file that is not a readable image (with
+        ``decode``, every image decoded in full: one that stops short too), one of more than
+        ``download.max_image_pixels`` pixels, sizes that differ without ``transform.image_size``. An ``s3://``
+        folder's images are opened by the conversion stage only: reading every image over the network before any
+        work is too much to spend, so its channels are not known yet. ``storage_root``: where the listing cache lives;
+        an image it says decoded in full at this limit or a stricter one, and unchanged since (size, mtime), has its
+        header read only. What a decoding check learns is held in this process, not written (`keep_checks` writes it
+        once the run is past every check)."""
         cfg = self.cfg
-        remote = is_remote(cfg.path)
         check_reachable(cfg.path, "download.path", FolderError)
         try:
             layout = folder.check_folder(cfg.path)
         except OSError as exc:  # the listing failed half-way (network, permissions)
             raise FolderError(f"download.path {cfg.path}: cannot list it ({type(exc).__name__}: {exc})") from None
-        if not remote:
-            cache = folder.listing_cache(layout, storage_root)
-            folder_scan.scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
-            cache.hold()  # written by `keep_checks` once the run is past every check: a refused run writes nothing
-            release_memory()  # what decoding every image took, handed back: the flow's process trains beside it
-        return layout
-
-    def keep_checks(self, storage_root: str | None) -> None:
-        """Write what `check` learned of the images (held in this process until now) to the listing cache on
-        ``storage_root``, so the next run's checks and the download stage's hashing reuse it."""
-        if storage_root and not is_remote(self.cfg.path):
-            save_held(storage_root, self.cfg.path)
-
-    def data_for_trial(self, checked: FolderLayout | None, image_size, storage_root):
-        """A local folder's shape from its images' headers (the listing cache `check` filled); an ``s3://``
-        folder's: None (its images are read by the conversion only)."""
-        if checked is None or is_remote(checked.path):
-            return None
-        return folder_scan.image_shape(checked, image_size, storage_root), len(checked.classes)
-
-    def data_to_come(self, image_size, storage_root):
-        layout = folder.check_folder(self.cfg.path)  # FolderError naming the path
-        if is_remote(layout.path):
-            return (None, image_size, image_size), layout.classes
-        return folder_scan.image_shape(layout, image_size, storage_root), layout.classes
-
-    def best_config_data(self) -> dict:
-        return {"source": "folder", "path": self.cfg.path}
+        if is_remote(cfg.path):
+            return DataToCome((None, image_size, image_size), layout.classes)
+        if not decode:
+            return DataToCome(folder_scan.image_shape(layout, image_size, storage_root), layout.classes)
+        cache = folder.listing_cache(layout, storage_root)
+        shape = folder_scan.scan_images(layout, image_size, cfg.max_image_pixels, decode=True, cache=cache)
+        cache.hold()  # written by `keep_checks` once the run is past every check: a refused run writes nothing
+        release_memory()  # what decoding every image took, handed back: the flow's process trains beside it
+        return DataToCome(shape, layout.classes)
 
     def fetch(self, layout: StorageLayout | None, log) -> RawData:
         """Check the layout and record every image's sha256 (the dataset's fingerprint changes when the data
@@ -94,40 +74,24 @@ class FolderSource(Source):
         cache.save()
         counts = {split: len(rows) for split, rows in found.files.items()}
         log.info("Image folder %s: %d classes (%s), images %s", cfg.path, len(found.classes), ", ".join(found.classes), counts)
-        return RawData(source="folder", url=cfg.path, directory=cfg.path, files=files, skipped=False)
+        notes = [found.skipped_note()] if found.skipped_note() else []  # the files the listing passed over
+        return RawData(source="folder", url=cfg.path, directory=cfg.path, files=files, skipped=False, notes=notes)
 
     def fingerprint(self, raw: RawData, cfg: ParquetConfig, image_size: int | None) -> str:
         key = {"v": FORMAT_VERSION, "source": "folder", "inputs": raw.files, "cfg": cfg.model_dump(), "image_size": image_size,
                "decode": FOLDER_DECODE, "order": FOLDER_ORDER}
         return sha256_json(key)[:16]
 
-    def _layout(self, raw: RawData) -> FolderLayout:
-        """The folder's layout, listed once per stage."""
-        if getattr(self, "_found", None) is None:
-            self._found = folder.check_folder(raw.directory)
-        return self._found
-
-    def conversion_notes(self, raw: RawData) -> list[str]:
-        """The files the listing passed over (``2 hidden entries skipped``, other files named)."""
-        note = self._layout(raw).skipped_note()
-        return [note] if note else []
-
-    def convert(self, raw, cfg, final, fingerprint, logger, image_size, max_pixels, storage_root) -> ParquetDataset:
-        """The images read with Ray Data into a staging folder, published whole with its manifest last."""
-        found = self._layout(raw)
+    def write(self, raw, cfg, staging, image_size, max_pixels, storage_root) -> Written:
+        """The images read with Ray Data (`dataset.formats.folder_convert`), as the download stage listed them."""
+        found = folder.check_folder(raw.directory)
         listed = {rel for rows in found.files.values() for rel, _ in rows}
         if listed != set(raw.files):  # the folder changed between the download stage and now
             raise FolderError(f"{raw.directory}: its images changed since the download stage listed them; run again")
-        with building(final) as staging:
-            rows, shape = convert_folder(found, staging, cfg, image_size, max_pixels=max_pixels, storage_root=storage_root)
-            manifest = build_manifest(staging, fingerprint, raw.files, rows, shape, found.classes)
-            atomic_write_json(staging / MANIFEST, manifest)
-            publish_dir(staging, final)
+        rows, shape = convert_folder(found, staging, cfg, image_size, max_pixels=max_pixels, storage_root=storage_root)
         split = "its val/ folder" if found.has_val else f"a stratified split of train/ (parquet.split_seed={cfg.split_seed})"
-        logger.info("Wrote Parquet dataset %s from %s: %s, %dx%dx%d images, %d classes; validation from %s",
-                    final, raw.directory, rows, shape[1], shape[2], shape[0], len(found.classes), split)
-        return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows, image_shape=shape, classes=found.classes,
-                              source=self.kind)
+        detail = f", {shape[1]}x{shape[2]}x{shape[0]} images, {len(found.classes)} classes; validation from {split}"
+        return Written(rows, shape, found.classes, detail)
 
 
 SOURCE = FolderSource

@@ -10,23 +10,14 @@ of the user's to watch.
 from __future__ import annotations
 
 from dataset.formats.idx import IMAGE_SHAPE
-from dataset.formats.parquet import FORMAT_VERSION, MNIST_CLASSES, ParquetDataset, build_manifest, convert
+from dataset.formats.parquet import FORMAT_VERSION, MNIST_CLASSES, convert
 from dataset.sources import mnist_files
 from dataset.sources.fetch import sync_files
-from dataset.sources.interface import Defaults, RawData, Source
+from dataset.sources.interface import DataToCome, Defaults, RawData, Source, Written
 from dataset.sources.mnist_files import resolve_source, source_key
 from dataset.sources.raw_on_storage import verified_on_storage
-from pipeline_config import DownloadConfig, ParquetConfig
-from storage_io import (
-    MANIFEST,
-    StorageLayout,
-    atomic_write_json,
-    building,
-    local_copy,
-    publish_dir,
-    sha256_json,
-    storage_writes,
-)
+from pipeline_config import ParquetConfig
+from storage_io import StorageLayout, local_copy, sha256_json, storage_writes
 
 # Settings only an image folder's conversion reads: left out of an IDX dataset's fingerprint, so
 # MNIST's datasets keep the fingerprint (and folder) they had before these settings existed.
@@ -38,20 +29,13 @@ class IdxSource(Source):
     predict_input = "<folder of IDX or Parquet digits>"
 
     kind = "idx"
-    defaults = Defaults(measure_stats=False, augment="affine")  # the seeds' 0.5 / 0.5; shift, rotation and zoom
+    defaults = Defaults(measure_stats=False, augment="affine", fill="zeros")  # the seeds' 0.5 / 0.5; shift, rotation, zoom; black edges
     resizable = False
     user_data = False
 
-    @classmethod
-    def from_raw(cls, raw: RawData) -> IdxSource:
-        """The conversion and cleanup read only ``raw`` itself: the ``download`` section's defaults stand for it."""
-        return cls(DownloadConfig())
-
-    def data_for_trial(self, checked, image_size, storage_root):
-        return IMAGE_SHAPE, len(MNIST_CLASSES)
-
-    def data_to_come(self, image_size, storage_root):
-        return IMAGE_SHAPE, list(MNIST_CLASSES)
+    def check(self, image_size, storage_root, decode=True) -> DataToCome:
+        """The format's: 1x28x28 digits 0-9 (the files themselves are verified by the download stage)."""
+        return DataToCome(IMAGE_SHAPE, list(MNIST_CLASSES))
 
     def fetch(self, layout: StorageLayout | None, log) -> RawData:
         """Fetch and verify the four files (official, mirror or bundled sample) into ``<root>/raw/<source>/``;
@@ -82,14 +66,10 @@ class IdxSource(Source):
     def fingerprint(self, raw: RawData, cfg: ParquetConfig, image_size: int | None) -> str:
         return sha256_json({"v": FORMAT_VERSION, "inputs": raw.files, "cfg": cfg.model_dump(exclude=FOLDER_ONLY)})[:16]
 
-    def convert(self, raw, cfg, final, fingerprint, logger, image_size, max_pixels, storage_root) -> ParquetDataset:
-        """The IDX files (copied from an S3 root first) converted in a local staging folder, published whole."""
-        with building(final) as staging, local_copy(raw.directory) as raw_dir:
-            rows = convert(raw_dir, staging, cfg)
-            atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows))
-            publish_dir(staging, final)
-        logger.info("Wrote Parquet dataset %s: %s", final, rows)
-        return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows, source=self.kind)
+    def write(self, raw, cfg, staging, image_size, max_pixels, storage_root) -> Written:
+        """The IDX files (copied from an S3 root first) converted by `dataset.formats.parquet.convert`."""
+        with local_copy(raw.directory) as raw_dir:
+            return Written(convert(raw_dir, staging, cfg))
 
 
 SOURCE = IdxSource

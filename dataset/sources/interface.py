@@ -1,46 +1,37 @@
-"""Where a run's data comes from: the `Source` interface, and which module implements each ``download.source``.
+"""Where a run's data comes from: the `Source` protocol, and the functions every stage asks instead of a source's kind.
 
-A source is one module of `dataset.sources` with one `Source` subclass, named in `MODULES`:
+A source is one module with one `Source` subclass (``SOURCE``), registered by one line of
+`pipeline_config.sources.SOURCES` (docs/extending.md, "A source of your own"). It answers four questions:
 
-- ``auto``, ``official``, ``mirror``, ``sample``: MNIST's IDX files (`dataset.sources.idx_source`);
-- ``folder``: a labelled image folder, local or ``s3://`` (`dataset.sources.folder_source`);
-- ``parquet``: a folder of Parquet files with an image and a label column (`dataset.sources.parquet_source`).
+- `Source.check`: what the data is before any work: its images' shape and its classes, or a ValueError naming the
+  field or the file (the checks before any work, the model's trial, ``transform.image_size: auto``, the cluster check);
+- `Source.fetch`: the data listed, fetched when it is not the user's, and checksummed (the download stage's `RawData`);
+- `Source.fingerprint`: the key of a conversion, the data's checksums and every setting that changes the output;
+- `Source.write`: the data's train/val/test splits written in a staging folder (the conversion stage). Staging,
+  the manifest, publishing and the stage's line are `dataset.sources.writer`'s, the same for every source.
 
-Every stage asks the source, never which source a run has: before any work, the images' shape and the
-classes (`Source.check`, `Source.data_to_come`); in the download stage, the data listed and
-fingerprinted (`Source.fetch`, its listing cache included); in the conversion, the dataset's fingerprint
-and the Parquet dataset itself (`Source.fingerprint`, `Source.convert`); in cleanup, what may be deleted
-(`Source.deletable`: never a user's data); in the watcher, what is watched (`Source.watched`); in the
-transform, the normalization and augmentation defaults (`Source.defaults`, by the dataset's ``source``).
-
-A source's module is imported when a run first asks for it (`source_for`), by its name in `MODULES`:
-adding a source is one module and one line here (docs/extending.md).
+What is not a question is a class attribute: whether the data is the user's (never copied, changed or deleted,
+and watched for new data), whether its images may be resized, its transform defaults, the ``download`` fields
+later stages read. The functions below turn those into what cleanup may delete (`RawData.deletable`), what a
+watcher watches (`watched`), what a search's best config names (`best_config_data`) and the listing cache the
+checks held (`keep_checks`). A source's module is imported when a run first asks for it (`source_for`).
 """
 
 from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, NamedTuple
+from typing import TYPE_CHECKING, ClassVar, Literal, NamedTuple
 
 import pydantic
 
+from dataset.formats.listing import save_held
 from pipeline_config import DownloadConfig
+from pipeline_config.sources import SOURCES
 from storage_io import StorageLayout, is_remote
 
 if TYPE_CHECKING:  # annotations only
-    from dataset.formats.parquet import ParquetDataset
     from pipeline_config import ParquetConfig
-
-# download.source -> the module whose ``SOURCE`` class reads it.
-MODULES = {
-    "auto": "dataset.sources.idx_source",
-    "official": "dataset.sources.idx_source",
-    "mirror": "dataset.sources.idx_source",
-    "sample": "dataset.sources.idx_source",
-    "folder": "dataset.sources.folder_source",
-    "parquet": "dataset.sources.parquet_source",
-}
 
 
 class Defaults(NamedTuple):
@@ -48,9 +39,41 @@ class Defaults(NamedTuple):
 
     measure_stats: bool  # True: the training split's own per-channel mean and std; False: 0.5 / 0.5
     augment: str  # the choice ``auto`` stands for (`dataset.tensors.augment.CHOICES`)
+    fill: str = "border"  # what an augmentation shows where it uncovers the border: "border" (its edge pixels), "zeros"
 
 
-SourceName = Literal["official", "mirror", "sample", "folder", "parquet"]
+# What a download stage's data is called: a source's name, ``auto`` made concrete (`pipeline_config.sources.SOURCES`).
+SourceName = Literal[tuple(name for name in SOURCES if name != "auto")]  # type: ignore[valid-type]
+
+
+class DataToCome(NamedTuple):
+    """What a source's `Source.check` found before any work: the images' (channels, height, width) as the run
+    converts them (None where not known before the conversion: an ``s3://`` folder's) and the class names."""
+
+    shape: tuple[int | None, int | None, int | None]
+    classes: list[str]
+
+    @property
+    def known(self) -> bool:
+        """Whether the whole shape is known before any work (the model is then tried on it before the run starts)."""
+        return all(side is not None for side in self.shape)
+
+    def for_trial(self, image_size: int | None = None) -> tuple[tuple[int, int, int], int] | None:
+        """((channels, height, width), number of classes) for the model's trial, when the shape is known; ``image_size``:
+        the square size the images are resized to (None: as checked)."""
+        if not self.known:
+            return None
+        channels, height, width = (int(side) for side in self.shape)
+        return ((channels, image_size, image_size) if image_size else (channels, height, width)), len(self.classes)
+
+
+class Written(NamedTuple):
+    """What `Source.write` wrote in the staging folder, for its manifest and the stage's line."""
+
+    rows: dict[str, int]  # rows per split
+    shape: tuple[int, int, int] | None = None  # (channels, height, width); None: MNIST's, the manifest's default
+    classes: list[str] | None = None  # None: MNIST's digits
+    detail: str = ""  # what the stage's line adds after the rows (the image size, where validation came from)
 
 
 class RawData(pydantic.BaseModel):
@@ -63,27 +86,32 @@ class RawData(pydantic.BaseModel):
     skipped: bool = pydantic.Field(description="True when all four files were already present and verified (source=folder: never, every image is listed and hashed).")
     options: dict[str, str] = pydantic.Field(
         default={}, description="The download settings the conversion reads besides the path (source=parquet: image_column, label_column).")
+    notes: list[str] = pydantic.Field(
+        default=[], description="What the listing passed over (hidden entries, links), said by the conversion's line whether it converts or reuses.")
 
     def terminal_detail(self) -> str:
         """What the download stage's closing terminal line adds after its name and seconds."""
         return f": {self.source} data{' (verified on storage, reused)' if self.skipped else ''}"
 
     def deletable(self) -> list[str]:
-        """What cleanup's ``delete_raw`` may delete of this data (`dataset.sources.interface.Source.deletable`): the IDX
-        files' folder under the storage root; nothing of a user's folder, which is read where it is."""
-        return source_of(self).deletable(self)
+        """What cleanup's ``delete_raw`` may delete of this data: the IDX files' folder under the storage root; nothing
+        of a user's folder, which is read where it is (`Source.user_data`)."""
+        return [] if source_class(self.source).user_data else [self.directory]
 
 
 class Source:
-    """One kind of data a run trains on. Built from the run's ``download`` section (`source_for`), or from
-    the download stage's `RawData` in later stages (`source_of`), whose ``options`` carry what they need.
+    """One kind of data a run trains on, built from the run's ``download`` section (`source_for`), or from the
+    download stage's `RawData` in later stages (`source_of`), whose ``options`` stand for the section's fields.
 
     Class attributes:
         kind: what `dataset.formats.parquet.ParquetDataset.source` records (``idx``, ``folder``, ``parquet``):
             it picks the transform's defaults (`defaults_for`) in every later stage.
         defaults: the normalization and augmentation defaults of this kind of data.
         resizable: the images may be resized (``transform.image_size``); MNIST's IDX digits are not.
-        user_data: the data is the user's, read where it is: never copied, changed or deleted.
+        user_data: the data is the user's, read where it is (``download.path``): never copied, changed or deleted,
+            and the watcher watches it.
+        options: the ``download`` fields besides ``path`` that later stages read (`RawData.options`), and that a
+            search's best config names so the winner trains on the same data.
         title: what the data is called in the stages' log lines (``Image folder: 2 hidden entries skipped``).
         predict_input: what ``flows.predict --input`` takes for data like this, in the closing lines' hint.
     """
@@ -93,86 +121,46 @@ class Source:
     defaults: ClassVar[Defaults] = Defaults(measure_stats=True, augment="shifts")
     resizable: ClassVar[bool] = True
     user_data: ClassVar[bool] = True
+    options: ClassVar[tuple[str, ...]] = ()
     predict_input: ClassVar[str] = "<folder of images, IDX or Parquet files>"
 
     def __init__(self, cfg: DownloadConfig):
         self.cfg = cfg
 
-    @classmethod
-    def from_raw(cls, raw: RawData) -> Source:
-        """The source that listed ``raw``: its path and its options (`RawData.options`) as the ``download`` section."""
-        return cls(DownloadConfig(source=raw.source, path=raw.directory, **raw.options))
-
-    # Before any work.
-    def check(self, image_size: int | None, storage_root: str | None) -> Any:
-        """Refuse data that cannot be used (ValueError naming the field or the file), before any work; what the
-        check found (passed to `data_for_trial`), or None. What it learns is held in this process, not written."""
-        return None
-
-    def keep_checks(self, storage_root: str | None) -> None:
-        """Once the run is past every check: write what `check` learned (a listing cache) on ``storage_root``."""
-
-    def data_for_trial(self, checked: Any, image_size: int | None, storage_root: str | None) -> tuple[tuple[int, int, int], int] | None:
-        """((channels, height, width), number of classes) known before any work (None: known after the
-        conversion only); ``checked``: what `check` returned."""
+    def check(self, image_size: int | None, storage_root: str | None, decode: bool = True) -> DataToCome:
+        """Before any work: the data's shape (at ``image_size``, None: the images' own) and classes; a ValueError naming
+        the field or the file of data that cannot be used. ``decode``: every image read in full, as the checks before
+        any work do (else as much as the shape needs, from the listing cache on ``storage_root`` when it has them).
+        What the check learns of a user's files is held in this process (`keep_checks` writes it), never written here."""
         raise NotImplementedError
 
-    def shape_known_before_work(self) -> bool:
-        """Whether `data_for_trial` knows the shape before any work: not for an ``s3://`` folder, whose images
-        are first read by the conversion (the model is then tried on the converted dataset)."""
-        return not is_remote(self.cfg.path or "")
-
-    def data_to_come(self, image_size: int | None, storage_root: str | None) -> tuple[tuple[int | None, ...], list[str]]:
-        """((channels, height, width), classes) of the data the run will convert, read before any work; None
-        where not known yet (an ``s3://`` folder's channels). Checks as much as it reads (ValueError naming the path)."""
-        raise NotImplementedError
-
-    def watched(self) -> str | None:
-        """The path a watcher looks at for new data (`dataset.formats.watching`), or None: nothing to watch."""
-        return self.cfg.path if self.user_data else None
-
-    def best_config_data(self) -> dict | None:
-        """The ``download`` values a search's best config names, so the winner trains on the same data (None: the defaults')."""
-        return None
-
-    # The download stage.
     def fetch(self, layout: StorageLayout | None, log) -> RawData:
-        """List (and fetch, when the data is not the user's) and fingerprint the data: the stage's `RawData`."""
+        """The download stage: list (and fetch, when the data is not the user's) and checksum the data."""
         raise NotImplementedError
 
-    # The conversion stage (built with `source_of`, from the download stage's RawData).
     def fingerprint(self, raw: RawData, cfg: ParquetConfig, image_size: int | None) -> str:
         """Content key of a conversion: the data's checksums plus every setting that changes the output."""
         raise NotImplementedError
 
-    def conversion_notes(self, raw: RawData) -> list[str]:
-        """What the conversion's terminal line says about the data whether it is converted or reused (files passed over)."""
-        return []
-
-    def convert(
-        self, raw: RawData, cfg: ParquetConfig, final: str, fingerprint: str, logger, image_size: int | None,
-        max_pixels: int | None, storage_root: str | None,
-    ) -> ParquetDataset:
-        """Write the dataset (`dataset.formats.parquet`'s layout and manifest) into ``final``, published whole."""
+    def write(self, raw: RawData, cfg: ParquetConfig, staging: Path, image_size: int | None, max_pixels: int | None,
+              storage_root: str | None) -> Written:
+        """The conversion: every split of ``raw`` in `dataset.formats.parquet`'s layout under ``staging`` (a local folder
+        that `dataset.sources.writer.convert` publishes whole with its manifest). ``image_size``: the square size the
+        images are resized to (None: their own); ``max_pixels``: checked again as images are decoded (None: not again)."""
         raise NotImplementedError
-
-    # Cleanup.
-    def deletable(self, raw: RawData) -> list[str]:
-        """What cleanup's ``delete_raw`` may delete of this data: never the user's own."""
-        return [] if self.user_data else [raw.directory]
 
 
 def source_class(name: str) -> type[Source]:
     """The `Source` class of ``download.source`` (or a `RawData.source`) ``name``; ValueError naming it when unknown."""
-    module = MODULES.get(name)
-    if module is None:
-        raise ValueError(f"download.source {name!r}: not one of {', '.join(MODULES)}")
-    return importlib.import_module(module).SOURCE
+    entry = SOURCES.get(name)
+    if entry is None:
+        raise ValueError(f"download.source {name!r}: not one of {', '.join(SOURCES)}")
+    return importlib.import_module(entry.module).SOURCE
 
 
 def predict_input(name: str | None) -> str:
     """What ``flows.predict --input`` takes for data of the ``download.source`` ``name`` (any input when unknown)."""
-    return source_class(name).predict_input if name in MODULES else Source.predict_input
+    return source_class(name).predict_input if name in SOURCES else Source.predict_input
 
 
 def source_for(cfg: DownloadConfig) -> Source:
@@ -181,14 +169,48 @@ def source_for(cfg: DownloadConfig) -> Source:
 
 
 def source_of(raw: RawData) -> Source:
-    """The source of the download stage's ``raw``: its options (`RawData.options`) stand for the ``download`` section."""
-    return source_class(raw.source).from_raw(raw)
+    """The source of the download stage's ``raw``: its folder and options (`RawData.options`) stand for the
+    ``download`` section; a source that reads no ``download.path`` (MNIST's) reads only ``raw`` itself."""
+    cls = source_class(raw.source)
+    reads_path = SOURCES[raw.source].path is not None
+    return cls(DownloadConfig(source=raw.source, path=raw.directory, **raw.options) if reads_path else DownloadConfig())
+
+
+def check_data(cfg: DownloadConfig, image_size: int | None = None, storage_root: str | None = None) -> DataToCome:
+    """Before any work: the run's data checked in full (`Source.check` with every image decoded); what it found."""
+    return source_for(cfg).check(image_size, storage_root)
+
+
+def keep_checks(cfg: DownloadConfig, storage_root: str | None) -> None:
+    """Once the run is past every check before its work: write what `check_data` learned of a user's local files
+    (the listing cache it held, `dataset.formats.listing`) to ``storage_root``; nothing for other data."""
+    if storage_root and cfg.path and not is_remote(cfg.path):
+        save_held(storage_root, cfg.path)
+
+
+def known_before_work(cfg: DownloadConfig) -> bool:
+    """Whether the data's shape is known before any work: not for an ``s3://`` folder, whose images are first read by
+    the conversion (the model is then tried on the converted dataset)."""
+    return not is_remote(cfg.path or "")
+
+
+def watched(cfg: DownloadConfig) -> str | None:
+    """The path a watcher looks at for new data (`dataset.formats.watching`): the user's folder; None: nothing to watch."""
+    return cfg.path if source_class(cfg.source).user_data else None
+
+
+def best_config_data(cfg: DownloadConfig) -> dict | None:
+    """The ``download`` values a search's best config names, so the winner trains on the same data (None: the defaults')."""
+    cls = source_class(cfg.source)
+    if not cls.user_data:
+        return None
+    return {"source": cfg.source, "path": cfg.path, **{name: getattr(cfg, name) for name in cls.options}}
 
 
 def defaults_for(kind: str) -> Defaults:
     """The transform's defaults for a dataset converted from ``kind`` (`dataset.formats.parquet.ParquetDataset.source`)."""
-    for name in dict.fromkeys(MODULES.values()):
-        cls = importlib.import_module(name).SOURCE
+    for module in dict.fromkeys(entry.module for entry in SOURCES.values()):
+        cls = importlib.import_module(module).SOURCE
         if cls.kind == kind:
             return cls.defaults
     raise ValueError(f"a dataset converted from {kind!r}: no source of that kind")

@@ -24,22 +24,14 @@ import numpy as np
 
 from dataset.formats import images
 from dataset.formats.folder import stratified_split
-from dataset.formats.listing import ListingCache, save_held
-from dataset.formats.parquet import (
-    FORMAT_VERSION,
-    SPLITS,
-    ParquetDataset,
-    SplitWriter,
-    build_manifest,
-    schema_for,
-    to_table,
-)
+from dataset.formats.listing import ListingCache
+from dataset.formats.parquet import FORMAT_VERSION, SPLITS, SplitWriter, schema_for, to_table
 from dataset.formats.parquet_files import ParquetLayout, ParquetSourceError, check_layout, listing_notes, scan
 from dataset.formats.parquet_stream import PlannedImages
-from dataset.sources.interface import Defaults, RawData, Source, check_reachable
+from dataset.sources.interface import DataToCome, Defaults, RawData, Source, Written, check_reachable
 from dataset.tensors.memory import release_memory
 from pipeline_config import ParquetConfig
-from storage_io import MANIFEST, StorageLayout, atomic_write_json, building, is_remote, publish_dir, sha256_json
+from storage_io import StorageLayout, is_remote, sha256_json
 
 # How the images are decoded (`dataset.formats.images`, the image folder's decode 2: 16-bit scaled to 8 bits),
 # part of the datasets' fingerprint.
@@ -52,6 +44,7 @@ class ParquetSource(Source):
 
     kind = "parquet"
     title = "Parquet folder"
+    options = ("image_column", "label_column")
     defaults = Defaults(measure_stats=True, augment="shifts")
 
     def _check_layout(self) -> ParquetLayout:
@@ -65,35 +58,21 @@ class ParquetSource(Source):
     def _cache(self, layout: ParquetLayout, storage_root: str | None) -> ListingCache:
         return ListingCache(layout.path, layout.files, storage_root)
 
-    def check(self, image_size: int | None, storage_root: str | None) -> ParquetLayout:
-        """The layout (ParquetSourceError naming the field or the file, `check_layout`) and, for a local folder,
-        every image decoded in full (`scan`). What the check learns is held in this process, written by
+    def check(self, image_size: int | None, storage_root: str | None, decode: bool = True) -> DataToCome:
+        """The layout (ParquetSourceError naming the field or the file, `check_layout`) and, for a local folder, the
+        images' shape from every image's header (``decode``: every image decoded in full, `scan`); an ``s3://`` folder's
+        channels are known once converted. What a decoding check learns is held in this process, written by
         `keep_checks` once the run is past every check."""
         layout = self._check_layout()
-        if not is_remote(layout.path):
-            cache = self._cache(layout, storage_root)
-            scan(layout, image_size, self.cfg.max_image_pixels, decode=True, cache=cache)
-            cache.hold()
-            release_memory()  # what decoding every image took, handed back: the flow's process trains beside it
-        return layout
-
-    def keep_checks(self, storage_root: str | None) -> None:
-        if storage_root and not is_remote(self.cfg.path):
-            save_held(storage_root, self.cfg.path)
-
-    def data_for_trial(self, checked: ParquetLayout | None, image_size, storage_root):
-        if checked is None or is_remote(checked.path):
-            return None
-        return scan(checked, image_size, None, cache=self._cache(checked, storage_root)), len(checked.classes)
-
-    def data_to_come(self, image_size, storage_root):
-        layout = self._check_layout()
         if is_remote(layout.path):
-            return (None, image_size, image_size), layout.classes
-        return scan(layout, image_size, None, cache=self._cache(layout, storage_root)), layout.classes
-
-    def best_config_data(self) -> dict:
-        return {"source": "parquet", "path": self.cfg.path, "image_column": self.cfg.image_column, "label_column": self.cfg.label_column}
+            return DataToCome((None, image_size, image_size), layout.classes)
+        cache = self._cache(layout, storage_root)
+        if not decode:
+            return DataToCome(scan(layout, image_size, None, cache=cache), layout.classes)
+        shape = scan(layout, image_size, self.cfg.max_image_pixels, decode=True, cache=cache)
+        cache.hold()
+        release_memory()  # what decoding every image took, handed back: the flow's process trains beside it
+        return DataToCome(shape, layout.classes)
 
     def fetch(self, layout: StorageLayout | None, log) -> RawData:
         """The layout checked and every file's sha256 recorded (through the listing cache on ``layout``'s root)."""
@@ -105,33 +84,25 @@ class ParquetSource(Source):
         counts = {split: len(rows) for split, rows in found.rows.items() if rows}
         log.info("Parquet folder %s: %d files, %d classes (%s), rows %s", cfg.path, len(files), len(found.classes),
                  ", ".join(found.classes[:20]), counts)
-        options = {"image_column": cfg.image_column, "label_column": cfg.label_column}
-        return RawData(source="parquet", url=cfg.path, directory=cfg.path, files=files, skipped=False, options=options)
+        options = {name: getattr(cfg, name) for name in self.options}
+        notes = [] if is_remote(cfg.path) else listing_notes(cfg.path)  # links the listing followed out or passed over
+        return RawData(source="parquet", url=cfg.path, directory=cfg.path, files=files, skipped=False, options=options, notes=notes)
 
     def fingerprint(self, raw: RawData, cfg: ParquetConfig, image_size: int | None) -> str:
         key = {"v": FORMAT_VERSION, "source": "parquet", "inputs": raw.files, "options": raw.options, "cfg": cfg.model_dump(),
                "image_size": image_size, "decode": DECODE}
         return sha256_json(key)[:16]
 
-    def conversion_notes(self, raw: RawData) -> list[str]:
-        """The links of the folder the listing followed out of it or did not follow (`listing_notes`)."""
-        return [] if is_remote(raw.directory) else listing_notes(raw.directory)
-
-    def convert(self, raw, cfg, final, fingerprint, logger, image_size, max_pixels, storage_root) -> ParquetDataset:
-        """Every split decoded into a staging folder, published whole with its manifest last."""
+    def write(self, raw, cfg, staging, image_size, max_pixels, storage_root) -> Written:
+        """Every split decoded in bounded memory (`convert_layout`), as the download stage listed the files."""
         found = self._check_layout()
         if set(found.files) != set(raw.files):  # the folder changed between the download stage and now
             raise ParquetSourceError(f"{raw.directory}: its Parquet files changed since the download stage listed them; run again")
         shape = scan(found, image_size, max_pixels, cache=self._cache(found, storage_root))
-        with building(final) as staging:
-            rows = convert_layout(found, staging, cfg, shape, image_size is not None, max_pixels)
-            atomic_write_json(staging / MANIFEST, build_manifest(staging, fingerprint, raw.files, rows, shape, found.classes))
-            publish_dir(staging, final)
+        rows = convert_layout(found, staging, cfg, shape, image_size is not None, max_pixels)
         split = "its validation files" if found.has_val else f"a stratified split of train (parquet.split_seed={cfg.split_seed})"
-        logger.info("Wrote Parquet dataset %s from %s: %s, %dx%dx%d images, %d classes; validation from %s",
-                    final, raw.directory, rows, shape[1], shape[2], shape[0], len(found.classes), split)
-        return ParquetDataset(directory=final, fingerprint=fingerprint, rows=rows, image_shape=shape, classes=found.classes,
-                              source=self.kind)
+        detail = f", {shape[1]}x{shape[2]}x{shape[0]} images, {len(found.classes)} classes; validation from {split}"
+        return Written(rows, shape, found.classes, detail)
 
 
 def plan_rows(layout: ParquetLayout, cfg: ParquetConfig) -> dict[str, list[tuple[str, int, int, int]]]:

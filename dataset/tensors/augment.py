@@ -3,8 +3,8 @@
 Every choice is a batched ``affine_grid`` + ``grid_sample`` (and, for flips, a mirror), drawn per
 row from uniform numbers the caller passes (`dataset.tensors.batches.row_draws`: fixed by seed, epoch and
 row, so an epoch is the same wherever it is built). `resolve_augment` turns ``auto`` into the
-choice for the data: MNIST's IDX sources keep the shift, rotation and zoom the digits always had,
-with black edges; an image folder gets shifts, with the edge pixels repeated into the uncovered
+choice for the data, whose edge fill is the data's too (its source's `dataset.sources.interface.Defaults`): MNIST's
+IDX sources keep the shift, rotation and zoom the digits always had, with black edges; an image folder gets shifts, with the edge pixels repeated into the uncovered
 border (a picture's background is not black: black borders were a cue its test images never show,
 and cost the recipe benchmark's RGB shapes 40 points at 150 steps, docs/performance.md).
 
@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from dataset.sources.interface import defaults_for
+
 CHOICES = ("none", "shifts", "crops", "flips", "affine")
 
 
 def resolve_augment(choice: str, source: str) -> str:
-    """``transform.augment`` for data from ``source`` (``idx`` or ``folder``): ``auto`` made concrete."""
-    if choice != "auto":
-        return choice
-    return "affine" if source == "idx" else "shifts"
+    """``transform.augment`` for data from a source of kind ``source`` (``idx``, ``folder``, ...): ``auto`` made concrete."""
+    return defaults_for(source).augment if choice == "auto" else choice
 
 
 def augmentation(cfg, source: str = "idx") -> dict | None:
@@ -44,7 +44,7 @@ def augmentation(cfg, source: str = "idx") -> dict | None:
     }[choice]
     if not any(params.values()):
         return None
-    return params | {"fill": "zeros" if source == "idx" else "border"}
+    return params | {"fill": defaults_for(source).fill}
 
 
 def augment(

@@ -11,9 +11,7 @@ the model's size); what reads or checks the data asks here for the size it means
 
 from __future__ import annotations
 
-from typing import Any
-
-from dataset.sources.interface import Source, source_for
+from dataset.sources.interface import DataToCome, Source, source_for
 from pipeline_config import PipelineConfig, TransformConfig
 from pipeline_config.data import auto_image_size
 
@@ -23,24 +21,21 @@ def checked_size(transform: TransformConfig) -> int | None:
     return None if transform.image_size == "auto" else transform.image_size
 
 
-def own_size(source: Source, storage_root: str | None, checked: Any = None) -> tuple[int, int] | None:
+def own_size(source: Source, storage_root: str | None, checked: DataToCome | None = None) -> tuple[int, int] | None:
     """(height, width) of the source's images as they are, or None when not known before the conversion (an
-    ``s3://`` folder) or never resized (MNIST's IDX digits). ``checked``: what the source's check returned
-    (its listing, so nothing is listed again)."""
+    ``s3://`` folder) or never resized (MNIST's IDX digits). ``checked``: what the source's check before any work
+    found at their own size (`dataset.sources.interface.check_data`), so nothing is listed again."""
     if not source.resizable:
         return None
-    if checked is not None:
-        found = source.data_for_trial(checked, None, storage_root)
-        shape = found[0] if found is not None else None
-    else:
-        shape = source.data_to_come(None, storage_root)[0]
-    if shape is None or shape[1] is None or shape[2] is None:
+    shape = (checked or source.check(None, storage_root, decode=False)).shape
+    if shape[1] is None or shape[2] is None:
         return None
     return int(shape[1]), int(shape[2])
 
 
 def image_size_for(
-    source: Source, image_size: int | str | None, storage_root: str | None, checked: Any = None, own: tuple[int, int] | None = None,
+    source: Source, image_size: int | str | None, storage_root: str | None, checked: DataToCome | None = None,
+    own: tuple[int, int] | None = None,
 ) -> int | None:
     """``image_size`` (``transform.image_size``) for this source's images: ``auto`` made concrete (`auto_image_size`).
     ``own``: their `own_size`, when the caller read it already."""
@@ -50,7 +45,7 @@ def image_size_for(
     return auto_image_size(*size) if size is not None else None
 
 
-def resolved(config: PipelineConfig, checked: Any = None) -> PipelineConfig:
+def resolved(config: PipelineConfig, checked: DataToCome | None = None) -> PipelineConfig:
     """``config`` with ``transform.image_size`` concrete for its data (`image_size_for`), for the checks that read the
     data at that size before any work (the model's trial, the champion's shape)."""
     if config.transform.image_size != "auto":

@@ -35,9 +35,8 @@ import os
 import re
 import subprocess
 import sys
-from typing import Any
 
-from dataset.sources.interface import source_for
+from dataset.sources.interface import DataToCome, known_before_work, source_for
 from pipeline_config import PipelineConfig, TransformConfig
 from training.model import weights
 from training.model.catalog import ModelNameError, build_model, check_name, said
@@ -86,21 +85,25 @@ def check_allowed(name: str, *, deployed: bool) -> None:
     )
 
 
-def data_for_trial(config: PipelineConfig, checked: Any = None) -> tuple[tuple[int, int, int], int] | None:
-    """((channels, height, width), classes) of the data the run trains on, when known before any work
-    (`dataset.sources.interface.Source.data_for_trial`; ``checked``: what its check returned, `dataset.formats.folder.check_source`).
+def data_for_trial(config: PipelineConfig, checked: DataToCome | None = None) -> tuple[tuple[int, int, int], int] | None:
+    """((channels, height, width), classes) of the data the run trains on at ``transform.image_size`` (concrete: `dataset.tensors.sizing.resolved`),
+    when known before any work (`dataset.sources.interface.DataToCome.for_trial`; ``checked``: what the check before any
+    work found, `dataset.sources.interface.check_data`; None: the source is asked, from its images' headers).
 
     The IDX sources: MNIST's digits. A local image or Parquet folder: its images' headers (from the listing cache
     the check filled). An ``s3://`` folder: None (its images are read by the conversion only).
     """
-    return source_for(config.download).data_for_trial(checked, config.transform.image_size, config.storage_root)
+    source = source_for(config.download)
+    size = config.transform.image_size if source.resizable and isinstance(config.transform.image_size, int) else None
+    found = checked or source.check(size, config.storage_root, decode=False)
+    return found.for_trial(size)
 
 
-def check_model(config: PipelineConfig, checked: Any = None) -> None:
+def check_model(config: PipelineConfig, checked: DataToCome | None = None) -> None:
     """Before any work, in a process that ends (`trial_apart`): ``model.name`` resolves (imports what it names) and,
     when the data's shape is known, builds and runs (`try_model`); ValueError naming model.name. ``model.weights``:
     found, read and loaded into that model (`training.model.weights.check`); ValueError naming model.weights.
-    ``checked``: what the data source's check before any work returned (`dataset.formats.folder.check_source`)."""
+    ``checked``: what the data source's check before any work found (`dataset.sources.interface.check_data`)."""
     data = data_for_trial(config, checked)
     if data is not None:
         config.transform.per_channel(data[0][0])  # a per-channel mean or std must have one value per channel
@@ -236,7 +239,7 @@ def _too_small(name: str, size: tuple[int, int], smallest: int, raised: str, res
 def try_on_dataset(config: PipelineConfig, dataset) -> None:
     """After the conversion: `try_model` (in a process that ends, `trial_apart`) on the converted ``dataset``'s shape
     and classes (a `dataset.formats.parquet.ParquetDataset`) when they were not known before any work (an ``s3://`` folder)."""
-    if not source_for(config.download).shape_known_before_work():
+    if not known_before_work(config.download):
         shape = (tuple(dataset.image_shape), int(dataset.num_classes))
         trial_apart(config.model.name, shape, True, None, config.storage_root)
 
