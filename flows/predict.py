@@ -8,7 +8,7 @@
     python -m flows.predict --help
 
 The images must be what the model was trained on: the model card records their shape, the class
-names and the normalization (`training.champion.registry_files.card_data`), and `dataset.formats.inputs` reads the
+names and the normalization (`training.champion.registry_files.card_data`), and `dataset.inputs.tables` reads the
 input to that shape (an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
 run set it; Parquet files of encoded images read from the columns the run read, its
 ``download.image_column`` and ``label_column``). Predictions are class numbers; the ``pred_class``
@@ -21,7 +21,7 @@ evaluation's accuracy. With labels in the input, the accuracy is printed too. A 
 started for the command (or ``--ray-address`` joins a cluster); no Prefect API is needed.
 
 Everything is checked before Ray starts, and a bad input exits 2 naming the file or flag
-(``--flag: message``, one line each): every input file (`dataset.formats.inputs`), the registry (a
+(``--flag: message``, one line each): every input file (`dataset.inputs.tables`), the registry (a
 ``--model`` it does not hold, answered with the models that have a champion; a damaged pointer or
 card, a model.pt that does not match its checksum: `training.champion.lookup.resolve`), and
 ``--output`` (a folder or another kind of file is refused; an existing file only replaced with
@@ -36,22 +36,20 @@ import stat
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
-from dataset.formats.inputs import NO_LABEL, read_folder
 from dataset.formats.parquet import MNIST_CLASSES
+from dataset.inputs.read import read_folder
+from dataset.inputs.tables import NO_LABEL
 from pipeline_config import (
-    DownloadConfig,
-    EvaluateConfig,
     PipelineConfig,
     PromoteConfig,
     RayConfig,
-    TransformConfig,
 )
 from pipeline_config.predict import PredictSettings
 from pipeline_config.settings import old_prefix_lines
@@ -70,8 +68,7 @@ from storage_io import (
     redact_text,
 )
 from training.champion import lookup, registry_files
-from training.model import trust
-from training.model.catalog import ModelSpec
+from training.champion.card_scoring import CardScoring, card_scoring
 
 if TYPE_CHECKING:
     import numpy as np
@@ -133,54 +130,6 @@ def default_output(root: str, model: str, version: int) -> str:
         n += 1
         output = join(root, "predictions", f"{model}-v{version}-{stamp}-{n}.parquet")
     return output
-
-
-class CardScoring(NamedTuple):
-    """How a model card says its model scores images, as `training.inference.predict_table` takes it."""
-
-    transform: TransformConfig  # the run's, normalized with the card's mean and std
-    evaluate: EvaluateConfig  # the run's (``tta``), with this command's actor pool and batch size
-    model: ModelSpec  # the architecture model.pt holds
-    data: dict[str, Any]  # `training.champion.registry_files.card_data`: shape, classes, mean, std, image_size
-    columns: tuple[str, str] = ("image", "label")  # the run's download.image_column and label_column (`card_columns`)
-
-
-def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, deployed: bool = False) -> CardScoring:
-    """The card's scoring configuration; RegistryDamaged naming the card in ``folder`` when it does not validate.
-
-    ``deployed``: a run started through a deployment (``score/on-promotion``), whose parameters chose the
-    card: its architecture, a ``module:function``, is imported only from the modules ``PIPELINE_MODEL_MODULES``
-    allows (`training.model.trust.check_allowed`, on the name: nothing is imported); ValueError naming the
-    card and the setting. The command line trusts its user, as ``flows.train``'s does.
-    """
-    run_config = card.get("config") if isinstance(card.get("config"), dict) else {}
-    try:
-        transform = TransformConfig.model_validate(run_config.get("transform") or {})
-        evaluate = EvaluateConfig.model_validate(run_config.get("evaluate") or {}).model_copy(
-            update={"num_actors": num_actors, "batch_rows": batch_rows}
-        )
-        model_spec = registry_files.card_model(card)
-        data = registry_files.card_data(card)
-        transform = transform.model_copy(update={"mean": data["mean"], "std": data["std"]})
-    except (ValidationError, KeyError, TypeError, ValueError) as exc:
-        raise registry_files.RegistryDamaged([f"{join(folder, registry_files.CARD_FILE)}: damaged: its config does not validate ({exc})"]) from None
-    try:  # before any model is built: the scoring below builds it, in this process or on a Ray worker
-        trust.check_allowed(model_spec.name, deployed=deployed)
-    except ValueError as exc:
-        named = f"{card.get('model')} v{card.get('version')}" if card.get("model") else join(folder, registry_files.CARD_FILE)
-        raise ValueError(f"the model card of {named} ({folder}) names its architecture; {exc}") from None
-    return CardScoring(transform, evaluate, model_spec, data, card_columns(run_config))
-
-
-def card_columns(run_config: dict) -> tuple[str, str]:
-    """The Parquet columns the model's run read its images and labels from (``download.image_column`` and
-    ``label_column`` of its configuration, as its card records it; a card without them: ``image`` and ``label``)."""
-    download = run_config.get("download") if isinstance(run_config.get("download"), dict) else {}
-    defaults = DownloadConfig.model_fields
-    return tuple(
-        value if isinstance(value := download.get(field), str) and value else defaults[field].default
-        for field in ("image_column", "label_column")
-    )
 
 
 def score_table(table: pa.Table, folder: str, scoring: CardScoring, ray_cfg: RayConfig) -> dict[str, np.ndarray]:

@@ -11,7 +11,7 @@ Scoring is `flows.predict`'s (the model card's normalization and test-time augme
 evaluation stage's actor pool); this flow adds where the file goes, the pointer and the event
 ``pipeline.predictions.written``. Its parameters choose the model card, so a run started through a
 deployment builds the card's architecture only from the modules ``PIPELINE_MODEL_MODULES`` allows, as
-a training run's ``model.name`` (`flows.predict.card_scoring`); the refusal comes before any model is built.
+a training run's ``model.name`` (`training.champion.card_scoring.card_scoring`); the refusal comes before any model is built.
 """
 
 from __future__ import annotations
@@ -22,13 +22,15 @@ from typing import Any
 
 from prefect import flow
 
-from dataset.formats.inputs import NO_LABEL, read_folder
-from flows.predict import card_scoring, predictions_parquet, score_table
+from dataset.inputs.read import read_folder
+from dataset.inputs.tables import NO_LABEL
+from flows.predict import predictions_parquet, score_table
 from pipeline_config import PipelineConfig, RayConfig
 from reporting import events
 from runner.pipeline_run import started_by_deployment
 from storage_io import StorageLayout, atomic_write_bytes, atomic_write_json, basename, join, to_stored
 from training.champion import lookup
+from training.champion.card_scoring import card_scoring
 
 PREDICTIONS_DIR = "predictions"
 LATEST_FILE = "latest.json"

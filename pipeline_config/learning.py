@@ -1,13 +1,13 @@
-"""The model and training sections of the configuration."""
+"""The training section of the configuration (the model's: `pipeline_config.model.ModelConfig`)."""
 
 from __future__ import annotations
 
 import math
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from pipeline_config.common import MODEL_REF_PATTERN, no_control_characters, Section
+from pipeline_config.common import Section
 
 # Fewer optimizer steps than this and a run is warned before training that it will hardly learn. The
 # recipe benchmark (benchmarks/speed/recipe.py, docs/performance.md) shows the default recipe holding up from
@@ -25,62 +25,6 @@ def steps_per_epoch(train_rows: int, global_batch_size: int, workers: int = 1) -
 def _count(n: int, word: str) -> str:
     """``2 steps``, ``1 step``."""
     return f"{n} {word}{'' if n == 1 else 's'}"
-
-
-class ModelConfig(Section):
-    """Which network is trained, evaluated and promoted (training.model.catalog builds it)."""
-
-    name: str = Field(
-        "resnet18",
-        description=(
-            "resnet18 (the seeds' model), any torchvision classification model by name (e.g. mobilenet_v3_small; "
-            "built without weights, first layer and head fitted to the data), or your own function as "
-            "package.module:function, called with in_channels= and num_classes= and returning a torch.nn.Module "
-            "(importable on every Ray worker). training.model.catalog:small_cnn is a small CNN for quick runs. A run started "
-            "from a deployment imports only modules the server allows (PIPELINE_MODEL_MODULES); every run tries the "
-            "model on the data's shape before any work."
-        ),
-    )
-
-    weights: str | None = Field(
-        None,
-        description=(
-            "Start training from weights you have instead of random ones (a fresh start only; a resumed run goes on "
-            "from its checkpoint): a state dict file, local or s3:// (torchvision's .pth files as they come, or a "
-            "run's model.pt or its folder), or another workload's champion by its registry name (e.g. "
-            "shapes-resnet18). Tensors whose shape does not fit the data (the first layer for other channels, the "
-            "head for other classes) start fresh; the log names them. Loaded with weights_only=True."
-        ),
-        max_length=1024,
-    )
-
-    @field_validator("weights")
-    @classmethod
-    def _check_weights(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        no_control_characters(value, "model.weights")
-        value = value.strip()
-        scheme, found, rest = value.partition("://")
-        if found and scheme != "s3":
-            raise ValueError(f"model.weights {scheme}://...: give a local path, an s3:// URI or a registry model's name")
-        if found and ("@" in rest.split("/", 1)[0] or "?" in rest or "#" in rest):
-            raise ValueError(
-                "model.weights holds credentials (user:password@) or a ?query/#fragment: give s3://bucket/key alone "
-                "(S3 credentials come from the AWS_* environment variables, never from here)"
-            )
-        return value or None
-
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, value: str) -> str:
-        no_control_characters(value, "model.name")
-        value = value.strip()
-        if not MODEL_REF_PATTERN.fullmatch(value):
-            raise ValueError(
-                f"{value!r}: use resnet18, a torchvision model's name (e.g. mobilenet_v3_small) or package.module:function"
-            )
-        return value
 
 
 class TrainConfig(Section):

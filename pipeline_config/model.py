@@ -4,9 +4,9 @@
 validates runs started there exactly as the CLI does. Validation here is the preflight: it
 runs before any stage, names the field, says how to fix it, and creates or deletes nothing.
 
-The sections live beside it, one file a concern: `common` (the section base, name rules),
-`data` (download, Parquet, transform), `learning` (model, train), `evaluation` (evaluate, promote,
-cleanup) and `tune` (the search's sections and `TunePipelineConfig`); `RayConfig` is here.
+The sections live beside it, one file a concern: `common` (the section base, name rules), `data` (download,
+Parquet), `transform`, `sources` (the download.source choices), `learning` (model, train), `evaluation` (evaluate,
+promote, cleanup) and `tune` (the search's sections and `TunePipelineConfig`); `ModelConfig` (which network, its weights) and `RayConfig` are here.
 """
 
 from __future__ import annotations
@@ -22,17 +22,75 @@ from pydantic import Field, field_validator, model_validator
 
 from pipeline_config.common import (
     DEFAULT_WORKLOAD,
+    MODEL_REF_PATTERN,
     RUN_NAME_PATTERN,
     S3_BUCKET_PATTERN,
     WORKLOAD_PATTERN,
     Section,
     no_control_characters,
 )
-from pipeline_config.data import DownloadConfig, ParquetConfig, TransformConfig
+from pipeline_config.data import DownloadConfig, ParquetConfig
 from pipeline_config.evaluation import CleanupConfig, EvaluateConfig, PromoteConfig
-from pipeline_config.learning import ModelConfig, TrainConfig
+from pipeline_config.learning import TrainConfig
 from pipeline_config.sources import PATH_SOURCES
 from pipeline_config.tracking import TrackingConfig
+from pipeline_config.transform import TransformConfig
+
+
+class ModelConfig(Section):
+    """Which network is trained, evaluated and promoted (training.model.catalog builds it)."""
+
+    name: str = Field(
+        "resnet18",
+        description=(
+            "resnet18 (the seeds' model), any torchvision classification model by name (e.g. mobilenet_v3_small; "
+            "built without weights, first layer and head fitted to the data), or your own function as "
+            "package.module:function, called with in_channels= and num_classes= and returning a torch.nn.Module "
+            "(importable on every Ray worker). training.model.catalog:small_cnn is a small CNN for quick runs. A run started "
+            "from a deployment imports only modules the server allows (PIPELINE_MODEL_MODULES); every run tries the "
+            "model on the data's shape before any work."
+        ),
+    )
+
+    weights: str | None = Field(
+        None,
+        description=(
+            "Start training from weights you have instead of random ones (a fresh start only; a resumed run goes on "
+            "from its checkpoint): a state dict file, local or s3:// (torchvision's .pth files as they come, or a "
+            "run's model.pt or its folder), or another workload's champion by its registry name (e.g. "
+            "shapes-resnet18). Tensors whose shape does not fit the data (the first layer for other channels, the "
+            "head for other classes) start fresh; the log names them. Loaded with weights_only=True."
+        ),
+        max_length=1024,
+    )
+
+    @field_validator("weights")
+    @classmethod
+    def _check_weights(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        no_control_characters(value, "model.weights")
+        value = value.strip()
+        scheme, found, rest = value.partition("://")
+        if found and scheme != "s3":
+            raise ValueError(f"model.weights {scheme}://...: give a local path, an s3:// URI or a registry model's name")
+        if found and ("@" in rest.split("/", 1)[0] or "?" in rest or "#" in rest):
+            raise ValueError(
+                "model.weights holds credentials (user:password@) or a ?query/#fragment: give s3://bucket/key alone "
+                "(S3 credentials come from the AWS_* environment variables, never from here)"
+            )
+        return value or None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        no_control_characters(value, "model.name")
+        value = value.strip()
+        if not MODEL_REF_PATTERN.fullmatch(value):
+            raise ValueError(
+                f"{value!r}: use resnet18, a torchvision model's name (e.g. mobilenet_v3_small) or package.module:function"
+            )
+        return value
 
 
 class RayConfig(Section):

@@ -26,7 +26,7 @@ from runner.cluster import ray_auth
 from runner.cluster.runtime import cli_runtime
 from runner.pipeline_run import default_run_name, run_name_prefix
 from runner.summary import RunSummary, outcome_of
-from runner.tracking import tracking_uri
+from runner.tracking_records import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, redact_error
 from training.model import trust
 from training.resources import DoesNotFit

@@ -27,7 +27,7 @@ from runner import console, stopping
 from runner.cluster.ray_init import ray_task_runner
 from runner.stages import Stage, StageRecorder
 from runner.summary import DataRecord, RunSummary, attach
-from runner.tracking import tracking_uri
+from runner.tracking_records import tracking_uri
 from storage_io import StorageLayout, atomic_write_json, run_lease, storage_writes
 from training.model import trust
 

@@ -120,7 +120,7 @@ def _on_signal(signum: int, frame: Any) -> None:
         _tell(f"\n{SIGNAL_NAMES[signum]}: stopping the run, keeping its checkpoints{again} ...\n")
     elif signum == signal.SIGINT:
         # Second Ctrl-C: leave now. Ray (started by this process) and the temporary Prefect
-        # server (runner.server_process) watch this process and exit after it.
+        # server (runner.prefect_server.process) watch this process and exit after it.
         _tell("\nsecond Ctrl-C: exiting now; the run folder keeps its last checkpoint\n")
         os._exit(EXIT_CODES[signal.SIGINT])
 

@@ -21,21 +21,28 @@ recorded (``tracking.not_recorded``). A later resume of the same run fills the g
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from pipeline_config import PipelineConfig
-from pipeline_config.tracking import TRACKING_URI_ENV, check_tracking_uri
-from reporting import pictures
 from runner.summary import RunSummary
-from storage_io import StorageLayout, join, list_dirs, list_files, read_bytes, redact_error, redact_text, redact_url
-from training.checkpoint.records import HISTORY_FILE, read_history
+from runner.tracking_records import (
+    epoch_rows,
+    evaluation_files,
+    flat_params,
+    link_in_prefect,
+    prefect_ui_url,
+    stored_files,
+    tracking_uri,
+    trial_ids,
+)
+from storage_io import StorageLayout, join, read_bytes, redact_error, redact_url
+from training.checkpoint.records import HISTORY_FILE
 
 logger = logging.getLogger(__name__)
 
@@ -47,30 +54,6 @@ ALIAS = "champion"
 EPOCH_METRICS = ("train_loss", "train_accuracy", "val_loss", "val_ce", "val_accuracy", "images_per_s", "lr", "epoch_seconds")
 TEST_METRICS = ("accuracy", "accuracy_without_tta")
 MAX_PARAMS = 100  # MLflow's limit of params in one log_batch call
-
-
-def tracking_uri(config: PipelineConfig) -> str | None:
-    """Where runs are tracked: ``tracking.uri``, else ``MLFLOW_TRACKING_URI``; None: tracking is off.
-
-    The variable is held to ``tracking.uri``'s rules (`check_tracking_uri`): ValueError naming it, for
-    the preflight (`runner.harness`) to refuse the run before any work, when the tracker cannot use it.
-    """
-    if config.tracking.uri:
-        return config.tracking.uri
-    value = os.environ.get(TRACKING_URI_ENV, "").strip()
-    return check_tracking_uri(value, TRACKING_URI_ENV) if value else None
-
-
-def flat_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """The whole config as MLflow params: ``train.epochs`` -> ``12`` (lists and unset values as JSON; URLs redacted)."""
-    params: dict[str, str] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            params |= flat_params(value, f"{name}.")
-        else:
-            params[name] = json.dumps(value) if not isinstance(value, str) else redact_text(value)
-    return params
 
 
 class Tracker:
@@ -195,7 +178,7 @@ class Tracker:
         self.run_url = f"{redact_url(self.uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{self.run_id}"
         self._log_params(run.data.params)
         self._set_tags()
-        _link_in_prefect(self.run_url, self.config.workload)
+        link_in_prefect(self.run_url, self.config.workload)
 
     def _log_params(self, known: dict[str, str]) -> None:
         from mlflow.entities import Param  # MLflow: only when a run is tracked
@@ -222,13 +205,13 @@ class Tracker:
         }
         if flow_run.id:  # the latest attempt's flow run (a resume is a new one)
             tags["prefect_flow_run_id"] = str(flow_run.id)
-            ui = _prefect_ui_url()
+            ui = prefect_ui_url()
             if ui:
                 tags["prefect_flow_run_url"] = redact_url(f"{ui.rstrip('/')}/runs/flow-run/{flow_run.id}")
         self.client().log_batch(self.run_id, tags=[RunTag(key, value) for key, value in tags.items()])
 
     def _log_epochs(self) -> None:
-        rows = _epoch_rows(join(self.layout.run_dir, HISTORY_FILE))
+        rows = epoch_rows(join(self.layout.run_dir, HISTORY_FILE))
         self._log_rows(self.run_id, rows)
 
     def _log_rows(self, run_id: str, rows: dict[int, dict[str, Any]]) -> None:
@@ -261,18 +244,10 @@ class Tracker:
     def _log_artifacts(self, summary: RunSummary) -> None:
         """The confusion matrix, the training curves and the evaluation's metrics.json (a promoted run's
         model card comes with its model version); written again, they replace themselves."""
-        evaluation = summary.evaluation
-        history = list(_epoch_rows(join(self.layout.run_dir, HISTORY_FILE)).values())
+        history = list(epoch_rows(join(self.layout.run_dir, HISTORY_FILE)).values())
         with tempfile.TemporaryDirectory(prefix="mlflow-") as folder:
-            out = Path(folder)
-            if evaluation.get("confusion"):
-                (out / "confusion_matrix.png").write_bytes(
-                    pictures.confusion_matrix_png(evaluation["confusion"], evaluation.get("classes") or None)
-                )
-            if history:
-                (out / "training_curves.png").write_bytes(pictures.training_curves_png(history))
-            (out / "metrics.json").write_text(json.dumps(evaluation, indent=2))
-            self.client().log_artifacts(self.run_id, str(out), "evaluation")
+            evaluation_files(Path(folder), summary.evaluation, history)
+            self.client().log_artifacts(self.run_id, folder, "evaluation")
 
     def _register(self, promotion: dict[str, Any]) -> None:
         """The promoted version as an MLflow model version with the alias ``champion``, once."""
@@ -295,7 +270,7 @@ class Tracker:
         """Our registry version's files (model.pt, its checksums, the model card, pictures) as the run's ``model/``."""
         folder = version_dir if "://" in version_dir or Path(version_dir).is_absolute() else join(self.layout.root, version_dir)
         with tempfile.TemporaryDirectory(prefix="mlflow-model-") as local:
-            for path in _files(folder):
+            for path in stored_files(folder):
                 (Path(local) / Path(path).name).write_bytes(read_bytes(path))
             self.client().log_artifacts(self.run_id, local, "model")
 
@@ -309,54 +284,15 @@ class Tracker:
             for run in client.search_runs([experiment_id], filter_string=f"tags.{RUN_TAG} = '{self.layout.run_name}'")
             if TRIAL_TAG in run.data.tags
         }
-        for trial in _trial_ids(trials_dir):
+        for trial in trial_ids(trials_dir):
             run_id = existing.get(trial)
             if run_id is None:
                 tags = {RUN_TAG: self.layout.run_name, TRIAL_TAG: trial, "mlflow.parentRunId": self.run_id}
                 run_id = client.create_run(experiment_id, tags=tags, run_name=f"{self.layout.run_name}/{trial}").info.run_id
-            self._log_rows(run_id, _epoch_rows(join(trials_dir, trial, HISTORY_FILE)))
+            self._log_rows(run_id, epoch_rows(join(trials_dir, trial, HISTORY_FILE)))
             client.set_terminated(run_id, "FINISHED")
         best = (tuning.get("best_trial") or {}).get("trial_id")
         if best:
             client.set_tag(self.run_id, "best_trial", best)
 
-
-def _epoch_rows(history_path: str) -> dict[int, dict[str, Any]]:
-    """Rank 0's finished-epoch rows by global epoch (a mid-epoch row, or an earlier attempt's row of an
-    epoch trained again, gives way to the last finished one)."""
-    try:
-        rows = read_history(history_path)
-    except Exception:  # noqa: BLE001 - no history yet, a half-written object
-        return {}
-    return {int(row["epoch"]): row for row in rows if "epoch" in row and not row.get("mid_epoch")}
-
-
-def _trial_ids(trials_dir: str) -> list[str]:
-    try:
-        return sorted(list_dirs(trials_dir))
-    except Exception:  # noqa: BLE001
-        return []
-
-
-def _files(folder: str) -> Iterator[str]:
-    for name in list_files(folder):
-        yield join(folder, name)
-
-
-def _prefect_ui_url() -> str | None:
-    """The Prefect UI this run reports to: PREFECT_UI_URL, else the API's address without /api."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL  # only when MLflow tracks the run
-
-    ui, api = PREFECT_UI_URL.value(), PREFECT_API_URL.value()
-    return ui or (api.removesuffix("/").removesuffix("/api") if api else None)
-
-
-def _link_in_prefect(url: str, workload: str) -> None:
-    """The Prefect run page's link to the MLflow run (a link artifact, outside a flow run: nothing)."""
-    try:
-        from prefect.artifacts import create_link_artifact  # only when MLflow tracks the run
-
-        create_link_artifact(url, link_text="the MLflow run", key=f"{workload}-mlflow-run", description="This run in MLflow")
-    except Exception as exc:  # noqa: BLE001 - a report must not fail the run
-        logger.warning("could not publish the MLflow link to Prefect: %s", redact_text(str(exc)))
 

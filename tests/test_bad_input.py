@@ -23,8 +23,9 @@ import pytest
 from pydantic import ValidationError
 
 from dataset.formats.idx import iter_idx_rows, read_idx
-from dataset.formats.inputs import MAX_IMAGES, read_folder
 from dataset.formats.parquet import to_table
+from dataset.inputs.read import read_folder
+from dataset.inputs.tables import MAX_IMAGES
 from pipeline_config import PipelineConfig
 from pipeline_config.data import MirrorChecksums
 from pipeline_config.settings import MAX_CONFIG_VALUES, TuneSettings, parse_cli

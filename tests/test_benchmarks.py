@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.run import format_table
 from benchmarks.speed import accuracy, device_rows
+from benchmarks.table import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from runner.cluster.runtime import START_FAILED_EXIT_CODE
-from runner.server_process import LOG_NAME
+from runner.prefect_server.process import LOG_NAME
 from tests.support.cli import CliRun, alive, wait_gone
 
 # What a user's shell might set that would make the start not a first one (or not the default one).

@@ -22,8 +22,9 @@ from pydantic import ValidationError
 
 from benchmarks.speed import recipe as recipe_bench
 from dataset.formats import folder, folder_scan
-from dataset.formats.inputs import NO_LABEL, read_folder
 from dataset.formats.parquet import MNIST_CLASSES, ParquetDataset, images_from_column, manifest_data
+from dataset.inputs.read import read_folder
+from dataset.inputs.tables import NO_LABEL
 from dataset.sources.interface import check_data
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import MANIFEST, read_json, sha256_json

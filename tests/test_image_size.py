@@ -15,7 +15,7 @@ import pytest
 
 from dataset.tensors.spec import TransformSpec
 from pipeline_config import DownloadConfig, ParquetConfig, PipelineConfig, TransformConfig
-from pipeline_config.data import AUTO_IMAGE_SIZE, AUTO_MIN_SIDE, auto_image_size
+from pipeline_config.transform import AUTO_IMAGE_SIZE, AUTO_MIN_SIDE, auto_image_size
 from tasks.download import download
 from tasks.to_parquet import dataset_fingerprint, to_parquet
 from tests.support.images import CLASSES
@@ -98,7 +98,7 @@ def test_tiny_images_pass_the_models_trial_before_any_work_enlarged(tmp_path):
 def test_predict_reads_images_at_the_models_size_for_a_card_of_auto(tmp_path):
     from PIL import Image
 
-    from dataset.formats.inputs import read_folder
+    from dataset.inputs.read import read_folder
 
     folder = tmp_path / "in" / CLASSES[0]
     folder.mkdir(parents=True)

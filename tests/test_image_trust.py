@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from dataset.formats import folder, images
-from dataset.formats.inputs import read_folder
 from dataset.formats.parquet import SPLITS, SplitWriter, build_manifest, schema_for, to_table
+from dataset.inputs.read import read_folder
 from pipeline_config import DownloadConfig, ParquetConfig
 from storage_io import MANIFEST, atomic_write_json
 from tasks.download import download

@@ -431,11 +431,11 @@ def test_a_config_map_without_credentials_and_env_from_a_secret_pass(tmp_path, c
 
 def test_the_url_parameters_checked_are_the_redaction_rules():
     """deployments.kubernetes.credentials takes its secret parameter names from storage_io.redact, not a copy."""
-    from deployments.kubernetes import credentials
+    from deployments.kubernetes import credential_text
     from storage_io import redact
 
     for name in ("auth", "sig", "code", "session", "X-Amz-Signature", "api_key", "token"):
         assert redact.is_secret_name(name)
-        found = credentials.find_credentials(f"see https://h.example.com/p?{name}=Zq8hunter2wXk&page=1")
+        found = credential_text.find_credentials(f"see https://h.example.com/p?{name}=Zq8hunter2wXk&page=1")
         assert found and all("Zq8hunter2wXk" not in line for line in found), (name, found)
-    assert credentials.find_credentials("https://h.example.com/p?page=1&sort=asc") == []
+    assert credential_text.find_credentials("https://h.example.com/p?page=1&sort=asc") == []

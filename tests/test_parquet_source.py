@@ -22,9 +22,9 @@ import pytest
 from pydantic import ValidationError
 
 from dataset.formats import watching
-from dataset.formats.inputs import read_folder
 from dataset.formats.parquet import verify_manifest
 from dataset.formats.parquet_files import ParquetSourceError, check_layout, split_of
+from dataset.inputs.read import read_folder
 from dataset.sources.interface import (
     RawData,
     best_config_data,

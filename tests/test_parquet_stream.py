@@ -19,7 +19,8 @@ import pytest
 
 from dataset.formats import images
 from dataset.formats.parquet import schema_for, to_table
-from dataset.formats.parquet_files import ParquetSourceError, check_layout, scan
+from dataset.formats.parquet_files import ParquetSourceError, check_layout
+from dataset.formats.parquet_scan import scan
 from dataset.sources.parquet_source import convert_layout, plan_rows
 from pipeline_config import ParquetConfig
 from tests.support.parquet_hf import png, shapes, write_hf_dataset, write_table

@@ -12,13 +12,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dataset.formats.inputs import InputError, read_folder
-from flows.predict import card_scoring
+from dataset.inputs.read import read_folder
+from dataset.inputs.tables import InputError
 from storage_io import StorageLayout
 from tests.support.images import CLASSES, SIZE
 from tests.support.parquet_hf import shapes, write_table
 from tests.support.registry import candidate, make_dataset
 from training.champion import lookup, registry
+from training.champion.card_scoring import card_scoring
 
 MODEL = "shapes-resnet18"
 

@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from dataset.formats.inputs import read_folder
 from dataset.formats.parquet import to_table
+from dataset.inputs.read import read_folder
 from pipeline_config import CleanupConfig, PipelineConfig, PromoteConfig
 from reporting.pictures import accuracy_over_runs_png
 from reporting.report_text import comparison_rows

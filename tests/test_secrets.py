@@ -22,7 +22,7 @@ from pipeline_config import PipelineConfig
 from runner import console, hooks
 from runner.pipeline_run import PipelineRun
 from runner.summary import RunSummary, StageRecord
-from runner.tracking import flat_params, tracking_uri
+from runner.tracking_records import flat_params, tracking_uri
 from storage_io import StorageLayout, has_credentials, redact_text, redact_url
 from tests.support.cli import ROOT
 

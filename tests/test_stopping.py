@@ -6,7 +6,7 @@ training to pause (the test-only pause hook, tests/support/models.py), sends a s
 goes to the whole process group, like the terminal's), and checks the exit code, the time it
 took, the run's summary.json and that no process of the run is left: the CLI's descendants
 (local Ray, its workers) and the temporary Prefect server, which runs in a session of its own
-(runner/server_process.py).
+(runner/prefect_server/process.py).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def test_sigkill_leaves_nothing_behind_and_the_same_run_started_again_stops_on_s
     killed = CliRun(tmp_path, "killed")
     killed.wait_for_line("Ray: local cluster", timeout_s=180)
     pids = killed.processes()
-    server = [pid for pid in pids if pid != killed.proc.pid and "runner.server_process" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+    server = [pid for pid in pids if pid != killed.proc.pid and "runner.prefect_server.process" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
     assert server, "the temporary Prefect server was not found among the run's processes"
     os.kill(killed.proc.pid, signal.SIGKILL)
     killed.proc.wait(timeout=10)  # reaped: a zombie's pid would still hold the run's lease

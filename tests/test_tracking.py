@@ -14,7 +14,8 @@ from pydantic import ValidationError
 
 from pipeline_config import PipelineConfig
 from runner.summary import RunSummary
-from runner.tracking import Tracker, flat_params, tracking_uri
+from runner.tracking import Tracker
+from runner.tracking_records import flat_params, tracking_uri
 from storage_io import StorageLayout
 from tests.support.prefect_server import free_port
 

@@ -144,12 +144,12 @@ def test_score_on_promotion_refuses_a_card_naming_a_module_that_is_not_allowed_b
     from prefect.client.schemas.objects import FlowRun
     from prefect.context import FlowRunContext
 
-    from flows.predict import card_scoring
     from flows.score import score_with_champion
     from storage_io import StorageLayout
     from tests.support.cli import ROOT
     from tests.support.registry import candidate, make_dataset
     from training.champion import lookup, registry
+    from training.champion.card_scoring import card_scoring
     from training.model.trust import MODULES_ENV
 
     marker = tmp_path / "team_scorers-was-imported"

@@ -76,7 +76,8 @@ def peak_mb() -> float:
 
 def child(folder: str) -> dict:
     """Convert ``folder`` in this process: its row counts, seconds, peak RSS before and after the conversion (MB)."""
-    from dataset.formats.parquet_files import check_layout, scan
+    from dataset.formats.parquet_files import check_layout
+    from dataset.formats.parquet_scan import scan
     from dataset.sources.parquet_source import convert_layout
     from pipeline_config import ParquetConfig
 

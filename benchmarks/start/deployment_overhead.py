@@ -117,7 +117,7 @@ def measure(reused_runs: int = 2, ray_cluster: bool = False) -> dict:
 
     With ``reused_runs=0`` (the quick suite) the row quotes the first run itself.
     """
-    from runner.server_process import owned_server_class
+    from runner.prefect_server.process import owned_server_class
 
     server = owned_server_class()()
     server.port = server.find_available_port()

@@ -84,7 +84,7 @@ def time_command(module: str, args: list[str], cwd: Path) -> float:
 def measure(images: int, repeat: int = 3) -> list[tuple[str, str, float]]:
     from flows.mnist import mnist_pipeline
     from flows.train import train_pipeline
-    from runner.prefect_api import prefect_api
+    from runner.prefect_server.api import prefect_api
     from storage_io import StorageLayout
 
     work = Path(tempfile.mkdtemp(prefix="nothing-new-bench-", dir="/tmp"))

@@ -17,7 +17,7 @@ Rows (`make bench` runs them too, through ``benchmarks.run``):
   cluster that are already up (what a served run meets), with each stage's seconds;
 * *peak memory*: ``python -m flows.train`` on a folder of 2,000 28x28 PNGs (quick: 200), the small CNN,
   1 epoch: the peak of the PSS summed over the CLI process and every process below it (the Prefect
-  server, Ray's GCS, raylet, dashboard and workers; ``benchmarks.data.scale.PssSampler``), how many
+  server, Ray's GCS, raylet, dashboard and workers; ``benchmarks.data.pss.PssSampler``), how many
   processes there were, and where the memory sat at the peak by group (driver, Ray workers, Ray's
   own processes, the Prefect server).
 
@@ -38,7 +38,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks.data import scale
+from benchmarks.data import pss, scale
 from benchmarks.start import deployment_overhead
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -104,7 +104,7 @@ def import_seconds(module: str, top: int = 8) -> dict:
 
 
 def group_of(kind: str) -> str:
-    """A process kind (`benchmarks.data.scale.process_kind`) -> where its memory counts: driver, Ray workers,
+    """A process kind (`benchmarks.data.pss.process_kind`) -> where its memory counts: driver, Ray workers,
     Ray's own processes, Prefect server, other."""
     if kind.startswith("driver"):
         return "driver"
@@ -135,8 +135,8 @@ def cpu_seconds(stat: str) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15 of stat
 
 
-class RunSampler(scale.PssSampler):
-    """`benchmarks.data.scale.PssSampler` that also keeps each process's CPU seconds as last seen, by kind: where the run's
+class RunSampler(pss.PssSampler):
+    """`benchmarks.data.pss.PssSampler` that also keeps each process's CPU seconds as last seen, by kind: where the run's
     CPU time went (less disturbed than wall seconds on a shared machine)."""
 
     def __init__(self, root: int, poll_s: float = 0.25):
@@ -149,7 +149,7 @@ class RunSampler(scale.PssSampler):
         for pid in list(self.seen):
             try:
                 seconds = cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
-                kind = scale.process_kind(pid, self.root)
+                kind = pss.process_kind(pid, self.root)
                 if pid not in self.torch and self.samples % 4 == 1 and "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text():
                     self.torch[pid] = kind
             except (OSError, ValueError):

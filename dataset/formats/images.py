@@ -1,7 +1,7 @@
 """One PNG or JPEG as the pipeline reads it: checked, 8-bit, resized, gray or RGB.
 
 The image folder's check (`dataset.formats.folder`), its conversion (in Ray Data tasks) and
-``flows.predict``'s folders of images (`dataset.formats.inputs`) all decode through here, so an image
+``flows.predict``'s folders of images (`dataset.inputs.tables`) all decode through here, so an image
 gives the same pixels wherever it is read.
 
 - **Pixel limit.** PIL reads the header first and the pixels only on ``load()``, so an image of

@@ -4,7 +4,7 @@ The conversion of a Parquet folder (`dataset.sources.parquet_source.convert_layo
 order drawn from ``parquet.split_seed``, so each output row group takes rows from anywhere in the input
 files. Reading a row of a Parquet file alone is not possible (its pages are compressed and encoded), and
 holding a split's encoded images in memory grows with the split (20,000 64x64 PNGs: about 250 MB). So a
-split's images are read once, in file order, a batch at a time (`dataset.formats.parquet_files.iter_image_bytes`),
+split's images are read once, in file order, a batch at a time (`dataset.formats.parquet_scan.iter_image_bytes`),
 and written as they come to a local spill file beside the dataset being built; the plan then reads them
 back one at a time, each from its offset in that file. The process holds a batch while reading and one
 image while decoding, whatever the split's size, plus 16 bytes a row for the offsets. A split in file
@@ -23,7 +23,8 @@ from typing import Self
 
 import numpy as np
 
-from dataset.formats.parquet_files import ParquetLayout, iter_image_bytes, open_file
+from dataset.formats.parquet_files import ParquetLayout, open_file
+from dataset.formats.parquet_scan import iter_image_bytes
 
 
 class PlannedImages:

@@ -26,7 +26,8 @@ from dataset.formats import images
 from dataset.formats.folder import stratified_split
 from dataset.formats.listing import ListingCache
 from dataset.formats.parquet import FORMAT_VERSION, SPLITS, SplitWriter, schema_for, to_table
-from dataset.formats.parquet_files import ParquetLayout, ParquetSourceError, check_layout, listing_notes, scan
+from dataset.formats.parquet_files import ParquetLayout, ParquetSourceError, check_layout, listing_notes
+from dataset.formats.parquet_scan import scan
 from dataset.formats.parquet_stream import PlannedImages
 from dataset.sources.interface import DataToCome, Defaults, RawData, Source, Written, check_reachable
 from dataset.tensors.memory import release_memory

@@ -1,6 +1,6 @@
 """``transform.image_size: auto`` made concrete for a run's data: the size its images are converted to.
 
-`pipeline_config.data.auto_image_size` is the rule (images whose shorter side is under
+`pipeline_config.transform.auto_image_size` is the rule (images whose shorter side is under
 ``AUTO_MIN_SIDE`` pixels are enlarged to ``AUTO_IMAGE_SIZE``, larger ones kept); this module reads what
 the rule needs, the images' own size, from the run's source (`dataset.sources.interface.Source`): a local
 folder's from its images' headers (the listing cache the checks before any work filled), MNIST's
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataset.sources.interface import DataToCome, Source, source_for
 from pipeline_config import PipelineConfig, TransformConfig
-from pipeline_config.data import auto_image_size
+from pipeline_config.transform import auto_image_size
 
 
 def checked_size(transform: TransformConfig) -> int | None:

@@ -35,14 +35,15 @@ import json
 import re
 import shlex
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
 import yaml
 
 from deployments.images import LOCK, image_reference
-from deployments.kubernetes.credentials import config_map_credentials, document_findings, mask
+from deployments.kubernetes.credential_text import mask
+from deployments.kubernetes.credentials import config_map_credentials, document_findings
+from deployments.kubernetes.ray_pods import MAX_NAME_LENGTH, budget_errors, cluster_spec, spec_templates
 from deployments.kubernetes.rules import image_errors, lock_version
 
 HERE = Path(__file__).resolve().parent
@@ -59,13 +60,8 @@ KUBERAY_VERSION = "v1.6.2"  # the release whose ray.io/v1 API reference schemas/
 DRAIN_SECONDS = 30
 CHECKPOINT_UPLOAD_SECONDS = 60
 
-# KubeRay appends 6 characters to a RayJob's name for its RayCluster, and a RayCluster's name plus
-# its longest Service suffix ("-serve-svc") must stay a 63-character DNS label.
-MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 TOKEN_AUTH_MIN_RAY = (2, 52, 0)  # KubeRay refuses authOptions.mode token for an older rayVersion
-
-
 
 
 def load_documents(path: Path) -> list[dict]:
@@ -92,30 +88,6 @@ def schema_errors(doc: dict) -> list[str]:
         where = ".".join(str(part) for part in error.absolute_path) or "(document)"
         found.append(f"{kind} {where}: {error.message}")
     return found
-
-
-def _cluster_spec(doc: dict) -> tuple[str, dict] | None:
-    """(path, RayClusterSpec) of a RayCluster or RayJob."""
-    spec = doc.get("spec") or {}
-    if doc.get("kind") == "RayCluster":
-        return "spec", spec
-    if doc.get("kind") == "RayJob" and isinstance(spec.get("rayClusterSpec"), dict):
-        return "spec.rayClusterSpec", spec["rayClusterSpec"]
-    return None
-
-
-def pod_templates(doc: dict) -> Iterator[tuple[str, str, dict]]:
-    """(path, role, pod template) of each Ray group: ``head``, then each worker group."""
-    found = _cluster_spec(doc)
-    if found is None:
-        return
-    path, spec = found
-    head = (spec.get("headGroupSpec") or {}).get("template")
-    if isinstance(head, dict):
-        yield f"{path}.headGroupSpec.template", "head", head
-    for index, group in enumerate(spec.get("workerGroupSpecs") or []):
-        if isinstance(group, dict) and isinstance(group.get("template"), dict):
-            yield f"{path}.workerGroupSpecs[{index}].template", "worker", group["template"]
 
 
 def _version(text: str) -> tuple[int, ...]:
@@ -166,7 +138,7 @@ def rule_errors(doc: dict, lock: Path = LOCK) -> list[str]:
             yaml.safe_load(spec.get("runtimeEnvYAML") or "")
         except yaml.YAMLError as exc:
             found.append(f"RayJob spec.runtimeEnvYAML: not YAML ({exc.__class__.__name__})")
-    cluster = _cluster_spec(doc)
+    cluster = cluster_spec(doc)
     if cluster is not None:
         found += _cluster_errors(kind, *cluster, lock)
     return found
@@ -198,7 +170,7 @@ def _cluster_errors(kind: str, path: str, spec: dict, lock: Path) -> list[str]:
         if all(isinstance(n, int) for n in (low, want, high)) and not low <= want <= high:
             found.append(f"{kind} {path}.workerGroupSpecs[{index}]: need minReplicas <= replicas <= maxReplicas")
     expected = image_reference(lock)
-    for where, role, template in _templates(kind, path, spec):
+    for where, role, template in spec_templates(kind, path, spec):
         pod = template.get("spec") or {}
         containers = [c for c in pod.get("containers") or [] if isinstance(c, dict)]
         for index, container in enumerate(containers):
@@ -211,47 +183,6 @@ def _cluster_errors(kind: str, path: str, spec: dict, lock: Path) -> list[str]:
                 f"({DRAIN_SECONDS} s) plus a checkpoint upload ({wait} s) = {DRAIN_SECONDS + wait} s, or Kubernetes "
                 f"kills the {role} pod in the middle of it"
             )
-    return found
-
-
-def _templates(kind: str, path: str, spec: dict) -> Iterator[tuple[str, str, dict]]:
-    yield from pod_templates({"kind": "RayCluster", "spec": spec}) if kind == "RayCluster" else pod_templates(
-        {"kind": "RayJob", "spec": {"rayClusterSpec": spec}}
-    )
-
-
-def budget_errors(docs: list[dict]) -> list[str]:
-    """Each Ray head in a file has a PodDisruptionBudget there that selects it, allows no eviction, and takes no worker."""
-    found = []
-    budgets = [d for d in docs if isinstance(d, dict) and d.get("kind") == "PodDisruptionBudget"]
-    for doc in docs:
-        if not isinstance(doc, dict) or doc.get("kind") not in MAX_NAME_LENGTH:
-            continue
-        templates = list(pod_templates(doc))
-        head_labels = next((((t.get("metadata") or {}).get("labels") or {}) for _, role, t in templates if role == "head"), {})
-        worker_labels = [((t.get("metadata") or {}).get("labels") or {}) for _, role, t in templates if role == "worker"]
-        name = (doc.get("metadata") or {}).get("name")
-
-        def selects(budget: dict, labels: dict) -> bool:
-            wanted = ((budget.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-            return bool(wanted) and all(labels.get(k) == v for k, v in wanted.items())
-
-        guarding = [b for b in budgets if selects(b, head_labels)]
-        if not guarding:
-            found.append(
-                f"{doc['kind']} {name}: no PodDisruptionBudget in the file selects its head pod "
-                f"(labels {head_labels}); a node drain could evict the head and end every run on it"
-            )
-        for budget in guarding:
-            spec = budget.get("spec") or {}
-            blocks = spec.get("maxUnavailable") == 0 or (isinstance(spec.get("minAvailable"), int) and spec["minAvailable"] >= 1)
-            if not blocks:
-                found.append(f"PodDisruptionBudget {budget['metadata'].get('name')}: must allow no eviction of the head (maxUnavailable: 0)")
-            if any(selects(budget, labels) for labels in worker_labels):
-                found.append(
-                    f"PodDisruptionBudget {budget['metadata'].get('name')}: also selects worker pods, whose eviction "
-                    f"Ray Train survives; a drain would wait on them for nothing"
-                )
     return found
 
 

@@ -19,7 +19,8 @@ from prefect.workers.base import BaseJobConfiguration
 from pydantic import ConfigDict, ValidationError
 
 from deployments.images import LOCK, image_reference
-from deployments.kubernetes.credentials import credential_errors, credential_secrets, mask
+from deployments.kubernetes.credential_text import mask
+from deployments.kubernetes.credentials import credential_errors, credential_secrets
 from deployments.kubernetes.rules import image_errors
 
 WORK_POOL_TEMPLATE = Path(__file__).resolve().parent / "prefect-work-pool.json"

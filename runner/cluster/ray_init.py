@@ -1,6 +1,6 @@
 """How a run's Ray starts or is joined, and what every Ray worker is handed: `ray_init_args`, `ray_task_runner`.
 
-Every worker gets the flow's Prefect API URL (`runner.prefect_api`: a Ray worker does not inherit it),
+Every worker gets the flow's Prefect API URL (`runner.prefect_server.api`: a Ray worker does not inherit it),
 the S3 settings of the storage root and the test-only switches, since a Ray worker does not see the
 driver's environment. A local Ray keeps idle workers alive between epochs (`LOCAL_RAY_SYSTEM_CONFIG`),
 starts its GCS on the port its workers' ``RAY_ADDRESS`` names (`local_gcs_port`) and has Ray Train's
@@ -24,7 +24,7 @@ from prefect_ray import RayTaskRunner
 from pipeline_config import RayConfig
 from runner.cluster import cluster_slot
 from runner.cluster.ray_head import LOCAL_RAY_SYSTEM_CONFIG, served
-from runner.prefect_api import current_api_url
+from runner.prefect_server.api import current_api_url
 from runner.stopping import sigterm_handler_kept
 from storage_io import S3_ENV_VARS
 from training.worker.faults import TEST_HOOK_ENVS

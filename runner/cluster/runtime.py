@@ -1,7 +1,7 @@
 """Where the flow's stages run, for a command-line run: one Prefect API and one Ray cluster, wired to see each other.
 
 `cli_runtime` starts (or reaches) both side by side, warms the local Ray's workers, and turns a start
-that fails into one message and exit code 3 (`StartFailed`). The Prefect side is `runner.prefect_api`,
+that fails into one message and exit code 3 (`StartFailed`). The Prefect side is `runner.prefect_server.api`,
 the Ray side `runner.cluster.ray_init`.
 """
 
@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 from pipeline_config import RayConfig
 from runner.cluster.ray_init import local_gcs_port, ray_init_args
-from runner.prefect_api import current_api_url, prefect_api
-from runner.server_process import TIMEOUT_SETTING, ServerStartError
+from runner.prefect_server.api import current_api_url, prefect_api
+from runner.prefect_server.process import TIMEOUT_SETTING, ServerStartError
 from runner.stopping import STOP, sigterm_handler_kept
 
 

@@ -82,7 +82,7 @@ class CliRun:
                 continue
             parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
         found = {self.proc.pid}
-        found |= {pid for pid, command in commands.items() if f"runner.server_process {self.proc.pid} " in command}
+        found |= {pid for pid, command in commands.items() if f"runner.prefect_server.process {self.proc.pid} " in command}
         grew = True
         while grew:
             children = {pid for pid, ppid in parents.items() if ppid in found} - found

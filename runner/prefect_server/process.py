@@ -6,7 +6,7 @@ a SIGKILL of the CLI the server lived on (re-parented to PID 1) until killed by 
 
 * ``OwnedServer`` starts the same uvicorn command in a new session (no terminal signals) through
   this module, and the CLI stops it itself, last (``runner.cluster.runtime.prefect_api``);
-* ``python -m runner.server_process <parent pid> <uvicorn args>`` watches the parent: when it is
+* ``python -m runner.prefect_server.process <parent pid> <uvicorn args>`` watches the parent: when it is
   gone (its parent pid changes), the server stops itself, so nothing outlives the run.
 
 A parent-death signal (``PR_SET_PDEATHSIG``) would fire when the *thread* that started the server
@@ -204,7 +204,7 @@ def _start_owned(server: Any) -> subprocess.Popen[Any]:
     _log_line(log_path, f"temporary Prefect server on 127.0.0.1:{server.port}")
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "runner.server_process", str(os.getpid()), *uvicorn_args],
+            [sys.executable, "-m", "runner.prefect_server.process", str(os.getpid()), *uvicorn_args],
             env={**os.environ, **server_env, **get_current_settings().to_environment_variables(exclude_unset=True)},
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # the terminal's Ctrl-C goes to the CLI only

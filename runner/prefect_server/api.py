@@ -22,7 +22,7 @@ from prefect.settings import (
     temporary_settings,
 )
 
-from runner.server_process import owned_server_class
+from runner.prefect_server.process import owned_server_class
 from runner.stopping import STOP
 
 if TYPE_CHECKING:
@@ -82,14 +82,14 @@ def _start_local_server(alongside: Callable[[str], None] | None) -> SubprocessAS
     Its port is picked first, so the URL is known before the server answers. Returns once both
     are done; raises what either raised (the server stopped first when ``alongside`` failed).
     """
-    server = owned_server_class()()  # its own session, stops when this process is gone (runner.server_process)
+    server = owned_server_class()()  # its own session, stops when this process is gone (runner.prefect_server.process)
     server.port = server.find_available_port()
     failures: list[BaseException] = []
 
     def start() -> None:
         try:
             with temporary_settings(updates={PREFECT_SERVER_ANALYTICS_ENABLED: False}):
-                server.start()  # ServerStartError when it does not come up (runner.server_process)
+                server.start()  # ServerStartError when it does not come up (runner.prefect_server.process)
         except BaseException as exc:  # raised again in the calling thread
             failures.append(exc)
 

@@ -1,4 +1,5 @@
-"""Images to score with a trained model (`flows.predict`): a folder of Parquet, IDX or image files, as one table.
+"""Each kind of file to score read as a table: Parquet, IDX, PNG/JPEG (`dataset.inputs.read.read_folder` reads a folder
+of them).
 
 What the images must be (their shape, the class names) is the model card's (`training.champion.registry_files.card_data`;
 MNIST's 1x28x28 digits 0-9 for a card from before it recorded them). Accepted, in a local folder:
@@ -115,7 +116,7 @@ def _labels_of(images: Path) -> Path:
     return images.with_name(images.name.replace("-images", "-labels").replace("idx3", "idx1"))
 
 
-def _idx_table(images: Path, first_row: int, shape: tuple[int, int, int], num_classes: int) -> pa.Table:
+def idx_table(images: Path, first_row: int, shape: tuple[int, int, int], num_classes: int) -> pa.Table:
     if shape[0] != 1:
         raise InputError(f"{images}: IDX images have one channel, the model takes {shape[0]}-channel images")
     pixels = _idx_array(images, 3, shape[1:]).reshape(-1, shape[1] * shape[2])
@@ -141,7 +142,7 @@ def columns_of(schema: pa.Schema, columns: tuple[str, str] = COLUMNS) -> tuple[s
     return tuple(columns) if columns[0] in schema.names else COLUMNS
 
 
-def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE, columns: tuple[str, str] = COLUMNS) -> pq.ParquetFile:
+def parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE, columns: tuple[str, str] = COLUMNS) -> pq.ParquetFile:
     """The opened Parquet file, its schema checked before any data is read; InputError naming it."""
     try:
         parquet = pq.ParquetFile(path)
@@ -165,7 +166,7 @@ def _parquet_file(path: Path, shape: tuple[int, int, int] = IMAGE_SHAPE, columns
     return parquet
 
 
-def _parquet_table(path: Path, parquet: pq.ParquetFile, num_classes: int = len(MNIST_CLASSES)) -> pa.Table:
+def parquet_table(path: Path, parquet: pq.ParquetFile, num_classes: int = len(MNIST_CLASSES)) -> pa.Table:
     names = [name for name in ("row_id", "image", "label") if name in parquet.schema_arrow.names]
     try:
         table = parquet.read(columns=names)
@@ -197,7 +198,7 @@ def is_encoded(image_type: pa.DataType) -> bool:
     return pa.types.is_binary(image_type) or pa.types.is_large_binary(image_type)
 
 
-def _encoded_parquet_table(
+def encoded_parquet_table(
     path: Path, parquet: pq.ParquetFile, shape: tuple[int, int, int], classes: list[str], image_size: int | None,
     columns: tuple[str, str] = COLUMNS,
 ) -> pa.Table:
@@ -250,7 +251,7 @@ def _class_of(value, classes: list[str], file_names: list[str] | None, name: str
     raise InputError(f"{name}: label {value!r} is not one of the model's classes ({', '.join(classes[:10])}{', ...' if len(classes) > 10 else ''})")
 
 
-def _image_files(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
+def image_files(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
     """PNG/JPEG files directly in ``root`` (unlabelled) and in its class subfolders (labelled by the folder's name)."""
     def images_in(folder: Path) -> list[Path]:
         return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.startswith("."))
@@ -266,7 +267,7 @@ def _image_files(root: Path, classes: list[str]) -> list[tuple[Path, int]]:
     return found
 
 
-def _image_table(files: list[tuple[Path, int]], shape: tuple[int, int, int], image_size: int | None) -> pa.Table:
+def image_table(files: list[tuple[Path, int]], shape: tuple[int, int, int], image_size: int | None) -> pa.Table:
     """The images decoded as the conversion decodes them (`dataset.formats.images`: 16-bit scaled to 8 bits, resized
     first, then converted to gray or RGB); InputError naming a file that is not an image, stops short, has
     more than `MAX_IMAGE_PIXELS` pixels or is not the model's size."""
@@ -289,62 +290,3 @@ def _image_table(files: list[tuple[Path, int]], shape: tuple[int, int, int], ima
     return to_table(np.arange(len(files), dtype=np.int64), pixels, labels)
 
 
-def read_folder(
-    folder: str | Path,
-    shape: tuple[int, int, int] = IMAGE_SHAPE,
-    classes: list[str] | tuple[str, ...] = MNIST_CLASSES,
-    image_size: int | None = None,
-    columns: tuple[str, str] = COLUMNS,
-) -> pa.Table:
-    """Every image in ``folder`` as one table (row_id, image, label); ValueError (InputError) naming the folder or file.
-
-    ``shape`` (C, H, W), ``classes`` and ``image_size`` (``transform.image_size``): the model card's; ``columns``:
-    the image and label columns of Parquet files of encoded images (the run's ``download.image_column`` and
-    ``label_column``, read where a file has that image column)."""
-    root = Path(folder).expanduser()
-    shape, classes = tuple(shape), list(classes)
-    if not root.is_dir():
-        raise InputError(f"input {root}: not a folder")
-    try:
-        parquet = sorted(  # none in a hidden folder (.ipynb_checkpoints/) either
-            p for p in root.rglob("*.parquet") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-        )
-        idx = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(IMAGE_SUFFIXES))
-        images = _image_files(root, classes) if not parquet and not idx else []
-    except OSError as exc:
-        raise InputError(f"input {root}: cannot list it ({exc})") from None
-    if parquet and idx:
-        raise InputError(f"input {root}: holds both Parquet and IDX files; point --input at a folder of one kind")
-    if len(images) > MAX_IMAGES:
-        raise InputError(f"input {root}: holds {len(images):,} images, more than the {MAX_IMAGES:,} scored in one call")
-    tables: list[pa.Table] = []
-    if images:
-        tables.append(_image_table(images, shape, image_size))
-    if parquet:
-        opened = [(path, _parquet_file(path, shape, columns)) for path in parquet]  # every file's schema before any file's data
-        rows = sum(p.metadata.num_rows for _, p in opened)
-        if rows > MAX_IMAGES:
-            raise InputError(f"input {root}: its Parquet files hold {rows:,} rows, more than the {MAX_IMAGES:,} scored in one call")
-        tables = []
-        for path, p in opened:  # encoded images: row ids are positions in file order, across the files
-            if is_encoded(p.schema_arrow.field(columns_of(p.schema_arrow, columns)[0]).type):
-                table = _encoded_parquet_table(path, p, shape, classes, image_size, columns)
-                first = sum(len(t) for t in tables)
-                table = table.set_column(0, "row_id", pa.array(np.arange(first, first + len(table), dtype=np.int64)))
-            else:
-                table = _parquet_table(path, p, len(classes))
-            tables.append(table)
-    for path in idx:
-        tables.append(_idx_table(path, sum(len(t) for t in tables), shape, len(classes)))
-        if sum(len(t) for t in tables) > MAX_IMAGES:
-            raise InputError(f"input {root}: more than the {MAX_IMAGES:,} images scored in one call")
-    table = pa.concat_tables(tables) if tables else None
-    if table is None or len(table) == 0:
-        raise InputError(
-            f"input {root}: no digits or images found; expected Parquet files with an 'image' column, IDX files named "
-            f"*-images-idx3-ubyte[.gz] (with *-labels-idx1-ubyte[.gz] beside them for accuracy), or PNG/JPEG images "
-            f"(in <class>/ subfolders for accuracy)"
-        )
-    if len(np.unique(table.column("row_id").to_numpy())) != len(table):
-        raise InputError(f"input {root}: row_id repeats across its files; score one dataset split at a time")
-    return table

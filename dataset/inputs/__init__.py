@@ -1,0 +1,1 @@
+"""The images a trained model scores (`flows.predict`, `flows.score`): a folder of Parquet, IDX or image files read as one table."""
