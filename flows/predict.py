@@ -8,8 +8,9 @@
     python -m flows.predict --help
 
 The images must be what the model was trained on: the model card records their shape, the class
-names and the normalization (`training.champion.registry_files.card_data`), and `dataset.inputs.tables` reads the
-input to that shape (an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
+names and the normalization (`training.champion.registry_files.card_data`), and the data source of the model's run
+reads the input to that shape (`dataset.sources.interface.Source.read_inputs`; for every source the project ships,
+`dataset.inputs.read`: an image folder's PNG/JPEG files resized to ``transform.image_size`` when the
 run set it; Parquet files of encoded images read from the columns the run read, its
 ``download.image_column`` and ``label_column``). Predictions are class numbers; the ``pred_class``
 column names them.
@@ -21,7 +22,7 @@ evaluation's accuracy. With labels in the input, the accuracy is printed too. A 
 started for the command (or ``--ray-address`` joins a cluster); no Prefect API is needed.
 
 Everything is checked before Ray starts, and a bad input exits 2 naming the file or flag
-(``--flag: message``, one line each): every input file (`dataset.inputs.tables`), the registry (a
+(``--flag: message``, one line each): every input file (`dataset.inputs.read`), the registry (a
 ``--model`` it does not hold, answered with the models that have a champion; a damaged pointer or
 card, a model.pt that does not match its checksum: `training.champion.lookup.resolve`), and
 ``--output`` (a folder or another kind of file is refused; an existing file only replaced with
@@ -44,7 +45,6 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from dataset.formats.parquet import MNIST_CLASSES
-from dataset.inputs.read import read_folder
 from dataset.inputs.tables import NO_LABEL
 from pipeline_config import (
     PipelineConfig,
@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         version, folder, card = lookup.resolve(layout.root, model, settings.version)
         scoring = card_scoring(card, folder, settings.num_actors, settings.batch_rows)
         data = scoring.data
-        table = read_folder(settings.input, data["shape"], data["classes"], data["image_size"], scoring.columns)
+        table = scoring.read_inputs(settings.input)  # as the model's run's data source reads them
         output = settings.output or default_output(layout.root, model, version)
         refused = ray_auth.token_problem(ray_cfg.address)  # a cluster that would turn this process's token away
         if refused:

@@ -17,12 +17,10 @@ a training run's ``model.name`` (`training.champion.card_scoring.card_scoring`);
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 
-from dataset.inputs.read import read_folder
 from dataset.inputs.tables import NO_LABEL
 from flows.predict import predictions_parquet, score_table
 from pipeline_config import PipelineConfig, RayConfig
@@ -54,7 +52,7 @@ def score_with_champion(
     # it only from PIPELINE_MODEL_MODULES, checked on the name before any model is built.
     scoring = card_scoring(card, folder, 1, 250, deployed=started_by_deployment())
     data = scoring.data
-    table = read_folder(Path(images), data["shape"], data["classes"], data["image_size"])
+    table = scoring.read_inputs(images)  # as the model's run's data source reads them
     print(f"Scoring {len(table):,} images from {images} with {model} v{version} (run {card.get('run_name')})")
     out = score_table(table, folder, scoring, RayConfig(address=ray_address))
     path = predictions_path(root, model, version, images)

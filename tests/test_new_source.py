@@ -1,8 +1,8 @@
 """docs/extending.md's "A source of your own", done as the page says: its module and its one registration line added to
 a copy of the project (nothing else changed, checked by diff), then a run's stages on that copy read real digits from
 CSV files through it: the checks before any work, the download and conversion stages, the transform's defaults,
-cleanup and the watcher, and a refusal naming the file. The digits are the project's bundled MNIST sample, written as
-Kaggle's digit recognizer CSV (a label, then 784 pixel columns)."""
+cleanup and the watcher, a refusal naming the file, and flows.predict's reader. The digits are the project's bundled
+MNIST sample, written as Kaggle's digit recognizer CSV (a label, then 784 pixel columns)."""
 
 from __future__ import annotations
 
@@ -43,12 +43,16 @@ try:
     refused = None
 except ValueError as exc:
     refused = str(exc)
+scored = source_for(config.download).read_inputs(digits, (1, 28, 28), checked.classes, None)  # flows.predict's reader
+again = source_for(config.download).read_inputs(dataset.directory + "/test", (1, 28, 28), checked.classes, None)
 print(json.dumps({
     "workload": config.workload, "trial": checked.for_trial(), "files": sorted(raw.files), "rows": dataset.rows,
     "shape": dataset.image_shape, "classes": dataset.classes, "kind": dataset.source, "directory": dataset.directory,
     "verified": verify_manifest(dataset.directory, dataset.fingerprint) is not None, "defaults": defaults_for("csv"),
     "deletable": raw.deletable(), "watched": watched(config.download), "best": best_config_data(config.download),
     "resizable": source_for(config.download).resizable, "refused": refused,
+    "scored": [scored.num_rows, scored.column("label").to_pylist()[:10], scored.column("image")[7].as_py().hex()],
+    "again": [again.num_rows, sorted(again.column("label").to_pylist()) == sorted(scored.column("label").to_pylist())],
 }))
 """
 
@@ -127,6 +131,9 @@ def test_a_source_from_the_guide_is_one_module_and_one_line(tmp_path):
     assert got["defaults"] == [True, "shifts", "border"] and got["deletable"] == [] and got["watched"] == str(data)
     assert got["best"] == {"source": "csv", "path": str(data)} and got["resizable"] is False
     assert got["refused"] == f"{broken / 'test.csv'}: labels [11] that train.csv does not have"
+    # flows.predict --input reads the folder's test.csv through the module, and the converted test/ split as any source's
+    assert got["scored"][:2] == [100, [labels.index(v) for v in digits["test"][1][:10].tolist()]]
+    assert bytes.fromhex(got["scored"][2]) == digits["test"][0][7].tobytes() and got["again"] == [100, True]
 
     import pyarrow.parquet as pq
 

@@ -32,13 +32,14 @@ def test_predict_reads_the_image_and_label_columns_of_the_models_run(tmp_path):
     assert registry.promote(layout, MODEL, promoted).promoted
     _, folder, card = lookup.resolve(layout.root, MODEL, None)
     scoring = card_scoring(card, folder, 1, 100)
-    assert scoring.columns == ("img", "digit")
+    assert scoring.source.kind == "parquet"  # the model's run's data source reads what it scores
+    assert (scoring.source.cfg.image_column, scoring.source.cfg.label_column) == ("img", "digit")
 
     encoded, labels = shapes(2, seed=3)
     inputs = tmp_path / "inputs"
     write_table(inputs / "test-00000-of-00001.parquet", encoded, labels, image="img", label="digit")
     data = scoring.data
-    table = read_folder(inputs, data["shape"], data["classes"], data["image_size"], scoring.columns)
+    table = scoring.read_inputs(inputs)  # what flows.predict and flows.score call
     assert len(table) == len(labels) and table.column("label").to_pylist() == labels
     assert table.schema.field("image").type.byte_width == 3 * SIZE * SIZE and np.asarray(table.column("row_id")).tolist() == list(range(len(labels)))
 
@@ -46,4 +47,8 @@ def test_predict_reads_the_image_and_label_columns_of_the_models_run(tmp_path):
         read_folder(inputs, data["shape"], data["classes"], data["image_size"])
 
     older = card_scoring({**card, "config": {}}, folder, 1, 100)  # a card without the columns: the defaults
-    assert older.columns == ("image", "label")
+    assert (older.source.cfg.image_column, older.source.cfg.label_column) == ("image", "label")
+    moved = {**card, "config": {"download": {"source": "gone", "image_column": "img", "label_column": "digit"}}}
+    kept = card_scoring(moved, folder, 1, 100).source  # a source no longer registered: the defaults' with the run's columns
+    assert kept.kind == "idx" and (kept.cfg.image_column, kept.cfg.label_column) == ("img", "digit")
+    assert len(card_scoring(moved, folder, 1, 100).read_inputs(inputs)) == len(labels)

@@ -1,14 +1,17 @@
 """Where a run's data comes from: the `Source` protocol, and the functions every stage asks instead of a source's kind.
 
 A source is one module with one `Source` subclass (``SOURCE``), registered by one line of
-`pipeline_config.sources.SOURCES` (docs/extending.md, "A source of your own"). It answers four questions:
+`pipeline_config.sources.SOURCES` (docs/extending.md, "A source of your own"). It answers four questions, and
+a fifth with a default:
 
 - `Source.check`: what the data is before any work: its images' shape and its classes, or a ValueError naming the
   field or the file (the checks before any work, the model's trial, ``transform.image_size: auto``, the cluster check);
 - `Source.fetch`: the data listed, fetched when it is not the user's, and checksummed (the download stage's `RawData`);
 - `Source.fingerprint`: the key of a conversion, the data's checksums and every setting that changes the output;
 - `Source.write`: the data's train/val/test splits written in a staging folder (the conversion stage). Staging,
-  the manifest, publishing and the stage's line are `dataset.sources.writer`'s, the same for every source.
+  the manifest, publishing and the stage's line are `dataset.sources.writer`'s, the same for every source;
+- `Source.read_inputs`: the images to score with a model trained on its data (``flows.predict``, ``flows.score``):
+  by default Parquet, IDX or image files, whatever the source (`dataset.inputs.read`).
 
 What is not a question is a class attribute: whether the data is the user's (never copied, changed or deleted,
 and watched for new data), whether its images may be resized, its transform defaults, the ``download`` fields
@@ -31,6 +34,8 @@ from pipeline_config.sources import SOURCES
 from storage_io import StorageLayout, is_remote
 
 if TYPE_CHECKING:  # annotations only
+    import pyarrow as pa
+
     from pipeline_config import ParquetConfig
 
 
@@ -148,6 +153,18 @@ class Source:
         that `dataset.sources.writer.convert` publishes whole with its manifest). ``image_size``: the square size the
         images are resized to (None: their own); ``max_pixels``: checked again as images are decoded (None: not again)."""
         raise NotImplementedError
+
+    def read_inputs(self, folder: str, shape: tuple[int, int, int], classes: list[str], image_size: int | None) -> pa.Table:
+        """``flows.predict`` and ``flows.score``: the images in ``folder`` to score with a model trained on this source's
+        data, at the model card's ``shape``, ``classes`` and ``image_size``, as one table of the dataset schema (row_id,
+        image, label: -1 where there is none); a ValueError naming the file. By default what any model scores: Parquet,
+        IDX or PNG/JPEG files (`dataset.inputs.read.read_folder`), Parquet images read from this run's
+        ``download.image_column`` and ``label_column``. A source whose own files should be scored too reads them here."""
+        from dataset.inputs.read import (
+            read_folder,  # PIL and pyarrow.parquet's readers: only a command that scores loads them
+        )
+
+        return read_folder(folder, shape, classes, image_size, (self.cfg.image_column, self.cfg.label_column))
 
 
 def source_class(name: str) -> type[Source]:

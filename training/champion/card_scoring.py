@@ -4,10 +4,13 @@ columns its run read."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, NamedTuple
 
+import pyarrow as pa
 from pydantic import ValidationError
 
+from dataset.sources.interface import Source, source_for
 from pipeline_config import DownloadConfig, EvaluateConfig, TransformConfig
 from storage_io import join
 from training.champion import registry_files
@@ -22,7 +25,12 @@ class CardScoring(NamedTuple):
     evaluate: EvaluateConfig  # the run's (``tta``), with this command's actor pool and batch size
     model: ModelSpec  # the architecture model.pt holds
     data: dict[str, Any]  # `training.champion.registry_files.card_data`: shape, classes, mean, std, image_size
-    columns: tuple[str, str] = ("image", "label")  # the run's download.image_column and label_column (`card_columns`)
+    source: Source  # the model's run's data source, which reads the images to score (`card_source`)
+
+    def read_inputs(self, folder: str | Path) -> pa.Table:
+        """The images in ``folder`` to score with this model, as its run's data source reads them
+        (`dataset.sources.interface.Source.read_inputs`) at the card's shape, classes and size."""
+        return self.source.read_inputs(str(folder), self.data["shape"], self.data["classes"], self.data["image_size"])
 
 
 def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, deployed: bool = False) -> CardScoring:
@@ -49,15 +57,19 @@ def card_scoring(card: dict, folder: str, num_actors: int, batch_rows: int, depl
     except ValueError as exc:
         named = f"{card.get('model')} v{card.get('version')}" if card.get("model") else join(folder, registry_files.CARD_FILE)
         raise ValueError(f"the model card of {named} ({folder}) names its architecture; {exc}") from None
-    return CardScoring(transform, evaluate, model_spec, data, card_columns(run_config))
+    return CardScoring(transform, evaluate, model_spec, data, card_source(run_config))
 
 
-def card_columns(run_config: dict) -> tuple[str, str]:
-    """The Parquet columns the model's run read its images and labels from (``download.image_column`` and
-    ``label_column`` of its configuration, as its card records it; a card without them: ``image`` and ``label``)."""
+def card_source(run_config: dict) -> Source:
+    """The data source of the model's run: its ``download`` section as the card records it. A section that no longer
+    validates (a card of an older release, a source no longer registered) reads as the default source with the
+    Parquet columns the run read (``download.image_column`` and ``label_column``; a card without them: ``image`` and
+    ``label``)."""
     download = run_config.get("download") if isinstance(run_config.get("download"), dict) else {}
-    defaults = DownloadConfig.model_fields
-    return tuple(
-        value if isinstance(value := download.get(field), str) and value else defaults[field].default
-        for field in ("image_column", "label_column")
-    )
+    try:
+        return source_for(DownloadConfig.model_validate(download))
+    except ValueError:  # pydantic's ValidationError, or a source whose module is gone
+        defaults = DownloadConfig.model_fields
+        columns = {field: value if isinstance(value := download.get(field), str) and value else defaults[field].default
+                   for field in ("image_column", "label_column")}
+        return source_for(DownloadConfig(**columns))
