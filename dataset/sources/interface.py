@@ -160,9 +160,7 @@ class Source:
         image, label: -1 where there is none); a ValueError naming the file. By default what any model scores: Parquet,
         IDX or PNG/JPEG files (`dataset.inputs.read.read_folder`), Parquet images read from this run's
         ``download.image_column`` and ``label_column``. A source whose own files should be scored too reads them here."""
-        from dataset.inputs.read import (
-            read_folder,  # PIL and pyarrow.parquet's readers: only a command that scores loads them
-        )
+        from dataset.inputs.read import read_folder  # PIL, pyarrow.parquet: only a command that scores loads them
 
         return read_folder(folder, shape, classes, image_size, (self.cfg.image_column, self.cfg.label_column))
 
