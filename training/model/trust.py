@@ -86,9 +86,10 @@ def check_allowed(name: str, *, deployed: bool) -> None:
 
 
 def data_for_trial(config: PipelineConfig, checked: DataToCome | None = None) -> tuple[tuple[int, int, int], int] | None:
-    """((channels, height, width), classes) of the data the run trains on at ``transform.image_size`` (concrete: `dataset.tensors.sizing.resolved`),
-    when known before any work (`dataset.sources.interface.DataToCome.for_trial`; ``checked``: what the check before any
-    work found, `dataset.sources.interface.check_data`; None: the source is asked, from its images' headers).
+    """((channels, height, width), classes) of the data the run trains on at ``transform.image_size`` (made concrete by
+    `dataset.tensors.sizing.resolved`), when known before any work (`dataset.sources.interface.DataToCome.for_trial`;
+    ``checked``: what the check before any work found, `dataset.sources.interface.check_data`; None: the source is
+    asked, from its images' headers).
 
     The IDX sources: MNIST's digits. A local image or Parquet folder: its images' headers (from the listing cache
     the check filled). An ``s3://`` folder: None (its images are read by the conversion only).
