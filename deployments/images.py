@@ -6,7 +6,7 @@ new tag. The Kubernetes manifests in deployments/kubernetes/ name the image by t
 test compares it with what this module computes, so a lock that moves on without the manifests
 fails the suite instead of running a cluster on libraries the lock no longer describes.
 
-    python -m deployments.images            # prints e.g. mnist-ray-prefect:3f2a9c0d1b4e
+    python -m deployments.images            # prints e.g. prefect-ray-training:3f2a9c0d1b4e
 
 The image's name is the project's name in pyproject.toml, read from there so a rename cannot leave
 a second spelling behind.
@@ -34,7 +34,7 @@ def lock_hash(lock: Path = LOCK) -> str:
 
 
 def image_name(pyproject: Path = PYPROJECT) -> str:
-    """The image's name: ``[project] name`` in pyproject.toml (``mnist-ray-prefect``)."""
+    """The image's name: ``[project] name`` in pyproject.toml (``prefect-ray-training``)."""
     return tomllib.loads(Path(pyproject).read_text())["project"]["name"]
 
 

@@ -41,7 +41,7 @@ def work_pool_template():
 
 def test_the_image_tag_is_the_lock_hash():
     assert len(lock_hash()) == 12 and int(lock_hash(), 16) >= 0
-    assert image_reference() == f"mnist-ray-prefect:{lock_hash(LOCK)}"
+    assert image_reference() == f"prefect-ray-training:{lock_hash(LOCK)}"
 
 
 @pytest.mark.parametrize("path", [RAYJOB, RAYCLUSTER], ids=lambda p: p.name)
@@ -86,7 +86,7 @@ def _wrong_ray_version(docs):
 
 def _image_not_the_lock_hash(docs):
     cluster_spec(ray_object(docs))["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["image"] = (
-        "registry.example.com/mnist-ray-prefect:0123456789ab"
+        "registry.example.com/prefect-ray-training:0123456789ab"
     )
 
 
@@ -171,7 +171,7 @@ def test_a_broken_work_pool_template_fails_in_prefects_own_check():
 @pytest.mark.parametrize(
     ("breaking", "words"),
     [
-        (lambda t: t["variables"]["properties"]["image"].update(default="mnist-ray-prefect:latest"), ["image", "latest"]),
+        (lambda t: t["variables"]["properties"]["image"].update(default="prefect-ray-training:latest"), ["image", "latest"]),
         (lambda t: t["variables"]["properties"]["backoff_limit"].update(default="zero"), ["defaults", "zero"]),
         (lambda t: t["job_configuration"].update(job_manifests=t["job_configuration"]["job_manifest"]), ["job_manifests", "xtra"]),
         (
@@ -333,7 +333,7 @@ def _image_with_a_token(docs, secret):
 
 
 def _image_with_a_token_and_a_bad_tag(docs, secret):
-    _worker(docs)["image"] = f"deploy:{secret}@registry.example.com/mnist-ray-prefect:0123456789ab"
+    _worker(docs)["image"] = f"deploy:{secret}@registry.example.com/prefect-ray-training:0123456789ab"
 
 
 def _annotation(docs, secret):

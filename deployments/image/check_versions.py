@@ -1,6 +1,6 @@
 """Compare an image's installed packages with requirements.lock; exit 1 on any difference.
 
-    docker run --rm IMAGE python -m pip list --format=freeze | python3 check_versions.py requirements.lock pip==26.3 mnist-ray-prefect==0.1.0
+    docker run --rm IMAGE python -m pip list --format=freeze | python3 check_versions.py requirements.lock pip==26.3 prefect-ray-training==0.1.0
 
 Every pin of the lock must be installed at exactly its version, and nothing else may be installed
 but the extra ``name==version`` pairs given (pip itself and the project). Standard library only:
