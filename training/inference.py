@@ -86,11 +86,26 @@ class Predictor:
     def _predict(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch  # torch: only where a model is built or run
 
-        images = torch.from_numpy(batch["image"])
+        plain, averaged = self._softmax(torch.from_numpy(batch["image"]))
+        return {"row_id": batch["row_id"], "label": batch["label"], "pred": averaged.argmax(1).cpu().numpy(),
+                "pred_plain": plain.argmax(1).cpu().numpy()}
+
+    def probabilities(self, images: np.ndarray) -> np.ndarray:
+        """Each image's class probabilities, (N, classes): the softmax, averaged over the TTA views when ``tta`` is on,
+        whose argmax is ``pred`` (what a served model answers, `deployments.serve_model`)."""
+        import torch  # torch: only where a model is built or run
+
+        with torch.inference_mode():
+            return self._softmax(torch.from_numpy(images))[1].cpu().numpy()
+
+    def _softmax(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(plain, TTA-averaged) softmax of ``images`` (N, C, H, W), on this predictor's device."""
+        import torch  # torch: only where a model is built or run
+
         # On CPU, forward passes of at most FORWARD_VALUES input values: the activations of a batch of large
         # images (a 128x128 RGB batch of 250, with TTA's views all at once, took 3 GB) stay bounded.
         step = len(images) if self.device.type != "cpu" else max(1, FORWARD_VALUES // max(1, images[0].numel()))
-        preds, plains = [], []
+        plains, averages = [], []
         for start in range(0, len(images), step):
             chunk = self._laid_out(images[start : start + step].to(self.device))
             plain = self.model(chunk).softmax(1)
@@ -100,14 +115,9 @@ class Predictor:
                 for dy, dx in TTA_SHIFTS[1:]:
                     total += self.model(self._laid_out(shifted(chunk, dy, dx))).softmax(1)
                 averaged = total / len(TTA_SHIFTS)
-            preds.append(averaged.argmax(1))
-            plains.append(plain.argmax(1))
-        return {
-            "row_id": batch["row_id"],
-            "label": batch["label"],
-            "pred": torch.cat(preds).cpu().numpy(),
-            "pred_plain": torch.cat(plains).cpu().numpy(),
-        }
+            plains.append(plain)
+            averages.append(averaged)
+        return torch.cat(plains), torch.cat(averages)
 
     def _laid_out(self, images: torch.Tensor) -> torch.Tensor:
         """``images`` (N, C, H, W) as one dense tensor in this predictor's memory layout (a shifted view is a
