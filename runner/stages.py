@@ -20,6 +20,7 @@ from prefect import Task
 from prefect.runtime import flow_run
 from prefect_ray.context import remote_options
 
+from dataset.tensors.memory import release_memory
 from pipeline_config import PipelineConfig
 from runner import console, stopping
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
@@ -130,6 +131,7 @@ class StageRecorder:
         detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
         console.say("%s done in %s%s", number, console.duration(record.seconds), detail)
         stage.finished(self, parameters, result)  # a failure here is the run's, after the stage
+        release_memory()  # what the stage's reports read here (sample images of a dataset): this process lives all run
         if self.tracker.enabled:
             self.tracker.sync(self.summary())
         return result
