@@ -83,7 +83,7 @@ def _now() -> str:
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 @serve.ingress(app)
 class ChampionEndpoint:
-    """One replica: the version it answers with (`Scorer`), swapped by ``reconfigure``."""
+    """One replica: the version it answers with (`Scorer`), replaced by `swap`."""
 
     def __init__(self, root: str, model: str, version: int | None = None, deployed: bool = False):
         self.root, self.model, self.deployed = root, model, deployed
@@ -132,11 +132,11 @@ class ChampionEndpoint:
         out: list[np.ndarray | None] = [None] * len(requests)
         for scorer in {id(s): s for s, _ in requests}.values():
             mine = [i for i, (s, _) in enumerate(requests) if s is scorer]
-            tables = [requests[i][1] for i in mine]
-            probabilities = await asyncio.to_thread(scorer.probabilities, pa.concat_tables(tables))
+            images = [scorer.prepared(requests[i][1]) for i in mine]  # tables of any input kind: their images alike
+            probabilities = await asyncio.to_thread(scorer.predictor.probabilities, np.concatenate(images))
             start = 0
-            for i, table in zip(mine, tables):
-                out[i], start = probabilities[start : start + len(table)], start + len(table)
+            for i, batch in zip(mine, images):
+                out[i], start = probabilities[start : start + len(batch)], start + len(batch)
         return out
 
 

@@ -76,11 +76,15 @@ class Scorer:
             except ValueError as exc:  # named as the request sent it, not by the folder it was read from here
                 raise ValueError(str(exc).replace(f"{folder}/", "").replace(folder, "the request")) from None
 
-    def probabilities(self, table: pa.Table) -> np.ndarray:
-        """(N, classes) class probabilities of the rows of ``table`` (the dataset schema), normalized as evaluation does."""
+    def prepared(self, table: pa.Table) -> np.ndarray:
+        """The images of ``table`` (the dataset schema) as the model takes them, (N, C, H, W) float32, normalized as
+        evaluation normalizes them."""
         transform = self.scoring.transform
-        images = prepare_batch(table, transform.mean, transform.std, shape=self.shape)["image"]
-        return self.predictor.probabilities(images)
+        return prepare_batch(table, transform.mean, transform.std, shape=self.shape)["image"]
+
+    def probabilities(self, table: pa.Table) -> np.ndarray:
+        """(N, classes) class probabilities of the rows of ``table``."""
+        return self.predictor.probabilities(self.prepared(table))
 
     def answer(self, probabilities: np.ndarray) -> list[dict[str, Any]]:
         """Each image's answer: its class (the most probable) and up to `TOP_CLASSES` classes with their probabilities."""
