@@ -12,13 +12,17 @@ that is no image, one over the pixel limit or of another channel count or size t
 naming it; another content type 415; a body over `MAX_BODY_BYTES` 413. Requests are scored in batches
 (``serve.batch``). ``GET /healthz`` answers once the replica holds a version.
 
-Swapping: the app's one replica holds one `training.serving.Scorer`. This command looks at the champion pointer every
-``--follow-every`` seconds and, when a promotion moved it, asks the running replica to swap (`ChampionEndpoint.swap`,
-through the app's handle): it loads and checks the new version (checksum, ``weights_only`` load, a forward pass) in a
-thread while the old one keeps answering on its event loop, then swaps with one assignment, so no request waits for the
-load or fails. A version that fails its checks is refused: the old one keeps answering, ``GET /model`` says what was
-refused and why, and this command's terminal says so. (Not a redeploy with a new ``user_config``: from Python, Ray Serve
-2.60 replaces the replica for that, and a replacement that fails to load leaves nothing answering.)
+Swapping: each replica holds one `training.serving.Scorer` and, serving the champion, follows it
+(`deployments.promotions.ChampionFollower`): at each ``pipeline.model.promoted`` event of its model (with a Prefect API:
+``PREFECT_API_URL``, or the profile's) and every ``--follow-every`` seconds it reads the champion pointer, and when a
+promotion moved it, loads and checks the new version (checksum, ``weights_only`` load, a forward pass) in a thread while
+the old one keeps answering on its event loop, then swaps with one assignment, so no request waits for the load or
+fails. A version that fails its checks is refused: the old one keeps answering, ``GET /model`` says what was refused and
+why, and this command's terminal and a ``pipeline.model.serving-refused`` event say so (a swap:
+``pipeline.model.served``). The replica follows, not this command, so an app started by ``serve run
+deployments.serve_model:build`` or a KubeRay RayService (`build`) swaps alike. (Not a redeploy with a new
+``user_config``: from Python, Ray Serve 2.60 replaces the replica for that, and a replacement that fails to load leaves
+nothing answering.)
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations (a Request) at definition.
@@ -28,6 +32,7 @@ import base64
 import binascii
 import json
 import logging
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -40,11 +45,13 @@ from fastapi import FastAPI, HTTPException, Request
 from pydantic import ValidationError
 from ray import serve
 
+from deployments.promotions import ChampionFollower
 from pipeline_config import DEFAULT_WORKLOAD, ModelConfig, PipelineConfig, PromoteConfig, RayConfig, registry_model_name
+from reporting import events
 from runner.cluster.ray_init import local_gcs_port, ray_init_args
-from storage_io import StorageLayout
+from runner.prefect_server.api import current_api_url
+from storage_io import StorageLayout, redact_text, redact_url
 from training.champion import lookup
-from training.champion.registry_files import read_champion
 from training.serving import Scorer
 
 logger = logging.getLogger("ray.serve")
@@ -83,26 +90,46 @@ def _now() -> str:
 @serve.deployment(ray_actor_options={"num_cpus": 1})
 @serve.ingress(app)
 class ChampionEndpoint:
-    """One replica: the version it answers with (`Scorer`), replaced by `swap`."""
+    """One replica: the version it answers with (`Scorer`); with no version named, the champion, followed by a
+    `deployments.promotions.ChampionFollower` that hands it each new one (`swap`)."""
 
-    def __init__(self, root: str, model: str, version: int | None = None, deployed: bool = False):
+    def __init__(self, root: str, model: str, version: int | None = None, deployed: bool = False, follow_every_s: float = 5.0):
         self.root, self.model, self.deployed = root, model, deployed
         self.scorer = Scorer(root, model, version, deployed=deployed)
         self.refused: dict[str, Any] | None = None
+        self._announce(events.SERVED, self.scorer, replaced_version=None)
+        self.follower = None if version is not None else ChampionFollower(root, model, self.scorer.version, self.swap, follow_every_s).start()
 
-    async def swap(self, version: int | None) -> dict[str, Any]:
-        """Load and check ``version`` (None: the champion) in a thread, while the current version keeps answering on this
-        replica's event loop; then swap. A version that fails is refused and the current one kept. What ``GET /model``
-        then says."""
+    def swap(self, version: int) -> None:
+        """Load and check ``version`` (in the follower's thread, while the current version keeps answering on this replica's
+        event loop), then swap with one assignment, so no request waits for the load or fails; a version that fails is
+        refused and the current one kept. Said in the replica's log, ``GET /model`` and an event."""
         try:
-            scorer = await asyncio.to_thread(Scorer, self.root, self.model, version, deployed=self.deployed)
+            scorer = Scorer(self.root, self.model, version, deployed=self.deployed)
         except Exception as exc:  # any failure of a new version: the old one keeps answering
             self.refused = {"version": version, "reason": str(exc), "at": _now()}
             logger.warning("%s v%s refused, v%s keeps answering: %s", self.model, version, self.scorer.version, exc)
+            self._announce(events.SERVING_REFUSED, None, version=version, serving_version=self.scorer.version, reason=str(exc))
         else:
-            self.scorer = scorer  # one assignment: a request in flight finishes on the version it read
-            logger.warning("%s v%s answers now", self.model, scorer.version)
-        return self.model_info()
+            before, self.scorer = self.scorer.version, scorer  # a request in flight finishes on the version it read
+            logger.warning("%s v%s answers now (was v%s)", self.model, scorer.version, before)
+            self._announce(events.SERVED, scorer, replaced_version=before)
+
+    def _announce(self, name: str, scorer: Scorer | None, **payload: Any) -> None:
+        """One event about this replica's model, when the replica has a Prefect API (best effort: `reporting.events.emit`)."""
+        if not os.environ.get("PREFECT_API_URL"):
+            return
+        card = self.scorer.card
+        config = card.get("config") or {}
+        resource = events.model_resource(self.model, str(config.get("workload", "")), str((config.get("model") or {}).get("name", "")))
+        if scorer is not None:
+            payload = {"version": scorer.version, **payload, "run": scorer.card.get("run_name"),
+                       "test_accuracy": (scorer.card.get("metrics") or {}).get("test_accuracy")}
+        events.emit(name, resource, {"model": self.model, **payload, "storage_root": redact_url(self.root)})
+
+    def __del__(self) -> None:
+        if getattr(self, "follower", None) is not None:
+            self.follower.stop()
 
     @app.get("/healthz")
     def healthz(self) -> dict[str, Any]:
@@ -110,7 +137,8 @@ class ChampionEndpoint:
 
     @app.get("/model")
     def model_info(self) -> dict[str, Any]:
-        return {**self.scorer.describe(), "refused": self.refused}
+        following = self.follower.describe() if self.follower is not None else None  # None: a version named, kept
+        return {**self.scorer.describe(), "refused": self.refused, "following": following}
 
     @app.post("/predict")
     async def predict(self, request: Request) -> dict[str, Any]:
@@ -148,41 +176,71 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help="the address the HTTP endpoint binds (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8000, help="the HTTP endpoint's port")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
-    parser.add_argument("--follow-every", type=float, default=5.0, help="seconds between looks at the champion pointer")
+    parser.add_argument("--follow-every", type=float, default=5.0,
+                        help="seconds between looks at the champion pointer (a promotion event looks at once)")
     return parser.parse_args(argv)
 
 
+def resolved(model: str | None, storage_root: str, version: int | None) -> tuple[str, str, int]:
+    """(storage root, registry model name, the version that will answer) from what a user gave, checked before Ray starts:
+    ValueError naming a bad model name or storage root, a missing or damaged version."""
+    def said(field: str, exc: ValidationError) -> ValueError:  # pydantic's message, without its dump
+        return ValueError(f"{field} {exc.errors()[0]['msg'].removeprefix('Value error, ')}")
+
+    try:
+        name = PromoteConfig(model_name=model).model_name if model else registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)
+    except ValidationError as exc:
+        raise said("model", exc) from None
+    try:
+        root = StorageLayout.create(PipelineConfig(storage_root=storage_root).storage_root, "serve").root
+    except ValidationError as exc:
+        raise said("storage root", exc) from None
+    return root, name, lookup.resolve(root, name, version)[0]
+
+
+def build(args: dict[str, str]) -> serve.Application:
+    """The app for Ray Serve's own entry points: ``serve run deployments.serve_model:build storage_root=s3://... model=...``
+    and a RayService's ``serveConfigV2`` (deployments/kubernetes/rayservice.yaml), ``args`` being the same as the
+    command's flags: ``storage_root``, ``model``, ``version`` (pinned: not followed), ``follow_every_s``. Architectures
+    named ``module:function`` are held to ``PIPELINE_MODEL_MODULES`` as in every deployment (``deployed``)."""
+    unknown = set(args) - {"storage_root", "model", "version", "follow_every_s"}
+    if unknown:
+        raise ValueError(f"serve_model args: {sorted(unknown)} unknown; it takes storage_root, model, version, follow_every_s")
+    pinned = int(args["version"]) if args.get("version") not in (None, "") else None
+    root, model, _ = resolved(args.get("model"), args.get("storage_root", "storage"), pinned)
+    return ChampionEndpoint.bind(root, model, pinned, deployed=True, follow_every_s=float(args.get("follow_every_s", 5.0)))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Start (or join) Ray, run the app, follow the champion until Ctrl-C."""
+    """Start (or join) Ray, run the app, say each swap and refusal until Ctrl-C."""
     args = parse_args(argv)
     try:
-        model = PromoteConfig(model_name=args.model).model_name if args.model else registry_model_name(DEFAULT_WORKLOAD, ModelConfig().name)
-        root = StorageLayout.create(PipelineConfig(storage_root=args.storage_root).storage_root, "serve").root
-        version = lookup.resolve(root, model, args.version)[0]  # before Ray starts: a missing or damaged one named, exit 2
-    except ValidationError as exc:  # --model or --storage-root: pydantic's message, without its dump
-        print(f"cannot serve: {exc.errors()[0]['msg'].removeprefix('Value error, ')}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # no such model or version, a damaged registry: named by the registry
+        root, model, version = resolved(args.model, args.storage_root, args.version)  # a missing or damaged one: exit 2
+    except ValueError as exc:
         print(f"cannot serve: {exc}", file=sys.stderr)
         return 2
-    address, kwargs = ray_init_args(RayConfig(address=args.ray_address), api_url="")
-    kwargs["runtime_env"]["env_vars"].pop("PREFECT_API_URL", None)  # no Prefect here
+    api = current_api_url() or ""  # the replica follows promotion events there, and says what it serves
+    address, kwargs = ray_init_args(RayConfig(address=args.ray_address), api_url=api)
+    if not api:
+        kwargs["runtime_env"]["env_vars"].pop("PREFECT_API_URL", None)
     kwargs["logging_level"] = logging.ERROR
     with local_gcs_port(kwargs):
         ray.init(address, **kwargs)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        handle = serve.run(ChampionEndpoint.bind(root, model, version), name=APP_NAME, route_prefix="/")
+        app = ChampionEndpoint.bind(root, model, args.version, follow_every_s=args.follow_every)
+        handle = serve.run(app, name=APP_NAME, route_prefix="/")
+        said = handle.model_info.remote().result()
         url = f"http://{args.host}:{args.port}"
-        print(f"Serving {model} v{version} on {url}  (POST /predict, GET /model, GET /healthz; Ctrl-C stops it)", flush=True)
+        print(f"Serving {model} v{said['version']} on {url}  (POST /predict, GET /model, GET /healthz; Ctrl-C stops it)", flush=True)
         print(f"  curl -s -H 'content-type: image/png' --data-binary @digit.png {url}/predict", flush=True)
+        print(following_line(said.get("following"), api), flush=True)
         while True:
-            time.sleep(args.follow_every)
-            now = _champion(root, model) if args.version is None else version
-            if now is not None and now != version:
-                print(f"{model}: champion v{now} promoted, swapping from v{version}", flush=True)
-                print(swap_outcome(handle.swap.remote(now).result(), now), flush=True)
-                version = now
+            time.sleep(1)
+            now = handle.model_info.remote().result()
+            for line in changes(said, now):
+                print(line, flush=True)
+            said = now
     except KeyboardInterrupt:
         return 0
     finally:
@@ -190,18 +248,25 @@ def main(argv: list[str] | None = None) -> int:
         ray.shutdown()
 
 
-def swap_outcome(info: dict[str, Any], wanted: int) -> str:
-    """What a swap to ``wanted`` did, from the app's ``GET /model``: the version that answers, or why it was refused."""
-    refused = info.get("refused") or {}
-    if info["version"] != wanted and refused.get("version") == wanted:
-        return f"{info['model']}: v{wanted} refused, v{info['version']} keeps answering: {refused['reason']}"
-    return f"{info['model']}: v{info['version']} answers now"
+def following_line(following: dict[str, Any] | None, api: str) -> str:
+    """How the app follows the champion, for the terminal."""
+    if following is None:
+        return "  a version named: kept, promotions not followed"
+    every = f"the champion pointer every {following['pointer_every_s']:g} s"
+    if api:
+        return f"  following promotions: Prefect's pipeline.model.promoted events from {redact_text(api)}, and {every}"
+    return f"  following promotions: {every} (set PREFECT_API_URL to swap at each pipeline.model.promoted event)"
 
 
-def _champion(root: str, model: str) -> int | None:
-    """The champion pointer's version now (None when it is missing)."""
-    pointer = read_champion(root, model)
-    return pointer["version"] if pointer else None
+def changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """What changed between two of the app's ``GET /model`` answers: a swap, a refusal."""
+    lines = []
+    if now["version"] != before["version"]:
+        lines.append(f"{now['model']}: v{now['version']} answers now (was v{before['version']})")
+    refused = now.get("refused")
+    if refused and refused != before.get("refused"):
+        lines.append(f"{now['model']}: v{refused['version']} refused, v{now['version']} keeps answering: {refused['reason']}")
+    return lines
 
 
 if __name__ == "__main__":

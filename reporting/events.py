@@ -28,8 +28,10 @@ GATE_FAILED = "pipeline.gate.failed"  # the test accuracy was below evaluate.min
 PROMOTED = "pipeline.model.promoted"  # a new champion: model, version, accuracy, run, the champion it replaced
 DATA_LANDED = "pipeline.data.landed"  # a watched folder's listing changed (flows.watch)
 PREDICTIONS_WRITTEN = "pipeline.predictions.written"  # flows.score wrote a champion's predictions
+SERVED = "pipeline.model.served"  # a serving replica answers with a version now (deployments.serve_model)
+SERVING_REFUSED = "pipeline.model.serving-refused"  # a serving replica refused a version: its checks failed, the old answers
 
-EVENTS = (DATA_CHECKED, NOTHING_NEW, GATE_FAILED, PROMOTED, DATA_LANDED, PREDICTIONS_WRITTEN)
+EVENTS = (DATA_CHECKED, NOTHING_NEW, GATE_FAILED, PROMOTED, DATA_LANDED, PREDICTIONS_WRITTEN, SERVED, SERVING_REFUSED)
 
 
 def model_resource(registry_name: str, workload: str, model: str) -> dict[str, str]:

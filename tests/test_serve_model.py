@@ -1,8 +1,10 @@
 """``python -m deployments.serve_model``: the champion answers HTTP requests from a real Ray Serve app, as
 ``flows.predict`` scores the same images, and a promotion swaps the answering version while a client keeps asking,
 without a failed request; a damaged new version is refused and the old one keeps answering; bad requests get a 4xx
-naming the problem. Real parts: the registry on a storage root with real ResNet-18 weights, the command in its own
-process with its own local Ray, HTTP on loopback, and ``flows.predict`` on the session's Ray."""
+naming the problem. The swaps come from Prefect's ``pipeline.model.promoted`` events (the pointer is looked at every
+600 s in that test, so only an event explains a swap within its deadline), and without a Prefect API from the pointer.
+Real parts: the registry on a storage root with real ResNet-18 weights, the command in its own process with its own
+local Ray, HTTP on loopback, the session's Prefect server, and ``flows.predict`` on the session's Ray."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from deployments.promotions import ChampionFollower
+from reporting import events
 from storage_io import StorageLayout
+from tests.support.prefect_server import api_env, using_api
 from tests.support.ray_cluster import join_env
 from tests.support.registry import candidate, light_candidate, make_dataset
 from training.champion import registry
@@ -68,16 +73,16 @@ def wait_for(url: str, process: subprocess.Popen, log: Path, seconds: float = 24
 
 @pytest.mark.slow
 @pytest.mark.spine
-def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_request(tmp_path, shared_ray):
+def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_request(tmp_path, shared_ray, shared_server):
     layout = StorageLayout.create(str(tmp_path / "root"), "serve")
     dataset = make_dataset(layout, "mnist-a")
     assert registry.promote(layout, MODEL, candidate(layout, "run-1", 0.90, dataset, seed=1)).promoted
     digits, labels = sample_digits(24)
     port, log = free_port(), tmp_path / "serve.log"
     url = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PIPELINE_", "RAY_ADDRESS"))}
+    env = {k: v for k, v in api_env(shared_server.api).items() if not k.startswith(("PIPELINE_", "RAY_ADDRESS"))}
     command = [sys.executable, "-m", "deployments.serve_model", "--model", MODEL, "--storage-root", layout.root,
-               "--port", str(port), "--follow-every", "0.5"]
+               "--port", str(port), "--follow-every", "600"]
     with log.open("w") as out:
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -86,7 +91,12 @@ def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_reque
         while f"Serving {MODEL} v1 on {url}" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.2)
         assert f"Serving {MODEL} v1 on {url}" in log.read_text(), log.read_text()
-        assert httpx.get(f"{url}/model", timeout=30).json()["version"] == 1
+        info = httpx.get(f"{url}/model", timeout=30).json()
+        assert info["version"] == 1 and info["following"]["events"] and info["following"]["pointer_every_s"] == 600, info
+        assert "following promotions: Prefect's pipeline.model.promoted events from" in log.read_text()
+        deadline = time.monotonic() + 60
+        while not httpx.get(f"{url}/model", timeout=30).json()["following"]["events_connected"] and time.monotonic() < deadline:
+            time.sleep(0.5)
 
         # The served answers are flows.predict's on the same images (its run: the session's Ray).
         batch = {"images": [base64.b64encode(png(d)).decode() for d in digits]}
@@ -133,7 +143,8 @@ def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_reque
         try:
             time.sleep(1)
             assert registry.promote(layout, MODEL, candidate(layout, "run-2", 0.95, dataset, seed=2)).promoted
-            deadline = time.monotonic() + 120
+            promoted(shared_server, layout, 2)
+            deadline = time.monotonic() + 60
             while httpx.get(f"{url}/model", timeout=30).json()["version"] != 2 and time.monotonic() < deadline:
                 time.sleep(0.5)
             time.sleep(1)
@@ -146,7 +157,8 @@ def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_reque
         # A new champion whose model.pt is no weights (its checksum is right: it is what the run left): refused, the
         # old one keeps answering.
         assert registry.promote(layout, MODEL, light_candidate(layout, "run-3", 0.97, dataset)).promoted
-        deadline = time.monotonic() + 120
+        promoted(shared_server, layout, 3)
+        deadline = time.monotonic() + 60
         while (httpx.get(f"{url}/model", timeout=30).json().get("refused") or {}).get("version") != 3 and time.monotonic() < deadline:
             time.sleep(0.5)
         now = httpx.get(f"{url}/model", timeout=30).json()
@@ -154,6 +166,9 @@ def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_reque
         assert "weights do not load" in now["refused"]["reason"], now
         still = httpx.post(f"{url}/predict", json={"images": batch["images"][:2]}, timeout=60)
         assert still.status_code == 200 and still.json()["version"] == 2
+        deadline = time.monotonic() + 10  # the command says what GET /model says within its one-second look
+        while "v3 refused" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
         process.send_signal(signal.SIGINT)
         try:
@@ -162,4 +177,55 @@ def test_the_champion_answers_and_each_promotion_swaps_it_without_a_failed_reque
             process.kill()
     assert process.returncode == 0, log.read_text()[-3000:]
     said = log.read_text()
-    assert f"{MODEL}: v2 answers now" in said and f"{MODEL}: v3 refused, v2 keeps answering: " in said, said[-3000:]
+    assert f"{MODEL}: v2 answers now (was v1)" in said and f"{MODEL}: v3 refused, v2 keeps answering: " in said, said[-3000:]
+    # The replica said so as events: v1 and v2 served, v3 refused (sent by the replica, best effort: the server has them).
+    body = {"filter": {"event": {"name": [events.SERVED, events.SERVING_REFUSED]}, "resource": {"id": [f"pipeline.model.{MODEL}"]},
+                       "order": "ASC"}, "limit": 50}
+    mine = [(e["event"], e["payload"]["version"]) for e in shared_server.post("/events/filter", body)["events"]
+            if e["payload"].get("storage_root") == layout.root]
+    assert mine == [(events.SERVED, 1), (events.SERVED, 2), (events.SERVING_REFUSED, 3)], mine
+
+
+def promoted(server, layout: StorageLayout, version: int) -> None:
+    """The event the promote stage sends after it moved the pointer (`flows.stages.announce_promotion`), to ``server``."""
+    with using_api(server.api):
+        sent, why = events.send(events.PROMOTED, events.model_resource(MODEL, "mnist", "resnet18"),
+                                {"model": MODEL, "version": version, "storage_root": layout.root})
+    assert sent, why
+
+
+def test_without_a_prefect_api_the_follower_reads_the_pointer_and_hands_each_new_version_once(tmp_path):
+    layout = StorageLayout.create(str(tmp_path / "root"), "serve")
+    dataset = make_dataset(layout, "mnist-a")
+    assert registry.promote(layout, MODEL, light_candidate(layout, "run-1", 0.90, dataset)).promoted
+    handed: list[int] = []
+    follower = ChampionFollower(layout.root, MODEL, 1, handed.append, every_s=0.1, api_url="").start()
+    try:
+        time.sleep(0.5)
+        assert handed == [] and follower.describe()["events"] is False  # the same champion: nothing handed
+        assert registry.promote(layout, MODEL, light_candidate(layout, "run-2", 0.95, dataset)).promoted
+        deadline = time.monotonic() + 10
+        while not handed and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert handed == [2]  # once, not at every look
+    finally:
+        follower.stop()
+
+
+def test_serve_run_and_a_rayservice_build_the_app_from_args_checked_before_ray(tmp_path):
+    """``serve run deployments.serve_model:build storage_root=... model=...`` and a RayService's serveConfigV2 build
+    the app with `build`: a champion that is not there, an unknown arg or a bad model name is named before any replica."""
+    from ray.serve import Application
+
+    from deployments.serve_model import build
+
+    layout = StorageLayout.create(str(tmp_path / "root"), "serve")
+    with pytest.raises(ValueError, match=f"{MODEL}"):
+        build({"storage_root": layout.root, "model": MODEL})  # no champion yet
+    assert registry.promote(layout, MODEL, light_candidate(layout, "run-1", 0.90, make_dataset(layout, "mnist-a"))).promoted
+    assert isinstance(build({"storage_root": layout.root, "model": MODEL, "follow_every_s": "2"}), Application)
+    with pytest.raises(ValueError, match="follow_every"):
+        build({"storage_root": layout.root, "follow_every": "2"})
+    with pytest.raises(ValueError, match="model"):
+        build({"storage_root": layout.root, "model": "no/such name"})
