@@ -71,14 +71,15 @@ class ChampionFollower:
 
     async def _listen(self) -> None:
         """Wake `_follow` on each promotion event of the model; reopen the stream after it closed."""
+        from prefect.events import filters  # Prefect: only in a replica that has an API
         from prefect.events.clients import get_events_subscriber  # Prefect: only in a replica that has an API
-        from prefect.events.filters import EventFilter, EventNameFilter, EventOccurredFilter, EventResourceFilter
 
         while not self.stopped.is_set():
             # From now on: the stream's default window replays 180 days of past promotions first; its default end is now.
             now = datetime.now(timezone.utc)
-            wanted = EventFilter(event=EventNameFilter(name=[events.PROMOTED]), occurred=EventOccurredFilter(since=now, until=now + FOREVER),
-                                 resource=EventResourceFilter(id=[f"pipeline.model.{self.model}"]))
+            wanted = filters.EventFilter(event=filters.EventNameFilter(name=[events.PROMOTED]),
+                                         occurred=filters.EventOccurredFilter(since=now, until=now + FOREVER),
+                                         resource=filters.EventResourceFilter(id=[f"pipeline.model.{self.model}"]))
             try:
                 async with get_events_subscriber(filter=wanted, reconnection_attempts=0) as stream:
                     self.listening = True

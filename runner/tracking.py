@@ -11,8 +11,8 @@ That makes every repair safe by construction:
   the one MLflow run;
 - an epoch is logged only when its step (the global epoch) is not in MLflow yet, so a resumed
   attempt that trains epoch 5 again after a restart adds no second point;
-- a promoted model becomes a version of the registered model of the registry's name once, with
-  the alias ``champion`` moved to it (MLflow's aliases, not its deprecated stages).
+- a promoted model becomes a version of the registered model of the registry's name once, an MLflow model that
+  ``mlflow models serve`` serves (`runner.tracking_model`), the alias ``champion`` moved to it (not deprecated stages).
 
 A tracking server that is down or slow never fails the run: the first failed request is warned
 about once, the tracker stops asking for the rest of the run, and the summary lists what was not
@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline_config import PipelineConfig
 from runner.summary import RunSummary
+from runner.tracking_model import write_mlflow_model
 from runner.tracking_records import (
     epoch_rows,
     evaluation_files,
@@ -242,8 +243,7 @@ class Tracker:
             self.client().log_batch(self.run_id, metrics=metrics)
 
     def _log_artifacts(self, summary: RunSummary) -> None:
-        """The confusion matrix, the training curves and the evaluation's metrics.json (a promoted run's
-        model card comes with its model version); written again, they replace themselves."""
+        """The confusion matrix, curves and metrics.json (a model card: with its model version); rewritten, they replace themselves."""
         history = list(epoch_rows(join(self.layout.run_dir, HISTORY_FILE)).values())
         with tempfile.TemporaryDirectory(prefix="mlflow-") as folder:
             evaluation_files(Path(folder), summary.evaluation, history)
@@ -267,12 +267,14 @@ class Tracker:
         client.set_registered_model_alias(name, ALIAS, mine.version)
 
     def _log_version_folder(self, version_dir: str) -> None:
-        """Our registry version's files (model.pt, its checksums, the model card, pictures) as the run's ``model/``."""
+        """Our registry version as an MLflow model, the run's ``model/`` (`runner.tracking_model`)."""
         folder = version_dir if "://" in version_dir or Path(version_dir).is_absolute() else join(self.layout.root, version_dir)
-        with tempfile.TemporaryDirectory(prefix="mlflow-model-") as local:
+        with tempfile.TemporaryDirectory(prefix="mlflow-model-") as local:  # our files, then the MLflow model of them
+            (files := Path(local) / "version").mkdir()
             for path in stored_files(folder):
-                (Path(local) / Path(path).name).write_bytes(read_bytes(path))
-            self.client().log_artifacts(self.run_id, local, "model")
+                (files / Path(path).name).write_bytes(read_bytes(path))
+            write_mlflow_model(files, Path(local) / "model")
+            self.client().log_artifacts(self.run_id, str(Path(local) / "model"), "model")
 
     def _log_trials(self, tuning: dict[str, Any]) -> None:
         """One nested run per Ray Tune trial: its sampled recipe and its epochs."""

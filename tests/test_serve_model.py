@@ -9,11 +9,7 @@ local Ray, HTTP on loopback, the session's Prefect server, and ``flows.predict``
 from __future__ import annotations
 
 import base64
-import gzip
-import io
-import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,38 +20,19 @@ import httpx
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from PIL import Image
 
 from deployments.promotions import ChampionFollower
 from reporting import events
 from storage_io import StorageLayout
-from tests.support.prefect_server import api_env, using_api
+from tests.support.gate_data import sample_digits
+from tests.support.parquet_hf import png
+from tests.support.prefect_server import api_env, free_port, using_api
 from tests.support.ray_cluster import join_env
 from tests.support.registry import candidate, light_candidate, make_dataset
 from training.champion import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mnist-resnet18"
-
-
-def sample_digits(count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The bundled sample's first ``count`` test digits (28x28 uint8) and labels."""
-    def read(name: str, offset: int) -> np.ndarray:
-        return np.frombuffer(gzip.decompress((ROOT / "data" / "mnist-sample" / name).read_bytes())[offset:], dtype=np.uint8)
-
-    return read("t10k-images-idx3-ubyte.gz", 16).reshape(-1, 28, 28)[:count], read("t10k-labels-idx1-ubyte.gz", 8)[:count]
-
-
-def png(pixels: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for(url: str, process: subprocess.Popen, log: Path, seconds: float = 240) -> None:

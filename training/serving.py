@@ -22,8 +22,10 @@ import numpy as np
 import pyarrow as pa
 
 from dataset.tensors.batches import prepare_batch
+from storage_io import exists, join, read_json
 from training.champion import lookup
 from training.champion.card_scoring import CardScoring, card_scoring
+from training.champion.registry_files import CARD_FILE, card_problem, verify_weights
 from training.inference import Predictor
 
 # The most classes an answer lists for one image, most probable first.
@@ -36,8 +38,25 @@ class Scorer:
     ValueError (RegistryDamaged, a ValueError, for a damaged registry) naming what is wrong, before any request."""
 
     def __init__(self, root: str, model: str, version: int | None = None, threads: int = 1, deployed: bool = False):
-        self.version, self.folder, self.card = lookup.resolve(root, model, version)  # model.pt against its checksum
-        self.model, self.root = model, root
+        version, folder, card = lookup.resolve(root, model, version)  # model.pt against its checksum
+        self._load(model, version, folder, card, threads, deployed)
+
+    @classmethod
+    def from_folder(cls, folder: str, threads: int = 1) -> Scorer:
+        """One version's folder on its own, outside its registry (model.pt, its ``_checksums.json``, the model card: what an
+        MLflow model of it holds, `runner.tracking_model`), checked as a registry's version is; ValueError naming it."""
+        card = read_json(join(folder, CARD_FILE)) if exists(join(folder, CARD_FILE)) else None
+        version = card.get("version") if isinstance(card, dict) else None
+        problem = card_problem(card, version) if card is not None else "missing"
+        if problem or not isinstance(card.get("model"), str):
+            raise ValueError(f"{join(folder, CARD_FILE)}: {problem or 'names no model'}")
+        verify_weights(folder)
+        scorer = cls.__new__(cls)
+        scorer._load(card["model"], version, folder, card, threads, deployed=False)
+        return scorer
+
+    def _load(self, model: str, version: int, folder: str, card: dict, threads: int, deployed: bool) -> None:
+        self.model, self.version, self.folder, self.card = model, version, folder, card
         self.scoring: CardScoring = card_scoring(self.card, self.folder, 1, 256, deployed=deployed)
         try:
             self.predictor = Predictor(self.folder, threads, self.scoring.evaluate.tta, self.scoring.model.model_dump())

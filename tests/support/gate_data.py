@@ -19,6 +19,11 @@ SAMPLE = ROOT / "data" / "mnist-sample"
 TRAIN_ROWS, TEST_ROWS = 1257, 540
 
 
+def sample_digits(count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The bundled sample's first ``count`` test digits (28x28 uint8) and labels."""
+    return read_idx(SAMPLE / "t10k-images-idx3-ubyte.gz")[:count], read_idx(SAMPLE / "t10k-labels-idx1-ubyte.gz")[:count]
+
+
 def digits_8x8() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(train images, train labels, test images, test labels): 8x8 uint8 digits from the bundled sample, the
     28x28 digit's central 24x24 averaged over 3x3 blocks and kept to 17 gray levels (as the classic set)."""

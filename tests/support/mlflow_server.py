@@ -109,4 +109,5 @@ class MlflowServer:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
-        return hashlib.sha256((Path(local) / "model.pt").read_bytes()).hexdigest()
+        # An MLflow pyfunc model (runner.tracking_model) whose artifact "version" is our registry's version folder.
+        return hashlib.sha256((Path(local) / "artifacts" / "version" / "model.pt").read_bytes()).hexdigest()
