@@ -1,7 +1,7 @@
 """Serve a model's champion over HTTP with Ray Serve, following each new champion without a restart.
 
     python -m deployments.serve_model --model mnist-resnet18        # ./storage's champion on http://127.0.0.1:8000
-    curl -s -H 'content-type: image/png' --data-binary @digit.png http://127.0.0.1:8000/predict
+    curl -s -H 'content-type: image/png' --data-binary @data/digits/7.png http://127.0.0.1:8000/predict
     curl -s http://127.0.0.1:8000/model                              # which version answers, since when
 
 ``POST /predict`` takes one PNG or JPEG image (``content-type: image/png`` or ``image/jpeg``), a batch of them as JSON
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         said = handle.model_info.remote().result()
         url = f"http://{args.host}:{args.port}"
         print(f"Serving {model} v{said['version']} on {url}  (POST /predict, GET /model, GET /healthz; Ctrl-C stops it)", flush=True)
-        print(f"  curl -s -H 'content-type: image/png' --data-binary @digit.png {url}/predict", flush=True)
+        print(f"  curl -s -H 'content-type: image/png' --data-binary @data/digits/7.png {url}/predict", flush=True)
         print(following_line(said.get("following"), api), flush=True)
         while True:
             time.sleep(1)

@@ -206,3 +206,12 @@ def test_serve_run_and_a_rayservice_build_the_app_from_args_checked_before_ray(t
         build({"storage_root": layout.root, "follow_every": "2"})
     with pytest.raises(ValueError, match="model"):
         build({"storage_root": layout.root, "model": "no/such name"})
+
+
+def test_the_digits_the_readme_sends_are_the_bundled_samples_first_of_each_class():
+    from PIL import Image
+
+    digits, labels = sample_digits(1000)
+    for label in range(10):
+        first = digits[int(np.flatnonzero(labels == label)[0])]
+        assert np.array_equal(np.asarray(Image.open(ROOT / "data" / "digits" / f"{label}.png")), first), label
