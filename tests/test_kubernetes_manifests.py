@@ -21,6 +21,7 @@ from deployments.kubernetes import check, rules, work_pool
 
 RAYJOB = check.HERE / "rayjob.yaml"
 RAYCLUSTER = check.HERE / "raycluster.yaml"
+RAYSERVICE = check.HERE / "rayservice.yaml"
 
 
 def documents(path):
@@ -28,11 +29,11 @@ def documents(path):
 
 
 def ray_object(docs):
-    return next(d for d in docs if d["kind"] in ("RayJob", "RayCluster"))
+    return next(d for d in docs if d["kind"] in ("RayJob", "RayCluster", "RayService"))
 
 
 def cluster_spec(doc):
-    return doc["spec"]["rayClusterSpec"] if doc["kind"] == "RayJob" else doc["spec"]
+    return {"RayJob": doc["spec"].get("rayClusterSpec"), "RayService": doc["spec"].get("rayClusterConfig")}.get(doc["kind"], doc["spec"])
 
 
 def work_pool_template():
@@ -44,7 +45,7 @@ def test_the_image_tag_is_the_lock_hash():
     assert image_reference() == f"prefect-ray-training:{lock_hash(LOCK)}"
 
 
-@pytest.mark.parametrize("path", [RAYJOB, RAYCLUSTER], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [RAYJOB, RAYCLUSTER, RAYSERVICE], ids=lambda p: p.name)
 def test_each_manifest_validates(path):
     docs = documents(path)
     assert {d["kind"] for d in docs} >= {"PodDisruptionBudget"}
@@ -117,6 +118,67 @@ def _long_name(docs):
     ray_object(docs)["metadata"]["name"] = "mnist-train-" + "x" * 40
 
 
+# A RayService's breakages: its spec, and its serveConfigV2 (parsed, edited and written back as the YAML string it is).
+def _misspell_service(docs):
+    spec = ray_object(docs)["spec"]
+    spec["rayClusterDeletionDelaySecond"] = spec.pop("rayClusterDeletionDelaySeconds")
+
+
+def _serve_config(docs, edit):
+    spec = ray_object(docs)["spec"]
+    config = yaml.safe_load(spec["serveConfigV2"])
+    edit(config["applications"][0])
+    spec["serveConfigV2"] = yaml.safe_dump(config, sort_keys=False)
+
+
+def _serve_config_not_yaml(docs):
+    ray_object(docs)["spec"]["serveConfigV2"] += "      args: {storage_root: s3://mnist-artifacts/mnist\n"
+
+
+def _import_path_no_module(docs):
+    _serve_config(docs, lambda app: app.update(import_path="deployments.serve_modle:build"))
+
+
+def _import_path_no_attribute(docs):
+    _serve_config(docs, lambda app: app.update(import_path="deployments.serve_model:buld"))
+
+
+def _unknown_build_arg(docs):
+    _serve_config(docs, lambda app: app["args"].update(storage_rot="s3://mnist-artifacts/mnist"))
+
+
+def _storage_root_on_the_pod(docs):
+    _serve_config(docs, lambda app: app["args"].update(storage_root="storage"))
+
+
+def _misspelt_deployment_option(docs):
+    _serve_config(docs, lambda app: app["deployments"][0].update(num_replica=app["deployments"][0].pop("num_replicas")))
+
+
+def _no_such_deployment(docs):
+    _serve_config(docs, lambda app: app["deployments"][0].update(name="Champion"))
+
+
+def _no_serve_port(docs):
+    _head(docs)["ports"] = [port for port in _head(docs)["ports"] if port["name"] != "serve"]
+
+
+def _bad_build_values(docs):
+    _serve_config(docs, lambda app: app["args"].update(model="MNIST_resnet18", version="latest", follow_every_s="soon"))
+
+
+def _initializing_timeout_not_a_duration(docs):
+    ray_object(docs)["metadata"]["annotations"] = {"ray.io/initializing-timeout": "ten minutes"}
+
+
+def _incremental_upgrade_without_options(docs):
+    ray_object(docs)["spec"]["upgradeStrategy"]["type"] = "NewClusterWithIncrementalUpgrade"
+
+
+def _long_service_name(docs):
+    ray_object(docs)["metadata"]["name"] = "mnist-serve-" + "x" * 36  # 48: a RayCluster could have it, not a RayService
+
+
 BREAKAGES = [
     (RAYJOB, _misspell, ["shutdownAfterJobFinish", "Additional properties"]),
     (RAYCLUSTER, _misspell_deep, ["terminationGracePeriod", "Additional properties"]),
@@ -130,6 +192,25 @@ BREAKAGES = [
     (RAYCLUSTER, _budget_misses_the_head, ["no PodDisruptionBudget", "selects its head"]),
     (RAYJOB, _budget_takes_the_workers_too, ["PodDisruptionBudget mnist-train-head", "also selects worker pods"]),
     (RAYJOB, _long_name, ["metadata.name", "47"]),
+    (RAYSERVICE, _misspell_service, ["RayService spec", "rayClusterDeletionDelaySecond", "Additional properties"]),
+    (RAYSERVICE, _serve_config_not_yaml, ["RayService spec.serveConfigV2: not YAML", "Ray Serve's config"]),
+    (RAYSERVICE, _import_path_no_module, ["applications[0].import_path", "'deployments.serve_modle:build'", "no module"]),
+    (RAYSERVICE, _import_path_no_attribute, ["applications[0].import_path", "deployments/serve_model.py defines no buld"]),
+    (RAYSERVICE, _unknown_build_arg, ["applications[0].args", "['storage_rot'] unknown to deployments.serve_model:build",
+                                      "follow_every_s, model, storage_root, version"]),
+    (RAYSERVICE, _storage_root_on_the_pod, ["applications[0].args.storage_root", "s3://"]),
+    (RAYSERVICE, _misspelt_deployment_option, ["deployments[0]", "num_replica", "serve-config.schema.json"]),
+    (RAYSERVICE, _no_such_deployment, ["deployments[0].name 'Champion'", "ChampionEndpoint"]),
+    (RAYSERVICE, _no_serve_port, ["containers[0].ports", "no port named 'serve'", "-serve-svc"]),
+    (RAYSERVICE, _bad_build_values, ["args.model 'MNIST_resnet18'", "args.version 'latest'", "args.follow_every_s 'soon'"]),
+    (RAYSERVICE, _initializing_timeout_not_a_duration, ["ray.io/initializing-timeout", "'ten minutes'", "positive duration"]),
+    (RAYSERVICE, _incremental_upgrade_without_options, ["spec.upgradeStrategy", "enableInTreeAutoscaling", "clusterUpgradeOptions"]),
+    (RAYSERVICE, _long_service_name, ["RayService metadata.name", "47"]),
+    (RAYSERVICE, _wrong_ray_version, ["RayService spec.rayClusterConfig.rayVersion", "'2.59.0'", "lock's ray '2.60.0'"]),
+    (RAYSERVICE, _image_not_the_lock_hash, ["spec.rayClusterConfig.workerGroupSpecs[0]", "0123456789ab"]),
+    (RAYSERVICE, _short_grace, ["spec.rayClusterConfig.workerGroupSpecs[0]", "terminationGracePeriodSeconds", "90 s"]),
+    (RAYSERVICE, _secret_in_the_file, ["RayService mnist-serve", "AWS_SECRET_ACCESS_KEY", "Secret"]),
+    (RAYSERVICE, _no_budget, ["RayService mnist-serve: no PodDisruptionBudget", "head"]),
 ]
 
 
@@ -224,7 +305,7 @@ def test_a_path_that_holds_no_manifest_exits_2_naming_it(tmp_path, capsys, make,
 @pytest.mark.parametrize("argv", [[], [check.HERE], [RAYJOB]], ids=["default", "folder", "file"])
 def test_the_shipped_manifests_pass_the_command_line_check(capsys, argv):
     code, out = run_check(capsys, *argv)
-    names = ["rayjob.yaml"] if argv == [RAYJOB] else ["prefect-work-pool.json", "raycluster.yaml", "rayjob.yaml"]
+    names = ["rayjob.yaml"] if argv == [RAYJOB] else ["prefect-work-pool.json", "raycluster.yaml", "rayjob.yaml", "rayservice.yaml"]
     assert code == 0 and out.startswith("ok: ") and all(name in out for name in names), out
 
 
@@ -439,3 +520,62 @@ def test_the_url_parameters_checked_are_the_redaction_rules():
         found = credential_text.find_credentials(f"see https://h.example.com/p?{name}=Zq8hunter2wXk&page=1")
         assert found and all("Zq8hunter2wXk" not in line for line in found), (name, found)
     assert credential_text.find_credentials("https://h.example.com/p?page=1&sort=asc") == []
+
+
+# A RayService's serveConfigV2: credentials in it, and the check's knowledge of Ray Serve and of build() against theirs.
+def _serve_args(docs, text):
+    _serve_config(docs, lambda app: app["args"].update(yaml.safe_load(text)))
+
+
+def _serve_config_comment(docs, text):
+    ray_object(docs)["spec"]["serveConfigV2"] += f"# {text}\n"
+
+
+SERVE_ARGS = "RayService mnist-serve spec.serveConfigV2 applications[0].args"
+IN_SERVE_CONFIG = [
+    (_serve_args, "{{storage_root: 's3://{}:{}@mnist-artifacts/mnist'}}", [f"{SERVE_ARGS}.storage_root: ", "s3:// URL (:<redacted>@)"]),
+    (_serve_args, "{{aws_secret_access_key: '{}{}'}}", [f"{SERVE_ARGS}.aws_secret_access_key: ", "aws_secret_access_key: <redacted>"]),
+    (_serve_config_comment, "AWS_ACCESS_KEY_ID={} AWS_SECRET_ACCESS_KEY={}", ["RayService mnist-serve spec.serveConfigV2: ",
+                                                                            "AWS_SECRET_ACCESS_KEY=<redacted>", "an AWS access key id"]),
+]
+
+
+@pytest.mark.parametrize(("put", "text", "words"), IN_SERVE_CONFIG, ids=["storage-root-url", "named-arg", "comment"])
+def test_a_credential_in_serve_config_fails_naming_the_value_path_never_the_value(tmp_path, capsys, put, text, words):
+    docs = copy.deepcopy(documents(RAYSERVICE))
+    put(docs, text.format(FAKE_KEY_ID, SECRET))
+    code, out = run_check(capsys, write_manifest(tmp_path, docs))
+    assert code == 1 and "an inline credential" in out and "pods' env" in out and all(word in out for word in words), out
+    assert SECRET not in out and FAKE_KEY_ID not in out, out
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray Serve's models, on pydantic 2
+def test_the_serve_config_schema_holds_only_ray_serves_fields():
+    """schemas/serve-config.schema.json is our closed subset of Ray Serve's config models: every field is one of theirs."""
+    from ray.serve import schema as ray_schema
+
+    ours = json.loads((check.SCHEMAS / "serve-config.schema.json").read_text())["$defs"]
+    theirs = {"ServeConfigV2": ray_schema.ServeDeploySchema, "Application": ray_schema.ServeApplicationSchema,
+              "Deployment": ray_schema.DeploymentSchema, "RayActorOptions": ray_schema.RayActorOptionsSchema}
+    assert set(ours) == set(theirs)
+    for name, model in theirs.items():
+        assert set(ours[name]["properties"]) <= set(model.model_fields), name
+        assert ours[name]["additionalProperties"] is False, name
+    ray_schema.ServeDeploySchema.model_validate(yaml.safe_load(ray_object(documents(RAYSERVICE))["spec"]["serveConfigV2"]))
+
+
+def test_the_args_the_check_allows_are_the_ones_build_takes():
+    """The check reads build's args from its source (ast, no import); build itself names the same ones when refusing."""
+    import ast
+
+    from deployments import serve_model
+    from deployments.kubernetes import ray_service
+
+    tree = ast.parse(ray_service.module_file("deployments.serve_model").read_text())
+    names = ray_service.top_level_names(tree)
+    takes = ray_service.builder_args(names["build"], names)
+    assert takes == {"storage_root", "model", "version", "follow_every_s"}
+    with pytest.raises(ValueError) as refused:
+        serve_model.build({"storage_rot": "s3://x/y"})
+    assert set(str(refused.value).split("it takes ")[1].split(", ")) == takes
+    assert ray_service.deployment_names(tree) == {"ChampionEndpoint"} and serve_model.APP_NAME == "champion"

@@ -7,11 +7,13 @@ No cluster is needed, nor the KubeRay CRDs (which cannot be fetched here): each 
    additionalProperties false, so
    a misspelt field fails here instead of being pruned in silence by the API server);
 2. against the rules the KubeRay operator applies when it reconciles, which no schema expresses
-   (a TTL needs shutdownAfterJobFinishes, name lengths, authOptions' Ray version, ...);
+   (a TTL needs shutdownAfterJobFinishes, name lengths, authOptions' Ray version, ...), and a
+   RayService's serveConfigV2 (`deployments.kubernetes.ray_service`: YAML, Ray Serve's schema, an
+   import_path in this repository, its builder's args);
 3. against this project: rayVersion is the lock's ray, every image is `<name>:<lock hash>`
    (deployments/images.py), credentials come only from Secrets created outside the manifests (none
    written inline anywhere: entrypoint, command, args, env and envFrom, image references,
-   annotations, labels, rayStartParams, a ConfigMap's data, a Secret's data or stringData; every
+   annotations, labels, rayStartParams, serveConfigV2, a ConfigMap's data, a Secret's data or stringData; every
    secret value masked in every message: `deployments.kubernetes.credentials`), each pod's
    grace period outlasts the drain plus a checkpoint upload, and a PodDisruptionBudget protects
    each Ray head;
@@ -44,6 +46,7 @@ from deployments.images import LOCK, image_reference
 from deployments.kubernetes.credential_text import mask
 from deployments.kubernetes.credentials import config_map_credentials, document_findings
 from deployments.kubernetes.ray_pods import MAX_NAME_LENGTH, budget_errors, cluster_spec, spec_templates
+from deployments.kubernetes.ray_service import service_errors
 from deployments.kubernetes.rules import image_errors, lock_version
 
 HERE = Path(__file__).resolve().parent
@@ -102,7 +105,7 @@ def _prestop_sleep(container: dict) -> int:
 
 
 def rule_errors(doc: dict, lock: Path = LOCK) -> list[str]:
-    """The operator's rules and this project's for one RayJob or RayCluster (nothing for other kinds)."""
+    """The operator's rules and this project's for one RayJob, RayCluster or RayService (nothing for other kinds)."""
     kind = doc.get("kind")
     if kind not in MAX_NAME_LENGTH:
         return []
@@ -138,6 +141,8 @@ def rule_errors(doc: dict, lock: Path = LOCK) -> list[str]:
             yaml.safe_load(spec.get("runtimeEnvYAML") or "")
         except yaml.YAMLError as exc:
             found.append(f"RayJob spec.runtimeEnvYAML: not YAML ({exc.__class__.__name__})")
+    if kind == "RayService":
+        found += service_errors(doc)
     cluster = cluster_spec(doc)
     if cluster is not None:
         found += _cluster_errors(kind, *cluster, lock)
@@ -250,10 +255,11 @@ def check_all(lock: Path = LOCK, path: Path = HERE) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m deployments.kubernetes.check",
-        description="Check Kubernetes manifests (KubeRay RayJob and RayCluster, PodDisruptionBudget) and a Prefect "
+        description="Check Kubernetes manifests (KubeRay RayJob, RayCluster and RayService with its serveConfigV2, "
+        "PodDisruptionBudget) and a Prefect "
         "Kubernetes work-pool template offline: our schemas, KubeRay's rules, the lock's Ray and image tag, "
         "credentials only from Secrets (none inline anywhere: commands, env, envFrom, images, annotations, labels, "
-        "rayStartParams, ConfigMaps, a Secret's own values; never printed), grace periods.",
+        "rayStartParams, serveConfigV2, ConfigMaps, a Secret's own values; never printed), grace periods.",
     )
     parser.add_argument(
         "path",

@@ -1,6 +1,6 @@
 """What in a piece of text looks like an inline credential (an assignment, a flag, a URL's password or parameter, an
-AWS key id, a private key, an Authorization header), described without its value, and messages with the values found
-masked."""
+AWS key id, a private key, an Authorization header), described without its value, the same in each value of a
+RayService's serveConfigV2 (YAML text), and messages with the values found masked."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 from urllib.parse import unquote, urlsplit
+
+import yaml
 
 from storage_io.redact import redact_url
 
@@ -97,6 +99,39 @@ def found_in(text: str) -> list[tuple[str, str | None]]:
     found += [(f"an Authorization: {m['scheme']} {MASK} header", _unquoted(m["secret"])) for m in _AUTHORIZATION.finditer(text)
               if not is_reference(m["secret"])]
     return found
+
+
+def serve_config_findings(where: str, text: str) -> list[Finding]:
+    """Credentials in serveConfigV2 (Ray Serve's config as YAML text): each value, named by its path
+    (``applications[0].args.storage_root``), by its key's name and its text; then anything else in the text (a comment,
+    text that is no YAML). Nothing substitutes ``$(VAR)`` there: the advice is the pods' env, which the replicas read."""
+    def finding(at: str, described: list[str], values: Iterable[str | None]) -> Finding:
+        return Finding(
+            f"{at}: an inline credential ({', '.join(dict.fromkeys(described))}); serveConfigV2 is stored and shown as "
+            f"plain text: put it in a Secret and into the pods' env with valueFrom.secretKeyRef, where the replicas read it",
+            tuple(value for value in values if value),
+        )
+
+    def walk(obj: Any, path: str) -> Iterator[tuple[str, list[tuple[str, str | None]]]]:
+        for key, value in obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ():
+            at = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+            shown = "" if value is None else str(value)
+            if isinstance(value, (dict, list)):
+                yield from walk(value, at)
+            elif isinstance(key, str) and is_credential_name(key) and shown.strip() and not is_reference(shown):
+                yield f"{where} {at}", [(f"{key}: {MASK}", shown)]
+            elif found := found_in(shown):
+                yield f"{where} {at}", found
+
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError:
+        config = None
+    found = list(walk(config, ""))
+    said = {item for _, items in found for item in items}  # what the text holds besides: a comment, text no YAML
+    rest = [item for item in found_in(text) if item not in said and (item[1] is None or item[1] not in {v for _, v in said})]
+    found += [(where, rest)] if rest else []
+    return [finding(at, [d for d, _ in items], [v for _, v in items]) for at, items in found]
 
 
 def find_credentials(text: str) -> list[str]:

@@ -15,7 +15,10 @@ else that looks like a credential is an error:
   value and every value of those maps: ``NAME=value`` / ``name: value`` / ``--name value`` with such
   a name, a URL with ``user:password@``, a URL parameter that `storage_io.redact` hides (``?token=``,
   ``?auth=``, ``?sig=``, ...: found with its `redact_url`, so the rules are its own), an AWS access key
-  id, a private key block, an ``Authorization`` header.
+  id, a private key block, an ``Authorization`` header;
+- in a RayService's ``serveConfigV2`` (Ray Serve's config as YAML text), every value, named by its path
+  (``applications[0].args.storage_root``): a credential's name with a value, or any of the above in its
+  text (``s3://KEY:SECRET@bucket``); and the above anywhere else in the text (a comment).
 
 Messages name the field and what was found (``AWS_SECRET_ACCESS_KEY=<redacted>``), never the value;
 `credential_secrets` gives the values found, so that the check can mask them in every other message
@@ -30,9 +33,17 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from deployments.kubernetes.credential_text import MASK, Finding, found_in, is_credential_name, is_reference
+from deployments.kubernetes.credential_text import (
+    MASK,
+    Finding,
+    found_in,
+    is_credential_name,
+    is_reference,
+    serve_config_findings,
+)
 
 TEXT_FIELDS = ("entrypoint", "command", "args", "runtimeEnvYAML")
+SERVE_CONFIG = "serveConfigV2"  # a YAML text whose values are checked one by one (`serve_config_findings`)
 # Maps of name -> value whose names and values are checked as an env list's are.
 NAMED_VALUES = ("annotations", "labels", "rayStartParams")
 
@@ -133,6 +144,8 @@ def _scan(where: str, obj: Any, path: str = "", config_maps: dict[str, list[str]
         if key in TEXT_FIELDS:
             if finding := _finding(f"{where} {at}", _text(value)):
                 found.append(finding)
+        elif key == SERVE_CONFIG and isinstance(value, str):
+            found += serve_config_findings(f"{where} {at}", value)
         elif key == "image" and isinstance(value, str):
             found += _image_findings(f"{where} {at}", value)
         elif key == "env" and isinstance(value, (dict, list)):

@@ -1,43 +1,44 @@
-"""A RayCluster's or RayJob's pods: its cluster spec, the pod template of each Ray group, the longest name KubeRay
-allows, and the PodDisruptionBudget that must keep its head."""
+"""A RayCluster's, RayJob's or RayService's pods: its cluster spec, the pod template of each Ray group, the longest name
+KubeRay allows, and the PodDisruptionBudget that must keep its head."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-# KubeRay appends 6 characters to a RayJob's name for its RayCluster, and a RayCluster's name plus
-# its longest Service suffix ("-serve-svc") must stay a 63-character DNS label.
-MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47}
+# KubeRay appends 6 characters to a RayJob's or RayService's name for its RayCluster, and a RayCluster's
+# name plus its longest Service suffix ("-serve-svc") must stay a 63-character DNS label (v1.6.2:
+# MaxRayClusterNameLength, MaxRayJobNameLength, MaxRayServiceNameLength in controllers/ray/utils/constant.go).
+MAX_NAME_LENGTH = {"RayCluster": 53, "RayJob": 47, "RayService": 47}
+# Where each kind holds its RayClusterSpec.
+CLUSTER_SPEC_FIELD = {"RayJob": "rayClusterSpec", "RayService": "rayClusterConfig"}
 
 
 def cluster_spec(doc: dict) -> tuple[str, dict] | None:
-    """(path, RayClusterSpec) of a RayCluster or RayJob."""
+    """(path, RayClusterSpec) of a RayCluster, RayJob (``rayClusterSpec``) or RayService (``rayClusterConfig``)."""
     spec = doc.get("spec") or {}
     if doc.get("kind") == "RayCluster":
         return "spec", spec
-    if doc.get("kind") == "RayJob" and isinstance(spec.get("rayClusterSpec"), dict):
-        return "spec.rayClusterSpec", spec["rayClusterSpec"]
+    field = CLUSTER_SPEC_FIELD.get(str(doc.get("kind")))
+    if field and isinstance(spec.get(field), dict):
+        return f"spec.{field}", spec[field]
     return None
 
 
 def pod_templates(doc: dict) -> Iterator[tuple[str, str, dict]]:
     """(path, role, pod template) of each Ray group: ``head``, then each worker group."""
     found = cluster_spec(doc)
-    if found is None:
-        return
-    path, spec = found
+    if found is not None:
+        yield from spec_templates(str(doc.get("kind")), *found)
+
+
+def spec_templates(kind: str, path: str, spec: dict) -> Iterator[tuple[str, str, dict]]:
+    """(path, role, pod template) of each Ray group of the RayClusterSpec ``spec`` at ``path`` in a ``kind``."""
     head = (spec.get("headGroupSpec") or {}).get("template")
     if isinstance(head, dict):
         yield f"{path}.headGroupSpec.template", "head", head
     for index, group in enumerate(spec.get("workerGroupSpecs") or []):
         if isinstance(group, dict) and isinstance(group.get("template"), dict):
             yield f"{path}.workerGroupSpecs[{index}].template", "worker", group["template"]
-
-
-def spec_templates(kind: str, path: str, spec: dict) -> Iterator[tuple[str, str, dict]]:
-    yield from pod_templates({"kind": "RayCluster", "spec": spec}) if kind == "RayCluster" else pod_templates(
-        {"kind": "RayJob", "spec": {"rayClusterSpec": spec}}
-    )
 
 
 def budget_errors(docs: list[dict]) -> list[str]:
@@ -60,7 +61,8 @@ def budget_errors(docs: list[dict]) -> list[str]:
         if not guarding:
             found.append(
                 f"{doc['kind']} {name}: no PodDisruptionBudget in the file selects its head pod "
-                f"(labels {head_labels}); a node drain could evict the head and end every run on it"
+                f"(labels {head_labels}); a node drain could evict the head and end "
+                f"{'every replica it serves with' if doc['kind'] == 'RayService' else 'every run on it'}"
             )
         for budget in guarding:
             spec = budget.get("spec") or {}
