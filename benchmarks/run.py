@@ -2,6 +2,7 @@
 
     python -m benchmarks.run            # full: sample, 60,000 and 1,000,000 rows; prints a table
     python -m benchmarks.run --quick    # small sizes, one repetition (what the test runs)
+    python -m benchmarks.run --only served [--quick]   # one row alone (JSON: benchmarks/results/served.json)
 
 Every figure is measured in the same run as its baseline, repetitions alternate baseline and
 ours, and the table quotes medians and ratios: this machine is shared and absolute times drift.
@@ -38,7 +39,11 @@ Rows:
   stage (1 worker x 2 threads) against the plain loop (``benchmarks/speed/full_size_throughput.py``);
   time to 99% held-out accuracy against the plain loop on the same rows (``benchmarks/speed/accuracy.py``);
   the default flow (``python -m flows.mnist``, 1 epoch) in a fresh process, split by stage, with
-  the peak RSS of the driver and of the Ray Train worker (no baseline: a split).
+  the peak RSS of the driver and of the Ray Train worker (no baseline: a split);
+* served champion: ``python -m deployments.serve_model`` on a champion made without training (the row's model, seeded
+  weights): p50/p99 latency of sequential requests and requests/s and images/s of 4 concurrent clients, at batch 1
+  (one PNG per request) and batch 32 (a JSON batch), against ``python -m flows.predict`` on 32 and 1,000 of the same
+  digits (quick: 32; ``benchmarks/serve/served.py``).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from pathlib import Path
 from benchmarks import MODEL_ENV, model_name
 from benchmarks.data import full_size
 from benchmarks.data.data_path import conversion_peak_rss_mb, ours_data_path, seeds_data_path, write_idx_dir
+from benchmarks.serve import served
 from benchmarks.speed import accuracy, ddp, device_rows, full_size_throughput, tune_trial
 from benchmarks.speed.device_rows import plain_images_per_s
 from benchmarks.speed.throughput import ray_train_images_per_s
@@ -68,6 +74,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 # The quick mode proves every row is produced, not how fast: it trains the small CNN on both sides.
 QUICK_MODEL = "training.model.catalog:small_cnn"
+ONLY = ("served",)  # the rows --only runs alone, each written to benchmarks/results/<row>.json
 
 
 class TimedRows(list):
@@ -94,7 +101,9 @@ def fixed_overhead() -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, one repetition")
-    parser.add_argument("--out", default=str(HERE / "results" / "latest.json"), help="where to write the JSON")
+    parser.add_argument("--out", default=None, help="where to write the JSON (default: benchmarks/results/latest.json, "
+                                                   "with --only: benchmarks/results/<row>.json)")
+    parser.add_argument("--only", choices=ONLY, help="this row alone, with no Ray in this process")
     parser.add_argument(
         "--model", default=None,
         help=f"model.name every row trains, ours and baselines (default: ${MODEL_ENV}, else resnet18; --quick: {QUICK_MODEL})",
@@ -102,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Every row, in this process and the ones it starts (plain DDP ranks, flow runs), trains this model.
     os.environ[MODEL_ENV] = args.model or (QUICK_MODEL if args.quick else model_name())
+    out = Path(args.out or HERE / "results" / f"{args.only or 'latest'}.json")
+    if args.only:
+        rows_out = TimedRows()
+        with tempfile.TemporaryDirectory(prefix="mnist-bench-") as tmp:
+            rows_out.append(served.measure(Path(tmp) / "served", quick=args.quick))
+        return write_result(rows_out, args.quick, out)
 
     import ray
 
@@ -211,22 +226,28 @@ def main(argv: list[str] | None = None) -> int:
             # lands near the default 97.5%, and this row measures time and memory, not accuracy.
             rows_out.append(full_size.measure(mirror, checksums, work / "full-size-storage", epochs=1,
                                               extra=("--evaluate.min-accuracy", "0")))
+            # The served champion against flows.predict: both commands start their own local Ray (none in this process).
+            rows_out.append(served.measure(work / "served", quick=args.quick))
     finally:
         ray.shutdown()
+    return write_result(rows_out, args.quick, out)
+
+
+def write_result(rows_out: TimedRows, quick: bool, out: Path) -> int:
+    """The JSON of the run (the rows, the model, the machine, what each row took) to ``out``, and the table printed."""
     result = {
         "model": model_name(),
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "environment": environment.describe(),
         "device": device_rows.device_name(),  # the GPU the GPU rows ran on, else the CPU
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-        "mode": "quick" if args.quick else "full",
+        "mode": "quick" if quick else "full",
         "rows": rows_out,
         # What the suite itself took: in total, and between one row and the next (a row's time
         # includes measurements made before it for rows that follow, e.g. the training runs).
         "suite_wall_s": round(time.perf_counter() - rows_out.added_at[0], 1),
         "suite_wall_s_per_row": [round(b - a, 1) for a, b in itertools.pairwise(rows_out.added_at)],
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(format_table(rows_out))

@@ -34,7 +34,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
         "training throughput (2 workers x 1 thread, DDP, global batch 128)", "time to accuracy", "tune stage, per trial",
         "training throughput at full size (1 worker x 2 threads, batch 128)",
         "training throughput on the device (1 worker, precision auto)", "time to accuracy at full size",
-        "time to accuracy at full size on the device", "full-size default flow, by stage",
+        "time to accuracy at full size on the device", "full-size default flow, by stage", "served champion",
     ]
     # What the suite took, in total and row by row (rows added together take 0 s after the first).
     per_row = result["suite_wall_s_per_row"]
@@ -113,6 +113,8 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert len(flow["epoch_s"]) == 1 and flow["epoch_s"][0] > 0 and flow["images_per_s"][0] > 0
     assert flow["peak_rss_mb"]["driver"] > 0 and flow["peak_rss_mb"]["train_worker"] > 0
     assert 0 <= flow["test_accuracy_on_derived_digits"] <= 1 and flow["goal"] == "(split reported)"
+    served = result["rows"][14]  # the champion served over HTTP against flows.predict on the same digits
+    assert served["baseline_s"]["32"] > 0 and served["ours_images_per_s"] > 0 and served["same_answers"] is True
     # The printed table has a line for every row.
     assert "| data path | 4,000 rows |" in run.stdout
     assert "| tune stage, per trial | 1 trial, 1 epoch(s)" in run.stdout
@@ -121,6 +123,7 @@ def test_quick_benchmark_writes_every_row(tmp_path):
     assert "| 1,900 training rows (full-size mirror), 1 epoch(s), 1 worker x 2 threads |" in run.stdout
     assert "| time to 50% validation accuracy | 1,900 training rows (full-size mirror), 1 epochs, 1 worker(s) |" in run.stdout
     assert "| full-size default flow, by stage (`python -m flows.mnist`) | 1,900 train / 100 val / 500 test rows" in run.stdout
+    assert "| served champion (`python -m deployments.serve_model`) | training.model.catalog:small_cnn" in run.stdout
     assert f"| training throughput on the device (1 worker, precision auto) | {device['device']}, 1,900 training rows" in run.stdout
     assert f"| time to 50% validation accuracy on the device ({device['device']}, {device['precision']}) | 1,900 training rows" in run.stdout
 
