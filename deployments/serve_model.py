@@ -87,7 +87,9 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 1})
+# max_ongoing_requests: at least a full batch of requests (`score`'s max_batch_size 16); Ray Serve's default, 5, would
+# cap every batch at 5 requests (it says so in the replica's log).
+@serve.deployment(ray_actor_options={"num_cpus": 1}, max_ongoing_requests=32)
 @serve.ingress(app)
 class ChampionEndpoint:
     """One replica: the version it answers with (`Scorer`); with no version named, the champion, followed by a
