@@ -228,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     kwargs["logging_level"] = logging.ERROR
     with local_gcs_port(kwargs):
         ray.init(address, **kwargs)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # Serve's start-up lines; a replica's warnings still show
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
         app = ChampionEndpoint.bind(root, model, args.version, follow_every_s=args.follow_every)

@@ -161,8 +161,8 @@ def summary_lines(
 
 
 def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None, data_source: str | None = None) -> list[str]:
-    """Whether the run's model became the champion, why, and how to score images with the champion:
-    ``--input`` as the run's data came (``data_source``: an image folder's images, MNIST's IDX digits)."""
+    """Whether the run's model became the champion, why, and how to score images with the champion (``--input`` as
+    the run's data came, ``data_source``: an image folder's images, MNIST's IDX digits) or serve it."""
     if not promotion:
         return []
     model = promotion.get("model", "?")
@@ -175,7 +175,9 @@ def promotion_lines(promotion: dict[str, Any] | None, storage_root: str | None, 
     command = shlex.join([interpreter(), "-m", "flows.predict", *options])
     if promotion.get("version") is None:  # no champion yet to predict with
         return [line]
-    return [line, f"  predict        {command} --input {predict_input(data_source)}"]
+    serve = shlex.join([interpreter(), "-m", "deployments.serve_model", *options])
+    return [line, f"  predict        {command} --input {predict_input(data_source)}",
+            f"  serve          {serve}  (the champion over HTTP, following each promotion)"]
 
 
 def tracking_lines(tracking: dict[str, Any] | None) -> list[str]:

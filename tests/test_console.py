@@ -143,6 +143,7 @@ def test_summary_lines_say_whether_the_model_was_promoted_and_how_to_predict_wit
     text = "\n".join(console.summary_lines(RunSummary.model_validate(summary | {"promotion": promoted}), None, 61, None, True))
     assert "  model          promoted: mnist-resnet18 v3 is the champion (test accuracy 99.10% beats champion v2's 98.90%)" in text
     assert "-m flows.predict --storage-root '/data/my root' --input <folder" in text
+    assert "  serve          " in text and "-m deployments.serve_model --storage-root '/data/my root'  (the champion" in text
     lost = {"model": "digits", "promoted": False, "version": 2, "reason": "test accuracy 98.00% does not beat champion v2's 98.90%"}
     text = "\n".join(console.summary_lines(RunSummary.model_validate(summary | {"promotion": lost}), None, 61, None, True))
     assert "  model          not promoted: test accuracy 98.00% does not beat champion v2's 98.90%" in text
@@ -150,4 +151,4 @@ def test_summary_lines_say_whether_the_model_was_promoted_and_how_to_predict_wit
     first_failed = {"model": "mnist-resnet18", "promoted": False, "version": None, "reason": "gate failed (test accuracy 40.00%)"}
     lines = console.summary_lines(RunSummary.model_validate(summary | {"promotion": first_failed}), RuntimeError("gate"), 61, None, True)
     assert "  model          not promoted: gate failed (test accuracy 40.00%)" in lines
-    assert not any("flows.predict" in line for line in lines)  # no champion to predict with
+    assert not any("flows.predict" in line or "serve_model" in line for line in lines)  # no champion to predict with
