@@ -200,6 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "default: a Ray head started with this process on 127.0.0.1 and stopped with it",
     )
     parser.add_argument("--ray-cpus", type=int, metavar="N", help="CPUs of the Ray head it starts (default: the machine's)")
+    parser.add_argument("--ray-metrics-port", type=int, metavar="PORT",
+                        help="where the Ray head it starts serves Prometheus metrics, Ray's and the runs' (default: a port Ray "
+                             "picks, listed in /tmp/ray/prom_metrics_service_discovery.json)")
     return parser.parse_args(argv)
 
 
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     # `with` below, which stops the Ray head, instead of dying at once.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
-        with runs_cluster(args.ray_address, args.ray_cpus) as address:
+        with runs_cluster(args.ray_address, args.ray_cpus, args.ray_metrics_port) as address:
             os.environ[SERVED_RAY_ENV] = address  # the runs this process executes inherit it and join that cluster
             if folder_watcher is not None:
                 print(f"watching {folder_watcher.config.download.path} every {args.watch_every:g}s ({folder_watcher.config.workload})")
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextmanager
-def runs_cluster(address: str | None, cpus: int | None) -> Iterator[str]:
+def runs_cluster(address: str | None, cpus: int | None, metrics_port: int | None = None) -> Iterator[str]:
     """The Ray cluster the served runs join: ``address``, or a head started here for the block (`runner.cluster.ray_head`)."""
     if address:
         print(f"Ray: every run joins the cluster at {address}", flush=True)
@@ -250,7 +253,7 @@ def runs_cluster(address: str | None, cpus: int | None) -> Iterator[str]:
         return
     log = Path(tempfile.gettempdir()) / f"pipeline-serve-ray-{os.getpid()}.log"
     print("Ray: starting a local cluster for the runs ...", flush=True)
-    with ray_head(log, num_cpus=cpus) as started:
+    with ray_head(log, num_cpus=cpus, metrics_port=metrics_port) as started:
         os.environ["RAY_AUTH_MODE"] = "token"  # the head checks the token in ~/.ray/auth_token: the runs present it
         print(f"Ray: every run joins the local cluster at {started} (stopped with this process; log {log})", flush=True)
         yield started

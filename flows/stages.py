@@ -27,7 +27,7 @@ from dataset.formats.parquet import ParquetDataset
 from dataset.sources.interface import RawData
 from dataset.tensors.spec import TransformSpec
 from pipeline_config import PipelineConfig
-from reporting import artifacts, events
+from reporting import artifacts, events, metrics
 from runner.harness import skips_when_unchanged
 from runner.pipeline_run import PipelineRun
 from runner.stages import Stage, StageRecorder
@@ -98,7 +98,9 @@ class Train(Stage):
     def watching(self, run: StageRecorder, parameters: dict[str, Any]) -> AbstractContextManager:
         epochs = parameters["cfg"].epochs_for(parameters["spec"].dataset.rows["train"])
         live = run.tracker.sync_epochs if run.tracker.enabled else None  # each epoch into MLflow as it finishes
-        return EpochWatcher(join(run.layout.run_dir, HISTORY_FILE), epochs, on_epoch=live)
+        config = run.config
+        return EpochWatcher(join(run.layout.run_dir, HISTORY_FILE), epochs, on_epoch=live,
+                            on_row=lambda row: metrics.epoch(config.workload, config.registry_name, row))
 
     def finished(self, run: StageRecorder, parameters: dict[str, Any], trained: Any) -> None:
         compute = trained.compute()  # what the training step ran on: {"device": "cuda", "precision": "bf16"}
@@ -108,6 +110,8 @@ class Train(Stage):
             environment={"training": compute} if compute else {},
         )
         artifacts.publish_training_report(trained, run.config.workload)
+        restarts = len(trained.attempts or []) - 1  # each attempt after the first: a restart of the group, a retry
+        metrics.record("pipeline_train_restarts_total", restarts, workload=run.config.workload, model=run.config.registry_name)
 
 
 class Promote(Stage):
@@ -116,6 +120,7 @@ class Promote(Stage):
 
     def starting(self, run: StageRecorder, parameters: dict[str, Any]) -> str:
         evaluation = parameters["evaluation"]
+        metrics.gate(run.config.workload, run.config.registry_name, evaluation.passed_gate, evaluation.accuracy)
         if not evaluation.passed_gate:
             announce(
                 run.config, events.GATE_FAILED, run=run.layout.run_name, test_accuracy=evaluation.accuracy,
@@ -126,6 +131,7 @@ class Promote(Stage):
     def finished(self, run: StageRecorder, parameters: dict[str, Any], outcome: Any) -> None:
         if outcome.promotion is not None and outcome.promotion.promoted:
             announce_promotion(run.config, run.layout, outcome.promotion, parameters["evaluation"].accuracy)
+            metrics.record("pipeline_promotions_total", 1, workload=run.config.workload, model=outcome.promotion.model)
 
 
 DOWNLOAD = Download(download, cpus=1)

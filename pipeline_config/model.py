@@ -103,6 +103,12 @@ class RayConfig(Section):
     num_cpus: int | None = Field(
         None, ge=1, le=4096, description="CPUs of the local Ray started when address is unset (default: all)."
     )
+    metrics_export_port: int | None = Field(
+        None, ge=1024, le=65535,
+        description="Port where the local Ray started when address is unset serves Prometheus metrics, Ray's and the "
+                    "pipeline's (docs/operations.md, Metrics). Unset: a port Ray picks, listed in "
+                    "/tmp/ray/prom_metrics_service_discovery.json.",
+    )
     log_to_driver: bool = Field(
         False,
         description=(

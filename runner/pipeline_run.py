@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from dataset.sources.interface import DataToCome, check_data, keep_checks
 from dataset.tensors import sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
-from reporting import artifacts, environment
+from reporting import artifacts, environment, metrics
 from runner import console, stopping
 from runner.cluster.ray_init import ray_task_runner
 from runner.stages import Stage, StageRecorder
@@ -152,6 +152,7 @@ class PipelineRun:
             except Exception as exc:  # e.g. the storage root is full: keep the stage's own error
                 print(f"could not write {self.layout.summary_path}: {exc}", file=sys.stderr)
             attach(error, self.recorder.last_summary)  # for the failure hook and the CLI, written or not
+        metrics.run_ended(self.config.workload, self.recorder.status())
 
 
 def ended_before_training(

@@ -22,6 +22,7 @@ from prefect_ray.context import remote_options
 
 from dataset.tensors.memory import release_memory
 from pipeline_config import PipelineConfig
+from reporting import metrics
 from runner import console, stopping
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
@@ -126,6 +127,8 @@ class StageRecorder:
             raise
         finally:
             record.seconds = round(time.perf_counter() - start, 2)
+            outcome = "completed" if record.status == "running" else record.status
+            metrics.stage(self.config.workload, name, outcome, record.seconds)
         record.status = "completed"
         self.outputs[name] = result
         detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it

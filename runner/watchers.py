@@ -73,10 +73,12 @@ class _Watcher:
 class EpochWatcher(_Watcher):
     """Says one line per finished epoch while the training stage runs, by polling ``history.jsonl``."""
 
-    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0, on_epoch: Callable[[], None] | None = None):
+    def __init__(self, history_path: str, epochs: int, poll_s: float = 2.0, on_epoch: Callable[[], None] | None = None,
+                 on_row: Callable[[dict], None] | None = None):
         super().__init__(poll_s)
         self.history_path, self.epochs = history_path, epochs
         self.on_epoch = on_epoch  # called after new epoch lines (the MLflow tracker logs them live)
+        self.on_row = on_row  # called with each new epoch's row (its metrics for Prometheus, `reporting.metrics.epoch`)
         self._said: set[int] = set()
         self._finished: list[float] = []  # when each epoch was seen finished (monotonic seconds)
 
@@ -104,6 +106,8 @@ class EpochWatcher(_Watcher):
             self._finished.append(time.monotonic())
             line = epoch_line(row, self.epochs, self._finished[-1] - self._start, self._seconds_per_epoch())
             say(line, logger=self.logger)
+            if self.on_row is not None:
+                self.on_row(row)
             new = True
         if new and self.on_epoch is not None:
             self.on_epoch()

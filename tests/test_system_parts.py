@@ -1,8 +1,8 @@
 """`make test` on a machine without a system part (issue 72): one line naming the part and its install command,
 its tests skipped with that reason and counted at the end; with SYSTEM_PARTS=required (CI) a failure instead.
 
-Real processes: `python -m tests.support.system_parts` and pytest itself, run with a PATH on which neither
-Chromium nor apt-get is found, as on a machine without them (the part is looked up on PATH). Nothing is
+Real processes: `python -m tests.support.system_parts` and pytest itself, run with a PATH on which no part
+(Chromium, Prometheus) nor apt-get is found, as on a machine without them (the part is looked up on PATH). Nothing is
 installed here: the install path (root with apt-get) is what `.ci/run` runs on every CI machine.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.system_parts import CHROMIUM
+from tests.support.system_parts import CHROMIUM, PARTS
 
 ROOT = Path(__file__).resolve().parent.parent
 UI_TESTS = 9  # tests/test_ui_browser.py's tests: every one drives Chromium
@@ -34,7 +34,7 @@ def run(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 def test_a_missing_part_is_one_line_with_its_install_command_and_a_failure_only_when_required():
     done = run("-m", "tests.support.system_parts", env=without_parts())
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.splitlines() == [f"system parts: {CHROMIUM.missing_line()}"]
+    assert done.stdout.splitlines() == [f"system parts: {part.missing_line()}" for part in PARTS.values()]  # one each
     assert "apt-get install -y chromium fonts-dejavu-core`" in done.stdout
 
     strict = run("-m", "tests.support.system_parts", env=without_parts(SYSTEM_PARTS="required"))

@@ -85,12 +85,15 @@ def ensure_token(env: dict[str, str]) -> None:
 
 
 @contextmanager
-def ray_head(log: Path, num_cpus: int | None = None, env: dict[str, str] | None = None, auth: bool = True) -> Iterator[str]:
+def ray_head(
+    log: Path, num_cpus: int | None = None, env: dict[str, str] | None = None, auth: bool = True, metrics_port: int | None = None,
+) -> Iterator[str]:
     """A Ray head node on 127.0.0.1 for the block, its output in ``log``; yields its address (``127.0.0.1:port``).
 
     Started as ``ray start --head --block`` in a session of its own, and stopped by ending that
     session's processes, not by ``ray stop`` (which would stop every Ray on the machine).
-    ``num_cpus``: its CPUs (default: the machine's). `RayHeadError` when it does not come up.
+    ``num_cpus``: its CPUs (default: the machine's); ``metrics_port``: where its Prometheus metrics are served (default: a
+    port Ray picks, named in its scrape-targets file, `reporting.metrics`). `RayHeadError` when it does not come up.
     """
     env = head_env(env, auth)
     if auth:
@@ -103,6 +106,7 @@ def ray_head(log: Path, num_cpus: int | None = None, env: dict[str, str] | None 
     log.parent.mkdir(parents=True, exist_ok=True)
     command = [_ray_command(), "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
                "--disable-usage-stats", *([f"--num-cpus={num_cpus}"] if num_cpus else []),
+               *([f"--metrics-export-port={metrics_port}"] if metrics_port else []),
                # `ray start` binds its dashboard (the State API Ray Train's placement group cleaner asks) to 8265 only,
                # and runs without one when another Ray on the machine holds that port: a free port instead.
                f"--dashboard-port={_free_port()}"]

@@ -67,6 +67,8 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
         address = "local"
         if cfg.num_cpus:
             init_kwargs["num_cpus"] = cfg.num_cpus
+        if cfg.metrics_export_port:
+            init_kwargs["_metrics_export_port"] = cfg.metrics_export_port
         init_kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
         # The workers get this Ray's address: code in them that looks the cluster up without one
         # (Ray Train's placement group cleaner, through the State API) otherwise fails with "Found

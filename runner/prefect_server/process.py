@@ -193,7 +193,9 @@ def _start_owned(server: Any) -> subprocess.Popen[Any]:
     import prefect  # read when called, after PREFECT_* are set
     from prefect.settings import get_current_settings  # read when called, after PREFECT_* are set
 
-    server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+    # Its Prometheus metrics at /api/metrics (flow and task runs by state, ...): what a scrape of the run's Prefect finds.
+    server_env = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+                  "PREFECT_SERVER_METRICS_ENABLED": "true"}
     uvicorn_args = [
         "--app-dir", str(prefect.__module_path__.parent),
         "--factory", "prefect.server.api.server:create_app",

@@ -150,8 +150,9 @@ class PrefectServer:
         self.home.mkdir(parents=True, exist_ok=True)
         # The UI asks /ui-settings where the API is; prefect 3.8.8 answers from these settings,
         # not from --port, so without them the UI would call port 4200.
-        env = clean_env(
-            PREFECT_HOME=str(self.home), PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.port)
+        env = clean_env(  # its Prometheus metrics on, as the CLI's temporary server has them (/api/metrics)
+            PREFECT_HOME=str(self.home), PREFECT_SERVER_API_HOST="127.0.0.1", PREFECT_SERVER_API_PORT=str(self.port),
+            PREFECT_SERVER_METRICS_ENABLED="true",
         )
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(

@@ -43,11 +43,12 @@ TEST_SETTING_PREFIXES = ("PREFECT_", "MNIST_", "PIPELINE_", "AWS_", "MLFLOW_", "
 
 @dataclass(frozen=True)
 class SharedRay:
-    """The session's Ray head: its address, the folder its workers run in, its log."""
+    """The session's Ray head: its address, the folder its workers run in, its log, its Prometheus metrics' port."""
 
     address: str
     cwd: Path
     log: Path
+    metrics_port: int
 
     def stray_files(self) -> list[str]:
         """What Ray workers wrote into their working folder (a path that was not under a storage root)."""
@@ -71,15 +72,17 @@ def shared_cluster(folder: Path, num_cpus: int | None = None) -> Iterator[Shared
     run's own local Ray have).
     """
     from runner.cluster.ray_head import ray_head
+    from tests.support.prefect_server import free_port  # as ray_head: imported where the cluster starts
 
     cwd = folder / "cwd"
     cwd.mkdir(parents=True, exist_ok=True)
     log = folder / "ray-head.log"
     with chdir(cwd):  # `ray start` runs here: its raylet, and every worker the raylet starts, work in this folder
-        started = ray_head(log, num_cpus=num_cpus or os.cpu_count(), env=head_base_env())
+        metrics_port = free_port()
+        started = ray_head(log, num_cpus=num_cpus or os.cpu_count(), env=head_base_env(), metrics_port=metrics_port)
         address = started.__enter__()
     try:
-        yield SharedRay(address, cwd, log)
+        yield SharedRay(address, cwd, log, metrics_port)
     finally:
         started.__exit__(None, None, None)
 

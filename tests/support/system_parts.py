@@ -53,7 +53,10 @@ class Part:
 # Debian's Chromium for the Prefect UI tests (Playwright drives it; its own browser builds cannot be downloaded
 # here); fonts-dejavu-core gives the headless pages a font, so screenshots show text.
 CHROMIUM = Part("chromium", ("chromium", "fonts-dejavu-core"), "the Prefect UI tests in Chromium")
-PARTS = {part.name: part for part in (CHROMIUM,)}
+# Debian's Prometheus, for its promtool: the scrape config, the alerting rules (and their unit tests) and the
+# dashboard's queries, checked by Prometheus's own parser and rule engine (tests/test_dashboards.py); no server runs.
+PROMETHEUS = Part("prometheus", ("prometheus",), "the metrics tests in a real Prometheus")
+PARTS = {part.name: part for part in (CHROMIUM, PROMETHEUS)}
 
 
 def missing() -> list[Part]:
