@@ -24,7 +24,7 @@ from dataset.tensors import sizing
 from pipeline_config import DEFAULT_WORKLOAD, PipelineConfig, TunePipelineConfig
 from reporting import artifacts, environment, metrics
 from runner import console, stopping
-from runner.cluster.ray_init import ray_task_runner
+from runner.cluster.ray_init import linger_for_metrics, ray_task_runner
 from runner.stages import Stage, StageRecorder
 from runner.summary import DataRecord, RunSummary, attach
 from runner.tracking_records import tracking_uri
@@ -153,6 +153,7 @@ class PipelineRun:
                 print(f"could not write {self.layout.summary_path}: {exc}", file=sys.stderr)
             attach(error, self.recorder.last_summary)  # for the failure hook and the CLI, written or not
         metrics.run_ended(self.config.workload, self.recorder.status())
+        linger_for_metrics(self.config.ray)  # the run's figures to Prometheus before its own Ray stops
 
 
 def ended_before_training(

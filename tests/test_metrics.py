@@ -131,3 +131,16 @@ def test_a_runs_metrics_reach_a_real_prometheus(tmp_path, shared_ray, shared_ser
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(timeout=30)
+
+
+def test_a_chosen_metrics_port_makes_the_local_ray_report_every_two_seconds_and_only_then():
+    from pipeline_config import RayConfig
+    from runner.cluster.ray_init import METRICS_REPORT_MS, ray_init_args
+
+    _, chosen = ray_init_args(RayConfig(metrics_export_port=18080), api_url="")
+    assert chosen["_metrics_export_port"] == 18080
+    assert chosen["_system_config"]["metrics_report_interval_ms"] == METRICS_REPORT_MS == 2000
+    _, plain = ray_init_args(RayConfig(), api_url="")
+    assert "_metrics_export_port" not in plain and "metrics_report_interval_ms" not in plain["_system_config"]
+    _, joined = ray_init_args(RayConfig(address="127.0.0.1:6379", metrics_export_port=18080), api_url="")
+    assert "_metrics_export_port" not in joined  # a cluster given by address exports on its own nodes' ports

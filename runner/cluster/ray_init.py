@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -24,6 +25,7 @@ from prefect_ray import RayTaskRunner
 from pipeline_config import RayConfig
 from runner.cluster import cluster_slot
 from runner.cluster.ray_head import LOCAL_RAY_SYSTEM_CONFIG, served
+from runner.console import say
 from runner.prefect_server.api import current_api_url
 from runner.stopping import sigterm_handler_kept
 from storage_io import S3_ENV_VARS
@@ -38,6 +40,21 @@ RAY_TRAIN_ENV = {"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5"}
 def ray_train_env() -> dict[str, str]:
     """`RAY_TRAIN_ENV`, with any of its variables already set in this process's environment kept."""
     return {name: os.environ.get(name, value) for name, value in RAY_TRAIN_ENV.items()}
+
+
+# A local Ray with a metrics port (ray.metrics_export_port): each process reports its metrics every 2 s (Ray's
+# default 10 s), and the run keeps that Ray up METRICS_LINGER_S after its last stage, a report and one scrape of
+# deployments/prometheus/prometheus.yml (5 s), so Prometheus gets the last stages' figures before Ray stops.
+METRICS_REPORT_MS = 2000
+METRICS_LINGER_S = 8.0
+
+
+def linger_for_metrics(cfg: RayConfig) -> None:
+    """After a run on a local Ray that serves metrics on a chosen port: wait `METRICS_LINGER_S`, saying so (see above)."""
+    if served(cfg).address is None and cfg.metrics_export_port:
+        say("keeping the local Ray's metrics up %gs for Prometheus's last scrape (ray.metrics_export_port %d)",
+            METRICS_LINGER_S, cfg.metrics_export_port)
+        time.sleep(METRICS_LINGER_S)
 
 
 def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
@@ -67,9 +84,10 @@ def ray_init_args(cfg: RayConfig, api_url: str) -> tuple[str, dict]:
         address = "local"
         if cfg.num_cpus:
             init_kwargs["num_cpus"] = cfg.num_cpus
-        if cfg.metrics_export_port:
-            init_kwargs["_metrics_export_port"] = cfg.metrics_export_port
         init_kwargs["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
+        if cfg.metrics_export_port:  # a port a person chose: someone scrapes it, every process reports more often
+            init_kwargs["_metrics_export_port"] = cfg.metrics_export_port
+            init_kwargs["_system_config"] = {**LOCAL_RAY_SYSTEM_CONFIG, "metrics_report_interval_ms": METRICS_REPORT_MS}
         # The workers get this Ray's address: code in them that looks the cluster up without one
         # (Ray Train's placement group cleaner, through the State API) otherwise fails with "Found
         # multiple active Ray instances" whenever a second local Ray runs on the machine, and the
