@@ -43,6 +43,7 @@ from tasks.train import retry_infrastructure_failures, train
 from tasks.transform import transform
 from training.champion import unchanged
 from training.champion.registry import Promotion
+from training.champion.registry_files import version_dir
 from training.checkpoint.records import HISTORY_FILE
 from training.model import trust
 
@@ -62,11 +63,17 @@ class Download(Stage):
     def finished(self, run: StageRecorder, parameters: dict[str, Any], raw: Any) -> None:
         run.note(data_source=raw.source, data={"raw_dir": raw.directory, "download_skipped": raw.skipped})
 
+    def wrote(self, run: StageRecorder, raw: Any) -> list[str]:  # files fetched into the storage root (not a user's folder)
+        return [] if raw.skipped or not run.layout.contains(raw.directory) else [raw.directory]
+
 
 class ToParquet(Stage):
     """The dataset: its labels checked across splits and its test split against the gate it will get (before
     any training: `tasks.gate.before_training`), leased against other runs' cleanup, checked against the
     champion's (the data-checked event), tried on the run's model, and shown in the UI."""
+
+    def wrote(self, run: StageRecorder, dataset: Any) -> list[str]:  # a dataset converted now, not one reused
+        return [] if dataset.skipped else [dataset.directory]
 
     def finished(self, run: StageRecorder, parameters: dict[str, Any], dataset: Any) -> None:
         config, layout = run.config, run.layout
@@ -132,6 +139,11 @@ class Promote(Stage):
         if outcome.promotion is not None and outcome.promotion.promoted:
             announce_promotion(run.config, run.layout, outcome.promotion, parameters["evaluation"].accuracy)
             metrics.record("pipeline_promotions_total", 1, workload=run.config.workload, model=outcome.promotion.model)
+
+    def wrote(self, run: StageRecorder, outcome: Any) -> list[str]:  # the new version's folder in the registry
+        promotion = outcome.promotion
+        promoted = promotion is not None and promotion.promoted and promotion.version is not None
+        return [version_dir(run.layout.root, promotion.model, promotion.version)] if promoted else []
 
 
 DOWNLOAD = Download(download, cpus=1)

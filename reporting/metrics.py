@@ -48,6 +48,10 @@ CATALOG: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "pipeline_gate_results_total": ("counter", "Runs held to their accuracy gate, by result: passed, failed.", (*MODEL, "result")),
     "pipeline_test_accuracy": ("gauge", "Test accuracy (0..1) of the last evaluated run.", MODEL),
     "pipeline_promotions_total": ("counter", "New champions the registry promoted.", MODEL),
+    "pipeline_storage_bytes_written_total": (
+        "counter", "Bytes a stage left on storage: the growth of the run's folder over the stage and the folders it "
+                   "created (a converted dataset, fetched files, a promoted version); a checkpoint replaced within "
+                   "the stage counts once.", ("workload", "stage")),
     "pipeline_runs_total": ("counter", "Runs that ended, by status: completed, failed, interrupted, cancelled.", ("workload", "status")),
 }
 

@@ -26,7 +26,7 @@ from reporting import metrics
 from runner import console, stopping
 from runner.summary import DataRecord, RunSummary, StageRecord, StopRecord
 from runner.tracking import Tracker
-from storage_io import StorageLayout, atomic_write_json, join, read_json, redact_error, storage_writes
+from storage_io import StorageLayout, atomic_write_json, join, read_json, redact_error, storage_writes, total_bytes
 from training.manifests import latest_checkpoint
 
 
@@ -63,6 +63,11 @@ class Stage:
 
     def finished(self, run: StageRecorder, parameters: dict[str, Any], output: Any) -> None:
         """After the task completed: the summary fields its output fills (`StageRecorder.note`), its reports and events."""
+
+    def wrote(self, run: StageRecorder, output: Any) -> list[str]:
+        """The folders outside the run's own that the completed task created (a dataset it converted, a version it
+        promoted), whose bytes count as written by it (``pipeline_storage_bytes_written_total``)."""
+        return []
 
 
 def stage_options(cpus: float) -> dict[str, Any]:
@@ -110,6 +115,7 @@ class StageRecorder:
         self.hold_cluster(name)
         record = self.stages[name] = StageRecord()
         console.say("%s ...%s", number, detail)
+        kept_before = self.kept_bytes()
         start = time.perf_counter()
         try:
             with stage.watching(self, parameters):
@@ -134,10 +140,32 @@ class StageRecorder:
         detail = result.terminal_detail() if hasattr(result, "terminal_detail") else ""  # each stage's output says it
         console.say("%s done in %s%s", number, console.duration(record.seconds), detail)
         stage.finished(self, parameters, result)  # a failure here is the run's, after the stage
+        self.count_written(stage, result, kept_before)
         release_memory()  # what the stage's reports read here (sample images of a dataset): this process lives all run
         if self.tracker.enabled:
             self.tracker.sync(self.summary())
         return result
+
+    def kept_bytes(self) -> int | None:
+        """What the run's own folder holds now (None when it cannot be listed: nothing is counted then)."""
+        try:
+            return total_bytes(self.layout.run_dir)
+        except Exception:  # noqa: BLE001 - a listing that fails costs a metric, never the run
+            return None
+
+    def count_written(self, stage: Stage, result: Any, kept_before: int | None) -> None:
+        """``pipeline_storage_bytes_written_total``: the growth of the run's folder over the stage, and the folders the
+        stage created outside it (`Stage.wrote`); bytes kept on storage, so a checkpoint replaced within the stage
+        counts once."""
+        kept_after = self.kept_bytes()
+        if kept_before is None or kept_after is None:
+            return
+        try:
+            created = sum(total_bytes(path) for path in stage.wrote(self, result))
+        except Exception:  # noqa: BLE001 - as kept_bytes
+            return
+        metrics.record("pipeline_storage_bytes_written_total", max(0, kept_after - kept_before) + created,
+                       workload=self.config.workload, stage=stage.name)
 
     def hold_cluster(self, stage: str) -> None:
         """On a shared cluster, wait for its run slot before the stage's line and seconds (`runner.cluster.cluster_slot`):

@@ -1,8 +1,8 @@
 """The pipeline's metrics (`reporting.metrics`) reach Prometheus: named by Prometheus's conventions; recorded from a
 driver and from a Ray task, they are served by Ray's own metrics agent on the local Ray's export port (make test);
-and a real training run on the session's Ray cluster puts its loss, images per second, stage durations, gate result
-and promotion into a real Prometheus (Debian's ``prometheus``, on loopback, with a temporary data folder) that also
-finds Ray's and the Prefect server's targets up (make test-all)."""
+and a real training run on the session's Ray cluster puts its loss, images per second, stage durations, gate result,
+promotion and bytes written into a real Prometheus (Debian's ``prometheus``, on loopback, with a temporary data
+folder) that also finds Ray's and the Prefect server's targets up (make test-all)."""
 
 from __future__ import annotations
 
@@ -124,6 +124,8 @@ def test_a_runs_metrics_reach_a_real_prometheus(tmp_path, shared_ray, shared_ser
         assert {"download", "to-parquet", "transform", "train", "evaluate", "promote", "cleanup"} <= stages, stages
         assert series(f'ray_pipeline_gate_results_total{{{labels},result="passed"}} >= 1')
         assert series(f"ray_pipeline_promotions_total{{{labels}}} >= 1")
+        written = {r["metric"]["stage"]: float(r["value"][1]) for r in series(f"ray_pipeline_storage_bytes_written_total{{{labels}}}")}
+        assert written.get("to-parquet", 0) > 0 and written.get("train", 0) > 0 and written.get("promote", 0) > 0, written
         assert series(f'ray_pipeline_runs_total{{{labels},status="completed"}} >= 1')
         up = {r["metric"]["job"]: r["value"][1] for r in series("up")}
         assert up == {"ray": "1", "prefect": "1"}, up
