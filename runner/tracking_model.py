@@ -9,7 +9,8 @@ The model is an MLflow pyfunc (`training.mlflow_pyfunc.ChampionPyfunc`) with
 - the code it needs (the model's own file `PYFUNC`, and ``code/``: the packages `PACKAGES`, without caches): the same reading and scoring as
   ``flows.predict`` and the served champion;
 - a signature: a table of one binary ``image`` column (PNG or JPEG bytes) in; ``class``, ``index``, ``probability``
-  and ``probabilities`` (one per class, in the card's order) out; the classes and the transform in its metadata;
+  and ``probabilities`` (one per class, in the card's order) out; in its metadata the classes and the
+  ``preprocessing`` the pyfunc applies (mean, std, image shape);
 - the versions of what it imports (`REQUIREMENTS`) installed where it was written (the lock's, in this project's
   venv), for MLflow's environment managers.
 """
@@ -45,7 +46,7 @@ def write_mlflow_model(version_folder: Path, out: Path) -> None:
                         ColSpec(Array("double"), "probabilities")]),
     )
     metadata = {"registry_model": card["model"], "registry_version": card["version"], "classes": list(data["classes"]),
-                "transform": {"mean": card["data"].get("mean"), "std": card["data"].get("std"), "image": list(data["shape"])}}
+                "preprocessing": {"mean": card["data"].get("mean"), "std": card["data"].get("std"), "image": list(data["shape"])}}
     requirements = [f"{name}=={installed(name)}" for name in REQUIREMENTS] + [f"ray[{RAY_EXTRA}]=={installed('ray')}"]
     with tempfile.TemporaryDirectory(prefix="mlflow-code-") as code:
         packages = [str(shutil.copytree(ROOT / name, Path(code) / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")))

@@ -48,6 +48,7 @@ def test_a_promoted_version_as_an_mlflow_model_answers_as_the_served_champion(tm
 
     loaded = mlflow.pyfunc.load_model(str(model))
     assert loaded.metadata.metadata["registry_version"] == 1 and loaded.metadata.metadata["classes"] == scorer.classes
+    assert loaded.metadata.metadata["preprocessing"]["image"] == [1, 28, 28]  # the transform the pyfunc applies itself
     assert [c.name for c in loaded.metadata.get_input_schema().inputs] == ["image"]
     answers = loaded.predict(pd.DataFrame({"image": images}))
     assert list(answers["index"]) == list(expected.argmax(axis=1))
