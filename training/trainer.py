@@ -1,7 +1,7 @@
-"""Ray Train for the training loop: resources, the TorchTrainer, its result, which failures to retry.
+"""Ray Train for the training loop: resources, the trainer, its result, which failures to retry.
 
 The training stage (`tasks.train`) and any other flow that trains call these: `plan_resources`
-(`training.resources`) splits the cluster between training workers and Ray Data, `torch_trainer` builds the trainer
+(`training.resources`) splits the cluster between training workers and Ray Data, `torch_trainer` builds the trainer (torch's process group, the loop)
 for a run folder (the same run name resumes from its latest checkpoint), `fit` runs it and
 returns a `TrainedModel`, `is_infrastructure_failure` says whether a failed run is worth another
 attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray Train. The manifest it
@@ -38,7 +38,7 @@ from training.model.catalog import ModelSpec
 from training.worker.faults import ROW_LOG_ENV
 
 if TYPE_CHECKING:  # annotations only: see `torch_trainer`
-    from ray.train.torch import TorchTrainer
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
 
 def worker_range(cfg: TrainConfig) -> int | tuple[int, int]:
@@ -129,29 +129,33 @@ def summarize_result(
 def torch_trainer(
     spec: TransformSpec, cfg: TrainConfig, model: ModelSpec, run_dir: str, use_gpu: bool, cpus: float, threads: int, callbacks: list,
     weights: dict | None = None,
-) -> TorchTrainer:
-    """A TorchTrainer running `train_loop_per_worker` as ``cfg`` says, in the folder ``run_dir``.
+) -> DataParallelTrainer:
+    """Ray Train's trainer for torch running the loop (`training.worker.launch.run_loop`) as ``cfg`` says, in the folder ``run_dir``.
 
     Ray Train's run is named by the folder (``RunConfig(storage_path=<its parent>, name=<its name>)``),
     so a trainer built again for the same folder resumes from its latest checkpoint. Ray Train
     writes checkpoints through a pyarrow filesystem: the local one, or S3 for an ``s3://`` folder.
     ``callbacks``: Ray Train callbacks (they run in the Train controller). ``weights``: model.weights (`loop_config`).
 
-    Ray Train, torch and the loop are imported here, not at the top: the stages' module is imported by
-    every Ray worker that runs any stage (Prefect ships the flow, which names every stage), and the
-    stages that do not train should not pay for torch.
+    It is what Ray's ``TorchTrainer`` builds, with the process group set up by `ProcessGroupConfig` instead of
+    Ray's ``TorchConfig``: neither this process nor Ray Train's controller loads torch (`training.worker.launch`).
+    Ray Train is imported here, not at the top: the stages' module is imported by every Ray worker that runs
+    any stage (Prefect ships the flow, which names every stage), and the stages that do not train should not pay for it.
     """
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig  # Ray Train: heavy
-    from ray.train.torch import TorchConfig, TorchTrainer  # Ray Train: only where the trainer is built
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer  # Ray Train: only where the trainer is built
 
-    from training.worker.loop import train_loop_per_worker  # torch: only where the trainer is built
+    from training.worker.launch import (  # Ray Train's backend: only where the trainer is built
+        ProcessGroupConfig,
+        run_loop,
+    )
 
     storage_fs, storage_path = filesystem(parent(run_dir))
-    return TorchTrainer(
-        train_loop_per_worker,
+    return DataParallelTrainer(
+        run_loop,
         train_loop_config=loop_config(cfg, spec.dataset.rows["train"], threads, model, join(run_dir, "faults"), spec, weights),
         # Collectives (DDP's all-reduce) give up after the hang timeout instead of gloo's 30 minutes.
-        torch_config=TorchConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
+        backend_config=ProcessGroupConfig(timeout_s=int(cfg.hang_timeout_s) + 60 if cfg.hang_timeout_s else 1800),
         scaling_config=ScalingConfig(
             num_workers=worker_range(cfg), use_gpu=use_gpu, resources_per_worker={"CPU": cpus}, placement_strategy=cfg.placement
         ),
@@ -175,7 +179,7 @@ def torch_trainer(
     )
 
 
-def fit(trainer: TorchTrainer, cfg: TrainConfig, run_dir: str, cpus: float) -> TrainedModel:
+def fit(trainer: DataParallelTrainer, cfg: TrainConfig, run_dir: str, cpus: float) -> TrainedModel:
     """Run ``trainer`` to the end and describe the result, its attempts included.
 
     A full, read-only or over-quota storage root comes out as a `StorageWriteError` naming the folder.

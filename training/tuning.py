@@ -1,7 +1,7 @@
 """Ray Tune over the training loop: every trial is a Ray Train V2 run of `train_loop_per_worker`.
 
-Ray 2.60's way (Train V2): the trainable Tune runs is a function, `run_trial`, that builds a
-`TorchTrainer` for the trial's sampled recipe and calls ``fit()``; the trainer's
+Ray 2.60's way (Train V2): the trainable Tune runs is a function, `run_trial`, that builds the
+trainer (`training.trainer.torch_trainer`) for the trial's sampled recipe and calls ``fit()``; the trainer's
 `TrialReport` callback (``ray.tune.integration.ray_train.TuneReportCallback``) hands every
 epoch's metrics to Tune, whose ASHA scheduler stops trials that fall behind.
 
