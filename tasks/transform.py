@@ -3,8 +3,9 @@
 The transform itself (`dataset.tensors.transform`) is lazy and built again by training and evaluation;
 this stage runs it over train, validation and test before any training starts, checks every
 batch (shape, dtype, finite values, label range, row counts) and writes ``transform.json``, so
-training consumes exactly what was checked. A split held in memory is checked through Ray Data; a
-streamed one is read here, a window at a time, through the same functions (`split_batches`).
+training consumes exactly what was checked. Every split is read here (a split held in memory whole, a
+streamed one a window at a time) through the functions Ray Data's tasks map (`split_batches`): checking
+through Ray Data started its actors and task workers, which stayed beside the training that followed.
 
 The checks are also recorded beside the Parquet files, per transform config
 (`dataset.tensors.spec.checks_record_path`). A later run whose to-parquet stage verified the same

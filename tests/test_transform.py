@@ -142,7 +142,16 @@ def spec_inputs(tmp_path_factory):
     return dataset, layout
 
 
-def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs):
+def test_stage_runs_the_pipeline_and_records_checks(local_ray, spec_inputs, monkeypatch):
+    """The stage checks every split in its own process, without Ray Data: a Ray Dataset run here fails the test
+    (Ray Data's actors and task workers would outlive the stage, beside training: docs/performance.md)."""
+    import ray.data
+
+    def no_ray_data(*args, **kwargs):
+        raise AssertionError("the transform stage ran a Ray Dataset")
+
+    for method in ("iter_batches", "iter_torch_batches", "materialize", "to_arrow_refs"):
+        monkeypatch.setattr(ray.data.Dataset, method, no_ray_data)
     dataset, layout = spec_inputs
     spec = transform.fn(dataset, TransformConfig(shift_px=0, rotate_deg=0, scale=0), layout)
     assert {k: v["rows"] for k, v in spec.checks.items()} == {"train": 160, "val": 40, "test": 50}
@@ -250,17 +259,20 @@ def test_in_memory_and_streaming_reads_yield_the_same_rows(local_ray, spec_input
     np.testing.assert_array_equal(rest[1], window[1][70:])
     done = build_split(streamed, "train", 2, 1, exclude=window[0])  # resumed at the epoch's very end: nothing left
     assert sum(len(b["row_id"]) for b in done.iter_batches(batch_format="numpy", batch_size=32)) == 0
-    # What the stage checks (`split_batches`): a streamed split read here, window by window, gives the rows,
-    # order and pixels Ray Data gives training for epoch 0, in batches of at most the size asked.
+    # What the stage checks (`split_batches`): a split read here, whole when it fits in memory or window by window
+    # when it streams, gives the rows, order and pixels Ray Data gives training for epoch 0, in batches of at most
+    # the size asked, augmented training rows included.
     from dataset.tensors.read_ahead import split_batches
 
-    for split in ("train", "test"):
-        batches = list(split_batches(streamed, split, 50))
-        assert max(len(b["row_id"]) for b in batches) == 50
-        here = np.concatenate([b["row_id"] for b in batches]), np.concatenate([b["image"] for b in batches])
-        ray_data = _run(build_split(streamed, split))
-        np.testing.assert_array_equal(here[0], ray_data[0])
-        np.testing.assert_array_equal(here[1], ray_data[1])
+    augmented = transform.fn(dataset, TransformConfig(block_rows=64, in_memory_mb=1), layout)
+    for spec in (streamed, in_memory, augmented):
+        for split in ("train", "test"):
+            batches = list(split_batches(spec, split, 50, seed=3))
+            assert max(len(b["row_id"]) for b in batches) == 50
+            here = np.concatenate([b["row_id"] for b in batches]), np.concatenate([b["image"] for b in batches])
+            ray_data = _run(build_split(spec, split, seed=3))
+            np.testing.assert_array_equal(here[0], ray_data[0])
+            np.testing.assert_array_equal(here[1], ray_data[1])
 
 
 def test_windows_bound_what_a_task_reads_and_keep_every_row_once():

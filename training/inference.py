@@ -19,7 +19,7 @@ import ray.data
 
 from dataset.tensors.batches import prepare_batch
 from dataset.tensors.read_ahead import read_ahead, split_batches
-from dataset.tensors.spec import TransformSpec, fits_in_memory
+from dataset.tensors.spec import TransformSpec
 from dataset.tensors.transform import blocks, build_datasets
 from pipeline_config import EvaluateConfig, TransformConfig
 from training.checkpoint.model_files import load_model
@@ -172,15 +172,16 @@ def predict(spec: TransformSpec, checkpoint: str, cfg: EvaluateConfig, model: Mo
 
     ``model``: what the checkpoint holds (unset: what its extra_state.pt records).
 
-    A streamed test split that this process scores (`scores_here`) is also read here, window by window
-    (`dataset.tensors.read_ahead.split_batches`), by a thread that keeps up to two batches ahead of the scoring
-    (`dataset.tensors.read_ahead.read_ahead`), not through Ray Data. Through Ray Data, the streamed split's
+    A test split that this process scores (`scores_here`) is also read here (`dataset.tensors.read_ahead.split_batches`:
+    whole when it fits in memory, else window by window), by a thread that keeps up to two batches ahead of the
+    scoring (`dataset.tensors.read_ahead.read_ahead`), not through Ray Data, which would start its own actors and task
+    workers for the stage (docs/performance.md). Through Ray Data, the streamed split's
     read-ahead limit held the reader's finished window back while scoring ran, and Ray Data's scheduling
     loop (a thread of this process) went round about a thousand times a second, taking a core from the
     scoring: 8,000 64x64 RGB test images took 30-35 s, against 14-17 s read here and 13.6-14.0 s read
     ahead (2-core AMD EPYC Zen 4, docs/performance.md)."""
-    if scores_here(ray.cluster_resources(), cfg.num_actors) and not fits_in_memory(spec, "test"):
-        batches = read_ahead(split_batches(spec, "test", cfg.batch_rows))  # windows read while the last is scored
+    if scores_here(ray.cluster_resources(), cfg.num_actors):
+        batches = read_ahead(split_batches(spec, "test", cfg.batch_rows))  # read while the last batch is scored
         return _score_here(batches, checkpoint, cfg, model, threads=_cpus_here())
     test = build_datasets(spec, splits=("test",))["test"]
     return score(test, checkpoint, cfg, spec.config, model)

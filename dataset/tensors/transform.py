@@ -204,7 +204,7 @@ def build_split(
     table = split_table(spec, split)
     rows = cfg.batch_rows
     if table is not None:
-        ds = blocks(_rows_in_memory(table, augment, seed, epoch, exclude, part), cfg.block_rows)
+        ds = blocks(rows_in_memory(table, augment, seed, epoch, exclude, part), cfg.block_rows)
     else:
         ds = _rows_streamed(spec, split, augment, seed, epoch, exclude, part)
         # At most a window of rows a call: 512 rows of 128x128 RGB make 100 MB float32 batches. Each row's
@@ -228,7 +228,7 @@ def prepare_kwargs(spec: TransformSpec, augment: bool, seed: int, epoch: int) ->
     }
 
 
-def _rows_in_memory(
+def rows_in_memory(
     table: pa.Table, augment: bool, seed: int, epoch: int, exclude: np.ndarray | None, part: tuple[int, int] | None
 ) -> pa.Table:
     """`build_split`'s rows of an in-memory split: the table's rows at `epoch_positions` (the table itself when
@@ -244,7 +244,7 @@ def epoch_positions(
     """The positions (into ``row_ids``, a split's rows in file order) of one epoch's rows of an in-memory split,
     in `build_split`'s order: shuffled by `epoch_seed` (training, ``augment``), without the rows whose row_id
     is in ``exclude``, then every n-th of ``part=(i, n)`` from the i-th, cut to an equal count per part on the
-    training split. Shared by the Ray Data path (`_rows_in_memory`) and a split held on the device
+    training split. Shared by the Ray Data path (`rows_in_memory`) and a split held on the device
     (`dataset.tensors.resident`), so both yield the same rows in the same order."""
     positions = np.random.default_rng(epoch_seed(seed, epoch)).permutation(len(row_ids)) if augment else np.arange(len(row_ids))
     if exclude is not None and len(exclude):
