@@ -177,6 +177,35 @@ def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_p
     assert dataset_fingerprint(changed, CFG) != dataset.fingerprint  # changed data, another dataset
 
 
+def test_a_folder_decoded_here_and_one_decoded_by_ray_data_write_the_same_parquet(tmp_path, local_ray):
+    """A folder that fits the in-memory budget is decoded in the stage's own process (no Ray Data actors or task
+    workers left beside training); a larger one by Ray Data's tasks. Both write the same rows, row groups and
+    pixels, and both name a file that does not decode."""
+    from dataset.formats import folder_convert
+
+    root = write_image_folder(tmp_path / "images", {"train": 40, "test": 8})
+    found = folder.check_folder(str(root))
+    shape = (3, SIZE, SIZE)
+    assert folder_convert.decodes_here(len(found.files["train"]), shape)
+    assert not folder_convert.decodes_here(10**9, shape)  # a billion images: Ray Data's tasks
+    written = {}
+    for here in (True, False):
+        out = tmp_path / f"here-{here}"
+        rows, got = folder_convert.convert_folder(found, out, CFG, None, here=here)
+        assert got == shape and rows == {"train": 96, "val": 24, "test": 24}
+        groups = [[pq.ParquetFile(f).metadata.row_group(g).num_rows for g in range(pq.ParquetFile(f).num_row_groups)]
+                  for f in sorted((out / "train").glob("*.parquet"))]
+        written[here] = groups, {split: pq.read_table(out / split) for split in rows}
+    assert written[True][0] == written[False][0] == [[64], [32]]  # parquet.rows_per_file and rows_per_group: 64
+    for split, table in written[True][1].items():
+        assert table.equals(written[False][1][split]), split
+    bad = root / "train" / "red_square" / "red_square-003.png"
+    bad.write_bytes(b"not a png")
+    for here in (True, False):
+        with pytest.raises(folder.FolderError, match=str(bad)):
+            folder_convert.convert_folder(folder.check_folder(str(root)), tmp_path / f"bad-{here}", CFG, None, here=here)
+
+
 def test_decoding_tasks_share_the_cpus_the_calling_stage_leaves(local_ray):
     """As many decoding tasks at once as the cluster has CPUs: the to-parquet stage holds one of the 2 CPUs
     and only writes, so each task asks for half of one; a process holding none (a driver) leaves whole ones."""

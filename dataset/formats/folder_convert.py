@@ -1,7 +1,9 @@
-"""An image folder's conversion to Parquet (``download.source=folder``): every image read with Ray Data, in one pass.
+"""An image folder's conversion to Parquet (``download.source=folder``): every image read and decoded in one pass.
 
-`convert_folder` reads the files with Ray Data in one pass over every split (its start paid once per
-run; each row sent to its split's writer by its path), decodes them as `dataset.formats.images` does (16-bit
+`convert_folder` reads the files in one pass over every split (each row sent to its split's writer by its path):
+a folder whose decoded pixels fit the in-memory budget (`decodes_here`) in the stage's own process, by a few
+threads, a larger one with Ray Data's tasks (their start paid once per run). Either way it decodes them as
+`dataset.formats.images` does (16-bit
 grayscale scaled to 8 bits), in grayscale when every image is grayscale and RGB otherwise, resized to
 ``transform.image_size`` when set, and writes the IDX conversion's Parquet layout (`dataset.formats.parquet`):
 row_id, image (H x W x C uint8), label. The folder's checks and listing are `dataset.formats.folder`'s.
@@ -9,6 +11,9 @@ row_id, image (H x W x C uint8), label. The folder's checks and listing are `dat
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +22,7 @@ from dataset.formats import images
 from dataset.formats.folder import FolderError, FolderLayout, stratified_split
 from dataset.formats.folder_scan import decode_task_cpus, image_shape
 from dataset.formats.parquet import SPLITS, SplitWriter, schema_for, to_table
+from dataset.tensors.spec import auto_in_memory_mb
 from pipeline_config import ParquetConfig
 from storage_io import filesystem, is_remote, join
 
@@ -50,6 +56,40 @@ def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[
     return planned
 
 
+def decodes_here(images: int, shape: tuple[int, int, int]) -> bool:
+    """Whether the stage's own process decodes a folder of ``images`` images of ``shape``: their decoded pixels
+    within the budget a split may hold in memory (`dataset.tensors.spec.auto_in_memory_mb`, 1/256 of the smallest
+    node's memory). Through Ray Data, a small folder's decoding started Ray Data's actors (its stats and autoscaling
+    coordinators, about 230 MB) and task workers that stayed beside the training that followed (docs/performance.md,
+    "Data that fits, without Ray Data before training"); a plain loop in one process already decoded 40,000 64x64 PNGs
+    faster than Ray Data's tasks on 2 cores (5.3-6.2 s against 6.2-6.5 s, Zen 4)."""
+    return images * int(np.prod(shape)) <= auto_in_memory_mb() * 2**20
+
+
+def _rows_per_batch(shape: tuple[int, int, int], most: int) -> int:
+    """Images a decoding batch takes: at most ``most`` and about 64 MB of pixels."""
+    return max(1, min(most, (64 << 20) // int(np.prod(shape))))
+
+
+# Threads decoding a folder in the stage's process (Pillow lets go of the GIL while it decodes): one per CPU this
+# process may run on, at most this many; and the images each takes at a time, few enough that a few thousand images
+# keep every thread busy.
+MOST_DECODE_THREADS = 8
+ROWS_PER_THREAD_BATCH = 128
+
+
+def _decoded_here(paths: list[str], fs, prefix: str, shape: tuple[int, int, int], resize: bool,
+                  max_pixels: int | None) -> Iterator[dict]:
+    """The files at ``paths`` read and decoded in this process by `DECODE_THREADS` threads, batches in their order,
+    each through the function Ray Data's tasks map (`dataset.formats.images.read_decode_batch`). All batches are
+    asked for at once: a folder decoded here fits the in-memory budget whole (`decodes_here`)."""
+    rows = _rows_per_batch(shape, ROWS_PER_THREAD_BATCH)
+    batches = [{"path": np.asarray(paths[start:start + rows])} for start in range(0, len(paths), rows)]
+    threads = min(MOST_DECODE_THREADS, len(os.sched_getaffinity(0)))
+    with ThreadPoolExecutor(threads, thread_name_prefix="decode") as pool:
+        yield from pool.map(lambda batch: images.read_decode_batch(batch, fs, shape, resize, max_pixels, prefix), batches)
+
+
 def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None,
              num_cpus: float):
     """A Ray Data dataset of the files at ``paths`` (on ``fs``) in their order, each task reading and decoding its
@@ -57,8 +97,7 @@ def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], re
     columns ``image`` (N, H, W, C), ``path`` and ``error``."""
     import ray.data  # Ray: only where the cluster is used
 
-    channels, height, width = shape
-    rows_per_batch = max(1, min(1024, (64 << 20) // (channels * height * width)))  # at most about 64 MB of pixels
+    rows_per_batch = _rows_per_batch(shape, 1024)
     ds = ray.data.from_items([{"path": path} for path in paths], override_num_blocks=-(-len(paths) // rows_per_batch))
     kwargs = {"fs": fs, "shape": shape, "resize": resize, "max_pixels": max_pixels, "prefix": "s3://" if remote else ""}
     ds = ds.map_batches(images.read_decode_batch, fn_kwargs=kwargs, batch_size=rows_per_batch, batch_format="numpy",
@@ -104,12 +143,13 @@ class _Router:
 
 def convert_folder(
     layout: FolderLayout, out_dir: Path, cfg: ParquetConfig, image_size: int | None, num_cpus: float | None = None,
-    max_pixels: int | None = None, storage_root: str | None = None,
+    max_pixels: int | None = None, storage_root: str | None = None, here: bool | None = None,
 ) -> tuple[dict[str, int], tuple[int, int, int]]:
-    """Read the folder's images with Ray Data into train/val/test Parquet folders; (row counts, (C, H, W)).
+    """Read the folder's images into train/val/test Parquet folders; (row counts, (C, H, W)).
 
-    One Ray Data pass over every split's files (train, then val, then test, each in `plan_rows` order), each
-    row sent to its split's writer by its path with the row id and label `plan_rows` gave it. ``max_pixels``:
+    One pass over every split's files (train, then val, then test, each in `plan_rows` order), each row sent to its
+    split's writer by its path with the row id and label `plan_rows` gave it: in this process when ``here`` (unset:
+    `decodes_here`), else with Ray Data's tasks; the same rows and files either way. ``max_pixels``:
     ``download.max_image_pixels`` (None: not checked again; a local folder's images were checked before any work).
     ``storage_root``: where the listing cache is (`image_shape`): the shape comes from the headers the checks
     before the run read, not from a pass over the files; every image's size is checked again as it is decoded.
@@ -124,13 +164,17 @@ def convert_folder(
     try:
         if paths:
             fs, remote, resize = filesystem(layout.path)[0], is_remote(layout.path), image_size is not None
-            ds = _decoded(paths, fs, remote, shape, resize, max_pixels, decode_task_cpus() if num_cpus is None else num_cpus)
-            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+            if decodes_here(len(paths), shape) if here is None else here:
+                batches = _decoded_here(paths, fs, "s3://" if remote else "", shape, resize, max_pixels)
+            else:
+                ds = _decoded(paths, fs, remote, shape, resize, max_pixels, decode_task_cpus() if num_cpus is None else num_cpus)
+                batches = ds.iter_batches(batch_size=None, batch_format="numpy")
+            for batch in batches:
                 router.add(batch)
         for split, planned in plan.items():
             router.flush(split)
             if router.seen[split] != len(planned):
-                raise FolderError(f"{join(layout.path, split)}: Ray Data read {router.seen[split]} images, "
+                raise FolderError(f"{join(layout.path, split)}: {router.seen[split]} images read, "
                                   f"the folder lists {len(planned)}")
     finally:
         for writer in writers.values():
