@@ -103,10 +103,13 @@ def warm_stage_workers(flow_module: str | None) -> list:
     A Ray worker imports Prefect's task engine and the flow's module (the stages, torch) the first
     time it runs a stage; on 2 cores that made the first stages of a run wait seconds on cold workers
     even when their output is already verified on storage.
-    One task per CPU imports them as soon as Ray is up, while the Prefect server and the flow run
-    are still starting, into the idle workers the stages then get (a task holds its CPU only while
-    it imports). The CLI's local Ray only: a deployment's flow run starts Ray in its RayTaskRunner,
-    with no server start to overlap (docs/design.md, "Measurements behind the code"). Returns the tasks' refs (nobody needs to wait on them).
+    One task imports them as soon as Ray is up, while the Prefect server and the flow run are still
+    starting, into the idle worker the stages then get: Ray hands a task the worker that went idle last,
+    and the stages run one after another (tests/test_warm_workers.py). It holds its CPU only while it
+    imports. One task per CPU warmed a second worker that no stage used and that held 110-150 MB beside
+    training (docs/performance.md, "Data that fits, without Ray Data before training"). The CLI's local
+    Ray only: a deployment's flow run starts Ray in its RayTaskRunner, with no server start to overlap
+    (docs/design.md, "Measurements behind the code"). Returns the task's ref in a list (nobody needs to wait on it).
     """
     if not flow_module:
         return []
@@ -115,7 +118,7 @@ def warm_stage_workers(flow_module: str | None) -> list:
     modules = (*STAGE_ENGINE_MODULES, flow_module)
     try:
         warm = ray.remote(num_cpus=1, max_retries=0)(_import_quietly)
-        return [warm.remote(modules) for _ in range(max(1, int(ray.cluster_resources().get("CPU", 1))))]
+        return [warm.remote(modules)]
     except Exception:  # noqa: BLE001 - a warm-up never fails the run: the stages import for themselves
         return []
 
