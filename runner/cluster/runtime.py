@@ -68,7 +68,11 @@ def cli_runtime(cfg: RayConfig, ray_now: bool = True, warm: str | None = None) -
             raise RayStartError(exc) from exc
         dashboard[0] = f"http://{context.dashboard_url}" if context.dashboard_url else None
         given.append(url)
-        warm_stage_workers(warm)
+        # The run's first stage would start a second worker (and import the same again) while this one still imports:
+        # the wait ends with the warm-up, or with the server's start if that comes later (the two run side by side).
+        refs = warm_stage_workers(warm)
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=WARM_UP_WAIT_S)
 
     with ExitStack() as stack:
         try:
@@ -82,6 +86,8 @@ def cli_runtime(cfg: RayConfig, ray_now: bool = True, warm: str | None = None) -
             _started(lambda: start_ray(url))
         yield Runtime(url, temporary, dashboard[0])
 
+
+WARM_UP_WAIT_S = 30.0  # a warm-up that takes longer is left to finish on its own (the first stage imports for itself)
 
 # Prefect's task engine, as prefect-ray's entry point runs it in a Ray worker; `warm_stage_workers`
 # adds the flow's own module, which a stage's pickled flow-run context refers to.
