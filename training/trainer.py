@@ -1,9 +1,9 @@
 """Ray Train for the training loop: resources, the trainer, its result, which failures to retry.
 
 The training stage (`tasks.train`) and any other flow that trains call these: `plan_resources`
-(`training.resources`) splits the cluster between training workers and Ray Data, `torch_trainer` builds the trainer (torch's process group, the loop)
-for a run folder (the same run name resumes from its latest checkpoint), `fit` runs it and
-returns a `TrainedModel`, `is_infrastructure_failure` says whether a failed run is worth another
+(`training.resources`) splits the cluster between training workers and Ray Data, `torch_trainer` builds the
+trainer (torch's process group, the loop) for a run folder (the same run name resumes from its latest
+checkpoint), `fit` runs it and returns a `TrainedModel`, `is_infrastructure_failure` says whether a failed run is worth another
 attempt. `fit_in_process` is ``train.mode: single``: the same loop without Ray Train. The manifest it
 returns and the readers of Ray Train's checkpoint snapshot are `training.manifests` (no torch).
 """

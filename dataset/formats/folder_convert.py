@@ -60,8 +60,8 @@ def decodes_here(images: int, shape: tuple[int, int, int]) -> bool:
     """Whether the stage's own process decodes a folder of ``images`` images of ``shape``: their decoded pixels
     within the budget a split may hold in memory (`dataset.tensors.spec.auto_in_memory_mb`, 1/256 of the smallest
     node's memory). Through Ray Data, a small folder's decoding started Ray Data's actors (its stats and autoscaling
-    coordinators, about 230 MB) and task workers that stayed beside the training that followed (docs/performance.md,
-    "Data that fits, without Ray Data before training"); a plain loop in one process already decoded 40,000 64x64 PNGs
+    coordinators, about 230 MB) and task workers that stayed beside the training that followed (docs/design.md,
+    "Data that fits never starts Ray Data before training"); a plain loop in one process already decoded 40,000 64x64 PNGs
     faster than Ray Data's tasks on 2 cores (5.3-6.2 s against 6.2-6.5 s, Zen 4)."""
     return images * int(np.prod(shape)) <= auto_in_memory_mb() * 2**20
 
@@ -80,7 +80,7 @@ ROWS_PER_THREAD_BATCH = 128
 
 def _decoded_here(paths: list[str], fs, prefix: str, shape: tuple[int, int, int], resize: bool,
                   max_pixels: int | None) -> Iterator[dict]:
-    """The files at ``paths`` read and decoded in this process by `DECODE_THREADS` threads, batches in their order,
+    """The files at ``paths`` read and decoded in this process by a thread per CPU (at most `MOST_DECODE_THREADS`), batches in their order,
     each through the function Ray Data's tasks map (`dataset.formats.images.read_decode_batch`). All batches are
     asked for at once: a folder decoded here fits the in-memory budget whole (`decodes_here`)."""
     rows = _rows_per_batch(shape, ROWS_PER_THREAD_BATCH)

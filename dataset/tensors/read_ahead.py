@@ -24,7 +24,7 @@ def split_batches(spec: TransformSpec, split: str, rows_per_batch: int, seed: in
     Ray Data. A split held in memory is read whole here (`split_table`). Through Ray Data, checking it started Ray
     Data's own actors (its stats and autoscaling coordinators, about 230 MB) and its task workers (about 180 MB),
     which lived on beside the training that followed: the largest part of a small run's peak memory that was not
-    training's (docs/performance.md, "Data that fits, without Ray Data before training"). A streamed split is read
+    training's (docs/design.md, "Data that fits never starts Ray Data before training"). A streamed split is read
     one window at a time (`stream_split`'s windows, in its order): nothing in the object store. Through Ray Data,
     checking the streamed splits of a 40,000-image folder left 0.55 GB of object-store pages mapped in two idle
     workers for the rest of the run (docs/performance.md, "Folders bigger than memory"); the stage took as long

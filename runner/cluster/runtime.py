@@ -113,7 +113,7 @@ def warm_stage_workers(flow_module: str | None) -> list:
     starting, into the idle worker the stages then get: Ray hands a task the worker that went idle last,
     and the stages run one after another (tests/test_warm_workers.py). It holds its CPU only while it
     imports. One task per CPU warmed a second worker that no stage used and that held 110-150 MB beside
-    training (docs/performance.md, "Data that fits, without Ray Data before training"). The CLI's local
+    training (docs/performance.md, "Training started without torch, data that fits without Ray Data"). The CLI's local
     Ray only: a deployment's flow run starts Ray in its RayTaskRunner, with no server start to overlap
     (docs/design.md, "Measurements behind the code"). Returns the task's ref in a list (nobody needs to wait on it).
     """

@@ -4,7 +4,7 @@ Two processes sit beside every training run without running a tensor: the train 
 trainer and waits on ``fit()``, and Ray Train's controller, which starts the worker group and watches it. Handing
 Ray Train the loop function (`training.worker.loop`) and Ray's ``TorchConfig`` loaded torch in both, because each
 lives in a module that imports torch: about 300 MB of each process's memory for the whole run, and a second or two
-of imports on the way to the first step (docs/performance.md, "The train stage and the controller without torch").
+of imports on the way to the first step (docs/design.md, "The processes that start training load no torch").
 
 `run_loop` is the loop's entry, `ProcessGroupConfig` the process group's setup: the same as Ray's ``TorchConfig``
 (gloo on CPUs, nccl on GPUs, ``env://`` rendezvous at rank 0's address, the timeout, torch's distributed environment
