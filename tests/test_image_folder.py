@@ -178,16 +178,17 @@ def test_conversion_writes_shape_classes_and_a_stratified_validation_split(tmp_p
 
 
 def test_a_folder_decoded_here_and_one_decoded_by_ray_data_write_the_same_parquet(tmp_path, local_ray):
-    """A folder that fits the in-memory budget is decoded in the stage's own process (no Ray Data actors or task
-    workers left beside training); a larger one by Ray Data's tasks. Both write the same rows, row groups and
-    pixels, and both name a file that does not decode."""
+    """On one node, or when it fits the in-memory budget, a folder is decoded in the stage's own process (no Ray Data
+    actors or task workers left beside training); a larger one on a cluster by Ray Data's tasks. Both write the same
+    rows, row groups and pixels, and both name a file that does not decode."""
     from dataset.formats import folder_convert
 
     root = write_image_folder(tmp_path / "images", {"train": 40, "test": 8})
     found = folder.check_folder(str(root))
     shape = (3, SIZE, SIZE)
-    assert folder_convert.decodes_here(len(found.files["train"]), shape)
-    assert not folder_convert.decodes_here(10**9, shape)  # a billion images: Ray Data's tasks
+    assert folder_convert.decodes_here(len(found.files["train"]), shape, nodes=2)
+    assert not folder_convert.decodes_here(10**9, shape, nodes=2)  # a billion images on a cluster: Ray Data's tasks
+    assert folder_convert.decodes_here(10**9, shape, nodes=1)  # on one node: here, a few batches at a time
     written = {}
     for here in (True, False):
         out = tmp_path / f"here-{here}"

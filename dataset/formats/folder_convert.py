@@ -1,10 +1,9 @@
 """An image folder's conversion to Parquet (``download.source=folder``): every image read and decoded in one pass.
 
 `convert_folder` reads the files in one pass over every split (each row sent to its split's writer by its path):
-a folder whose decoded pixels fit the in-memory budget (`decodes_here`) in the stage's own process, by a few
-threads, a larger one with Ray Data's tasks (their start paid once per run). Either way it decodes them as
-`dataset.formats.images` does (16-bit
-grayscale scaled to 8 bits), in grayscale when every image is grayscale and RGB otherwise, resized to
+on one node, or when its decoded pixels fit the in-memory budget, in the stage's own process by a few threads
+(`decodes_here`), else (a large folder on a cluster) with Ray Data's tasks, their start paid once per run. Either
+way it decodes them as `dataset.formats.images` does (16-bit grayscale scaled to 8 bits), in grayscale when every image is grayscale and RGB otherwise, resized to
 ``transform.image_size`` when set, and writes the IDX conversion's Parquet layout (`dataset.formats.parquet`):
 row_id, image (H x W x C uint8), label. The folder's checks and listing are `dataset.formats.folder`'s.
 """
@@ -12,6 +11,7 @@ row_id, image (H x W x C uint8), label. The folder's checks and listing are `dat
 from __future__ import annotations
 
 import os
+from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -56,14 +56,22 @@ def plan_rows(layout: FolderLayout, cfg: ParquetConfig) -> dict[str, list[tuple[
     return planned
 
 
-def decodes_here(images: int, shape: tuple[int, int, int]) -> bool:
-    """Whether the stage's own process decodes a folder of ``images`` images of ``shape``: their decoded pixels
-    within the budget a split may hold in memory (`dataset.tensors.spec.auto_in_memory_mb`, 1/256 of the smallest
-    node's memory). Through Ray Data, a small folder's decoding started Ray Data's actors (its stats and autoscaling
-    coordinators, about 230 MB) and task workers that stayed beside the training that followed (docs/design.md,
-    "Data that fits never starts Ray Data before training"); a plain loop in one process already decoded 40,000 64x64 PNGs
-    faster than Ray Data's tasks on 2 cores (5.3-6.2 s against 6.2-6.5 s, Zen 4)."""
-    return images * int(np.prod(shape)) <= auto_in_memory_mb() * 2**20
+def decodes_here(images: int, shape: tuple[int, int, int], nodes: int) -> bool:
+    """Whether the stage's own process decodes a folder of ``images`` images of ``shape`` on a cluster of ``nodes``
+    alive nodes: always on one node, and on a cluster when the decoded pixels fit the budget a split may hold in
+    memory (`dataset.tensors.spec.auto_in_memory_mb`); a larger folder on a cluster is spread over its nodes by Ray
+    Data's tasks. On one node Ray Data's tasks only started processes: its actors (its stats and autoscaling
+    coordinators, about 230 MB) and task workers (200-400 MB) stayed beside the training that followed
+    (docs/design.md, "Data that fits never starts Ray Data before training"), and a plain loop in one process
+    already decoded 40,000 64x64 PNGs faster than Ray Data's tasks on 2 cores (5.3-6.2 s against 6.2-6.5 s, Zen 4)."""
+    return nodes <= 1 or images * int(np.prod(shape)) <= auto_in_memory_mb() * 2**20
+
+
+def _alive_nodes() -> int:
+    """Alive nodes of the Ray cluster this process is connected to (1 without one)."""
+    import ray  # Ray: only where the cluster is used
+
+    return sum(1 for node in ray.nodes() if node.get("Alive")) if ray.is_initialized() else 1
 
 
 def _rows_per_batch(shape: tuple[int, int, int], most: int) -> int:
@@ -72,22 +80,33 @@ def _rows_per_batch(shape: tuple[int, int, int], most: int) -> int:
 
 
 # Threads decoding a folder in the stage's process (Pillow lets go of the GIL while it decodes): one per CPU this
-# process may run on, at most this many; and the images each takes at a time, few enough that a few thousand images
-# keep every thread busy.
+# process may run on, at most this many; the images each takes at a time, few enough that a few thousand images
+# keep every thread busy; and the batches asked for ahead of the one being written, per thread (what bounds the
+# memory whatever the folder's size).
 MOST_DECODE_THREADS = 8
 ROWS_PER_THREAD_BATCH = 128
+AHEAD_PER_THREAD = 2
 
 
 def _decoded_here(paths: list[str], fs, prefix: str, shape: tuple[int, int, int], resize: bool,
                   max_pixels: int | None) -> Iterator[dict]:
-    """The files at ``paths`` read and decoded in this process by a thread per CPU (at most `MOST_DECODE_THREADS`), batches in their order,
-    each through the function Ray Data's tasks map (`dataset.formats.images.read_decode_batch`). All batches are
-    asked for at once: a folder decoded here fits the in-memory budget whole (`decodes_here`)."""
+    """The files at ``paths`` read and decoded in this process by a thread per CPU (at most `MOST_DECODE_THREADS`),
+    batches in their order, each through the function Ray Data's tasks map (`dataset.formats.images.read_decode_batch`),
+    at most `AHEAD_PER_THREAD` batches a thread ahead of the caller."""
     rows = _rows_per_batch(shape, ROWS_PER_THREAD_BATCH)
-    batches = [{"path": np.asarray(paths[start:start + rows])} for start in range(0, len(paths), rows)]
     threads = min(MOST_DECODE_THREADS, len(os.sched_getaffinity(0)))
-    with ThreadPoolExecutor(threads, thread_name_prefix="decode") as pool:
-        yield from pool.map(lambda batch: images.read_decode_batch(batch, fs, shape, resize, max_pixels, prefix), batches)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+    pending: deque = deque()
+    try:
+        for start in range(0, len(paths), rows):
+            batch = {"path": np.asarray(paths[start:start + rows])}
+            pending.append(pool.submit(images.read_decode_batch, batch, fs, shape, resize, max_pixels, prefix))
+            if len(pending) > AHEAD_PER_THREAD * threads:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # a caller that stopped early (a bad file) leaves nothing running
 
 
 def _decoded(paths: list[str], fs, remote: bool, shape: tuple[int, int, int], resize: bool, max_pixels: int | None,
@@ -164,7 +183,7 @@ def convert_folder(
     try:
         if paths:
             fs, remote, resize = filesystem(layout.path)[0], is_remote(layout.path), image_size is not None
-            if decodes_here(len(paths), shape) if here is None else here:
+            if decodes_here(len(paths), shape, _alive_nodes()) if here is None else here:
                 batches = _decoded_here(paths, fs, "s3://" if remote else "", shape, resize, max_pixels)
             else:
                 ds = _decoded(paths, fs, remote, shape, resize, max_pixels, decode_task_cpus() if num_cpus is None else num_cpus)
