@@ -83,7 +83,7 @@ class FolderSource(Source):
         return sha256_json(key)[:16]
 
     def write(self, raw, cfg, staging, image_size, max_pixels, storage_root) -> Written:
-        """The images read with Ray Data (`dataset.formats.folder_convert`), as the download stage listed them."""
+        """The images read and decoded (`dataset.formats.folder_convert`: here on one node, by Ray Data on a cluster), as the download stage listed them."""
         found = folder.check_folder(raw.directory)
         listed = {rel for rows in found.files.values() for rel, _ in rows}
         if listed != set(raw.files):  # the folder changed between the download stage and now
